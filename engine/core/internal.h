@@ -1,0 +1,129 @@
+/* internal.h: what the engine's parts share and the public header hides. */
+#ifndef FSDP_INTERNAL_H
+#define FSDP_INTERNAL_H
+
+#include "fsdp.h"
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#define FSDP_MAX_DIMS 8
+
+/* ---- errors (error.c) ---- */
+/* Sets this thread's message (printf-style, rank appended) and returns st. */
+fsdp_status fsdp_set_error(fsdp_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* One check for every foreign library: on failure, records file:line, the
+ * failing call and the library's own message, and returns FSDP_ERR_COMM. */
+#define FSDP_CHECK_CALL(call, ok_expr, what_fn)                                            \
+    do {                                                                                   \
+        long rc_ = (long)(call);                                                           \
+        if (!(ok_expr))                                                                    \
+            return fsdp_set_error(FSDP_ERR_COMM, "%s:%d: %s failed: %s", __FILE__, __LINE__, \
+                                  #call, what_fn(rc_));                                    \
+    } while (0)
+/* Propagates a failing engine call. */
+#define FSDP_TRY(call)                         \
+    do {                                       \
+        fsdp_status st_ = (call);              \
+        if (st_ != FSDP_OK) return st_;        \
+    } while (0)
+
+const char *fsdp_dtype_name(int dtype);
+const char *fsdp_device_name(int device);
+const char *fsdp_tag_name(int tag);
+size_t fsdp_dtype_size(int dtype);
+bool fsdp_dtype_is_float(int dtype);
+int fsdp_current_rank(void);   /* for messages; 0 before runtime init */
+
+/* ---- allocator (alloc.c) ---- */
+/* Caching allocator per device with statistics per tag and an optional cap. */
+fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out);
+void fsdp_free(int device, int tag, void *ptr, size_t nbytes);
+int fsdp_default_tag(void);
+
+/* ---- storage and tensors (tensor.c) ---- */
+typedef struct fsdp_storage {
+    atomic_int refcount;
+    void *data;
+    size_t nbytes;
+    int device;
+    int tag;
+} fsdp_storage;
+
+struct fsdp_tensor {
+    atomic_int refcount;
+    fsdp_storage *storage;
+    int64_t offset;                    /* in elements */
+    int ndim;
+    int64_t shape[FSDP_MAX_DIMS];
+    int64_t strides[FSDP_MAX_DIMS];    /* in elements */
+    int dtype;
+    /* autograd */
+    bool requires_grad;                /* a leaf the user marked, or an op output */
+    bool is_leaf;                      /* made by the user, not by a recorded op */
+    struct fsdp_tensor *grad;          /* .grad of a leaf */
+    struct fsdp_tensor *bgrad;         /* gradient being accumulated during backward */
+};
+
+fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag, bool zero);
+/* A new tensor object over t's storage with the given geometry. */
+fsdp_tensor *tensor_view(fsdp_tensor *t, int ndim, const int64_t *shape, const int64_t *strides, int64_t offset);
+void tensor_retain(fsdp_tensor *t);
+void tensor_release(fsdp_tensor *t);
+int64_t tensor_numel(const fsdp_tensor *t);
+bool tensor_is_contiguous(const fsdp_tensor *t);
+static inline void *tensor_data(const fsdp_tensor *t) {
+    return (char *)t->storage->data + t->offset * (int64_t)fsdp_dtype_size(t->dtype);
+}
+static inline int tensor_device(const fsdp_tensor *t) { return t->storage->device; }
+void contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+/* "f32[3,4] cpu" */
+const char *tensor_desc(const fsdp_tensor *t, char *buf, size_t size);
+/* "[3,4]" */
+const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size);
+/* Contiguous copy of t (or t itself, retained, when already contiguous). */
+fsdp_status tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t);
+/* Contiguous f32 copy of a float tensor (t itself, retained, when it is one). */
+fsdp_status tensor_as_f32(fsdp_tensor **out, fsdp_tensor *t);
+/* Contiguous i64 copy of an integer tensor. */
+fsdp_status tensor_as_i64(fsdp_tensor **out, fsdp_tensor *t);
+/* New contiguous tensor of dtype holding src converted (src f32 contiguous). */
+fsdp_status tensor_from_f32(fsdp_tensor **out, fsdp_tensor *src_f32, int dtype);
+
+/* ---- tape (tape.c) ---- */
+#define FSDP_NODE_MAX_IN 4
+#define FSDP_NODE_MAX_OUT 4
+#define FSDP_NODE_MAX_SAVED 4
+
+typedef struct fsdp_node fsdp_node;
+/* Computes the gradients of the node's inputs from those of its outputs. */
+typedef fsdp_status (*fsdp_backward_fn)(fsdp_node *node);
+
+struct fsdp_node {
+    const char *op;
+    fsdp_backward_fn backward;         /* NULL for a Lua-defined op */
+    int custom_id;
+    int n_in, n_out;
+    fsdp_tensor *in[FSDP_NODE_MAX_IN];     /* retained */
+    fsdp_tensor *out[FSDP_NODE_MAX_OUT];   /* retained */
+    fsdp_tensor *saved[FSDP_NODE_MAX_SAVED]; /* retained; extra state (mean, lse ...) */
+    double f[8];                       /* op parameters */
+    int64_t i[FSDP_MAX_DIMS * 2];
+};
+
+/* True when gradients are enabled and some input requires them. */
+bool tape_wants(int n_in, fsdp_tensor *const *in);
+/* Appends a node (inputs and outputs retained, outputs marked as requiring
+ * grad). Returns NULL only when out of memory (error set). */
+fsdp_node *tape_record(const char *op, fsdp_backward_fn fn, int n_in, fsdp_tensor *const *in,
+                       int n_out, fsdp_tensor *const *out);
+/* Gradient of output i, or NULL when nothing flowed into it (zero). */
+fsdp_tensor *node_grad_out(fsdp_node *node, int i);
+/* Whether input i needs a gradient. */
+bool node_needs_grad(fsdp_node *node, int i);
+/* Adds g (shape of input i, any float dtype) into input i's gradient; takes
+ * ownership of g. */
+fsdp_status node_add_grad(fsdp_node *node, int i, fsdp_tensor *g);
+/* Adds g into t's gradient accumulator (bgrad, or .grad for a leaf); takes g. */
+fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g);
+
+#endif

@@ -1,0 +1,128 @@
+/* cpu_kernels.h: raw CPU kernels on contiguous row-major buffers.
+ *
+ * These read like the math and know nothing of tensors, the tape or
+ * errors: the op layer (engine/ops) checks shapes, dtypes and indices before
+ * calling them. Backward kernels overwrite their outputs (the tape adds them
+ * into accumulated gradients). Float kernels take f32; bf16 tensors are
+ * widened to f32 by the op layer, so every kernel accumulates in f32 or
+ * wider. Each kernel has a naive double-precision reference in
+ * tests/c/reference.c and a test against it.
+ */
+#ifndef FSDP_CPU_KERNELS_H
+#define FSDP_CPU_KERNELS_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+/* ---- threads (threads.c) ---- */
+typedef void (*cpu_range_fn)(void *ctx, int64_t begin, int64_t end);
+/* Splits [0, n) into chunks of at least grain items over the pool; runs
+ * inline when n <= grain or the pool has one thread. Not reentrant: a
+ * nested call runs inline. */
+void cpu_parallel_for(int64_t n, int64_t grain, cpu_range_fn fn, void *ctx);
+int cpu_threads_get(void);
+void cpu_threads_set(int n);       /* also sets OpenBLAS's thread count */
+
+/* ---- bf16 (cast.c) ---- */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f;
+}
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
+    union { uint32_t u; float f; } v; v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+void cpu_cast_f32_to_bf16(uint16_t *out, const float *in, int64_t n);
+void cpu_cast_bf16_to_f32(float *out, const uint16_t *in, int64_t n);
+/* Any dtype to any dtype (fsdp_dtype codes), element by element. */
+void cpu_cast_any(void *out, int out_dtype, const void *in, int in_dtype, int64_t n);
+
+/* ---- copy and fill (copy.c) ---- */
+/* dst[i] = src[i] over shape, both strided (elements), elem_size bytes each.
+ * Fast path when both are contiguous. */
+void cpu_copy_strided(void *dst, const int64_t *dst_strides, const void *src, const int64_t *src_strides,
+                      int ndim, const int64_t *shape, size_t elem_size);
+void cpu_fill_f32(float *out, float v, int64_t n);
+
+/* ---- matmul (matmul.c) ---- */
+/* For each batch b: C_b = alpha * op(A_b) @ op(B_b) + beta * C_b, where
+ * op(A) is (M, K) (A stored (K, M) when trans_a), op(B) is (K, N) (B stored
+ * (N, K) when trans_b), C is (M, N). Batch strides in elements; a stride of 0
+ * shares one matrix over the batch. OpenBLAS sgemm. */
+void cpu_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                    int trans_a, int trans_b, float alpha, float beta,
+                    int64_t stride_a, int64_t stride_b, int64_t stride_c);
+
+/* ---- elementwise (elementwise.c) ---- */
+/* out (shape, contiguous) = a op b, where a and b are read through strides
+ * that are 0 along broadcast dims. op is an fsdp_binary_op. */
+void cpu_binary_f32(int op, float *out, const float *a, const int64_t *a_strides,
+                    const float *b, const int64_t *b_strides, int ndim, const int64_t *shape);
+void cpu_scale_f32(float *out, const float *a, float s, int64_t n);          /* out = a * s */
+void cpu_add_scalar_f32(float *out, const float *a, float s, int64_t n);     /* out = a + s */
+void cpu_axpy_f32(float *y, const float *x, float alpha, int64_t n);         /* y += alpha * x */
+
+/* ---- reductions (reduce.c) ---- */
+/* in (outer, red, inner) -> out (outer, inner): sum over the middle dim. */
+void cpu_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
+double cpu_sum_all_f32(const float *in, int64_t n);
+double cpu_sumsq_f32(const float *in, int64_t n);
+
+/* ---- activations (activation.c) ---- */
+void cpu_gelu_forward_f32(float *out, const float *x, int64_t n);   /* tanh form */
+void cpu_gelu_backward_f32(float *dx, const float *x, const float *dout, int64_t n);
+void cpu_silu_forward_f32(float *out, const float *x, int64_t n);
+void cpu_silu_backward_f32(float *dx, const float *x, const float *dout, int64_t n);
+
+/* ---- softmax (softmax.c), over the last dim of (rows, cols) ---- */
+void cpu_softmax_forward_f32(float *out, const float *x, int64_t rows, int64_t cols);
+void cpu_softmax_backward_f32(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+void cpu_log_softmax_forward_f32(float *out, const float *x, int64_t rows, int64_t cols);
+void cpu_log_softmax_backward_f32(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+
+/* ---- normalization (norm.c), over the last dim of (rows, cols) ---- */
+/* weight, bias (cols) may be NULL; mean, rstd (rows) are saved for backward. */
+void cpu_layernorm_forward_f32(float *out, float *mean, float *rstd, const float *x,
+                               const float *weight, const float *bias, int64_t rows, int64_t cols, float eps);
+/* dweight, dbias may be NULL (then not computed). */
+void cpu_layernorm_backward_f32(float *dx, float *dweight, float *dbias, const float *dout, const float *x,
+                                const float *weight, const float *mean, const float *rstd,
+                                int64_t rows, int64_t cols);
+void cpu_rmsnorm_forward_f32(float *out, float *rstd, const float *x, const float *weight,
+                             int64_t rows, int64_t cols, float eps);
+void cpu_rmsnorm_backward_f32(float *dx, float *dweight, const float *dout, const float *x,
+                              const float *weight, const float *rstd, int64_t rows, int64_t cols);
+
+/* ---- embedding (embedding.c); ids already range-checked ---- */
+void cpu_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
+/* dtable (V, dim) = scatter-add of dout rows at ids (dtable zeroed here first). */
+void cpu_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n,
+                                const float *dout, int64_t dim);
+
+/* ---- cross-entropy (loss.c) ---- */
+/* logits (N, V), only the first valid_v columns count. Writes lse (N) and
+ * losses (N) (0 where ignored); returns the number of rows not ignored. */
+int64_t cpu_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
+                                      int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+/* dlogits = dloss * (softmax - onehot) for rows not ignored, 0 elsewhere and
+ * in padded columns; dloss already includes the 1/count of the mean. */
+void cpu_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
+                                    int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+
+/* ---- attention (attention.c) ---- */
+/* q, k, v, out (B, H, T, D); lse (B, H, T) saved for backward. */
+void cpu_attention_forward_f32(float *out, float *lse, const float *q, const float *k, const float *v,
+                               int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale);
+void cpu_attention_backward_f32(float *dq, float *dk, float *dv, const float *dout, const float *q,
+                                const float *k, const float *v, const float *out, const float *lse,
+                                int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale);
+
+/* ---- random (random.c): Philox4x32-10, value i depends on (seed, stream, i) ---- */
+void cpu_philox4x32(uint64_t seed, uint64_t stream, uint64_t counter, uint32_t out[4]);
+void cpu_init_normal_f32(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream, int64_t offset);
+void cpu_init_uniform_f32(float *out, int64_t n, float low, float high, uint64_t seed, uint64_t stream, int64_t offset);
+/* out = x * keep / (1 - p), keep drawn from (seed, stream 0xd50, offset + i). */
+void cpu_dropout_f32(float *out, const float *x, int64_t n, float p, uint64_t seed, int64_t offset);
+
+#endif
