@@ -1,0 +1,233 @@
+/* alloc.c: a caching allocator per device, with statistics per tag.
+ *
+ * Freed blocks go to a free list of their size class and are handed out
+ * again for requests of the same class, so the steady state of a training
+ * loop makes no system calls. Classes are 64-byte steps up to 4 KiB, then
+ * four steps per power of two (at most 25% slack). "current" counts blocks
+ * in use, "reserved" blocks held from the system (in use + cached); the cap
+ * bounds reserved, and the cache is emptied before a request is refused.
+ * Each device has a backend table (raw alloc/free); the CUDA one plugs in
+ * here. */
+#include "internal.h"
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define N_CLASSES 256
+
+typedef struct free_block {
+    void *ptr;
+    int tag;                    /* reserved bytes stay with the tag that last held them */
+    struct free_block *next;
+} free_block;
+
+typedef struct {
+    void *(*raw_alloc)(size_t nbytes);
+    void (*raw_free)(void *ptr);
+} device_backend;
+
+typedef struct {
+    pthread_mutex_t lock;
+    const device_backend *backend;
+    int64_t current[FSDP_TAG_COUNT], peak[FSDP_TAG_COUNT], reserved[FSDP_TAG_COUNT];
+    int64_t total_current, total_peak, total_reserved;
+    int64_t cap;                /* 0 = none */
+    free_block *free_lists[N_CLASSES];
+} device_allocator;
+
+static void *cpu_raw_alloc(size_t nbytes) { return aligned_alloc(64, nbytes); }
+static void cpu_raw_free(void *ptr) { free(ptr); }
+static const device_backend cpu_backend = {cpu_raw_alloc, cpu_raw_free};
+
+static device_allocator allocators[FSDP_DEVICE_COUNT] = {
+    [FSDP_DEVICE_CPU] = {.lock = PTHREAD_MUTEX_INITIALIZER, .backend = &cpu_backend},
+    [FSDP_DEVICE_CUDA] = {.lock = PTHREAD_MUTEX_INITIALIZER, .backend = NULL},
+};
+
+static _Thread_local int default_tag = FSDP_TAG_ACTIVATION;
+
+int fsdp_default_tag(void) { return default_tag; }
+
+/* Size class of n bytes and the rounded size it stands for. */
+static int size_class(size_t n, size_t *rounded) {
+    if (n == 0) n = 1;
+    if (n <= 4096) {
+        size_t r = (n + 63) & ~(size_t)63;
+        *rounded = r;
+        return (int)(r / 64) - 1;           /* 0 .. 63 */
+    }
+    int lg = 63 - __builtin_clzll((unsigned long long)(n - 1));  /* 2^lg < n <= 2^(lg+1) */
+    size_t base = (size_t)1 << lg, step = base / 4;
+    size_t sub = (n - base + step - 1) / step;                  /* 1 .. 4 */
+    *rounded = base + sub * step;
+    return 64 + (lg - 12) * 4 + (int)(sub - 1);
+}
+
+static void format_bytes(int64_t n, char *buf, size_t size) {
+    const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)n;
+    int u = 0;
+    while (v >= 1024 && u < 4) { v /= 1024; u++; }
+    if (u == 0) snprintf(buf, size, "%lld B", (long long)n);
+    else snprintf(buf, size, "%.2f %s", v, units[u]);
+}
+
+static void release_cache_locked(device_allocator *a) {
+    for (int c = 0; c < N_CLASSES; c++) {
+        free_block *b = a->free_lists[c];
+        while (b) {
+            free_block *next = b->next;
+            a->backend->raw_free(b->ptr);
+            free(b);
+            b = next;
+        }
+        a->free_lists[c] = NULL;
+    }
+    /* after emptying, reserved equals current */
+    for (int t = 0; t < FSDP_TAG_COUNT; t++) a->reserved[t] = a->current[t];
+    a->total_reserved = a->total_current;
+}
+
+static bool valid_device(int device) { return device >= 0 && device < FSDP_DEVICE_COUNT; }
+
+fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out) {
+    if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "alloc: no device %d", device);
+    if (tag < 0 || tag >= FSDP_TAG_COUNT) return fsdp_set_error(FSDP_ERR_INVALID, "alloc: unknown tag %d", tag);
+    device_allocator *a = &allocators[device];
+    if (!a->backend)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "alloc: device %s is not built into this engine",
+                              fsdp_device_name(device));
+    size_t rounded;
+    int c = size_class(nbytes, &rounded);
+    if (c >= N_CLASSES) return fsdp_set_error(FSDP_ERR_OOM, "alloc: %zu bytes is beyond any size", nbytes);
+    pthread_mutex_lock(&a->lock);
+    void *ptr = NULL;
+    free_block *b = a->free_lists[c];
+    if (b) {
+        a->free_lists[c] = b->next;
+        ptr = b->ptr;
+        a->reserved[b->tag] -= (int64_t)rounded;
+        a->reserved[tag] += (int64_t)rounded;
+        free(b);
+    } else {
+        if (a->cap > 0 && a->total_reserved + (int64_t)rounded > a->cap) release_cache_locked(a);
+        if (a->cap > 0 && a->total_reserved + (int64_t)rounded > a->cap) {
+            char req[32], cap[32], used[32];
+            format_bytes((int64_t)nbytes, req, sizeof req);
+            format_bytes(a->cap, cap, sizeof cap);
+            format_bytes(a->total_current, used, sizeof used);
+            pthread_mutex_unlock(&a->lock);
+            return fsdp_set_error(FSDP_ERR_OOM,
+                                  "out of memory: allocating %s (tag %s) on %s would exceed the cap of %s "
+                                  "(%s already in use)",
+                                  req, fsdp_tag_name(tag), fsdp_device_name(device), cap, used);
+        }
+        ptr = a->backend->raw_alloc(rounded);
+        if (!ptr) {
+            release_cache_locked(a);
+            ptr = a->backend->raw_alloc(rounded);
+        }
+        if (!ptr) {
+            char req[32], used[32];
+            format_bytes((int64_t)nbytes, req, sizeof req);
+            format_bytes(a->total_current, used, sizeof used);
+            pthread_mutex_unlock(&a->lock);
+            return fsdp_set_error(FSDP_ERR_OOM, "out of memory: the system refused %s (tag %s) on %s (%s in use)",
+                                  req, fsdp_tag_name(tag), fsdp_device_name(device), used);
+        }
+        a->reserved[tag] += (int64_t)rounded;
+        a->total_reserved += (int64_t)rounded;
+    }
+    a->current[tag] += (int64_t)rounded;
+    if (a->current[tag] > a->peak[tag]) a->peak[tag] = a->current[tag];
+    a->total_current += (int64_t)rounded;
+    if (a->total_current > a->total_peak) a->total_peak = a->total_current;
+    pthread_mutex_unlock(&a->lock);
+    *out = ptr;
+    return FSDP_OK;
+}
+
+void fsdp_free(int device, int tag, void *ptr, size_t nbytes) {
+    if (!ptr || !valid_device(device)) return;
+    device_allocator *a = &allocators[device];
+    size_t rounded;
+    int c = size_class(nbytes, &rounded);
+    free_block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&a->lock);
+    a->current[tag] -= (int64_t)rounded;
+    a->total_current -= (int64_t)rounded;
+    if (b) {
+        b->ptr = ptr;
+        b->tag = tag;
+        b->next = a->free_lists[c];
+        a->free_lists[c] = b;
+    } else {   /* no room to cache it: give it back */
+        a->backend->raw_free(ptr);
+        a->reserved[tag] -= (int64_t)rounded;
+        a->total_reserved -= (int64_t)rounded;
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
+fsdp_status fsdp_mem_stats(int device, int tag, int64_t *current, int64_t *peak, int64_t *reserved) {
+    if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_stats: no device %d", device);
+    if (tag < -1 || tag >= FSDP_TAG_COUNT)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_stats: unknown tag %d (expected -1 .. %d)", tag,
+                              FSDP_TAG_COUNT - 1);
+    device_allocator *a = &allocators[device];
+    pthread_mutex_lock(&a->lock);
+    if (current) *current = tag < 0 ? a->total_current : a->current[tag];
+    if (peak) *peak = tag < 0 ? a->total_peak : a->peak[tag];
+    if (reserved) *reserved = tag < 0 ? a->total_reserved : a->reserved[tag];
+    pthread_mutex_unlock(&a->lock);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_mem_reset_peak(int device) {
+    if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_reset_peak: no device %d", device);
+    device_allocator *a = &allocators[device];
+    pthread_mutex_lock(&a->lock);
+    for (int t = 0; t < FSDP_TAG_COUNT; t++) a->peak[t] = a->current[t];
+    a->total_peak = a->total_current;
+    pthread_mutex_unlock(&a->lock);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_mem_set_cap(int device, int64_t cap_bytes) {
+    if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_set_cap: no device %d", device);
+    if (cap_bytes < 0)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_set_cap: cap %lld is negative (0 means no cap)",
+                              (long long)cap_bytes);
+    device_allocator *a = &allocators[device];
+    pthread_mutex_lock(&a->lock);
+    a->cap = cap_bytes;
+    if (cap_bytes > 0 && a->total_reserved > cap_bytes) release_cache_locked(a);
+    pthread_mutex_unlock(&a->lock);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_mem_get_cap(int device, int64_t *cap_bytes) {
+    if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_get_cap: no device %d", device);
+    if (!cap_bytes) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_get_cap: out is NULL");
+    *cap_bytes = allocators[device].cap;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_mem_empty_cache(int device) {
+    if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_empty_cache: no device %d", device);
+    device_allocator *a = &allocators[device];
+    if (!a->backend) return FSDP_OK;
+    pthread_mutex_lock(&a->lock);
+    release_cache_locked(a);
+    pthread_mutex_unlock(&a->lock);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_mem_set_default_tag(int tag, int *previous) {
+    if (tag < 0 || tag >= FSDP_TAG_COUNT)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_set_default_tag: unknown tag %d", tag);
+    if (previous) *previous = default_tag;
+    default_tag = tag;
+    return FSDP_OK;
+}

@@ -1,0 +1,91 @@
+/* runtime.c: process set-up. MPI is initialized only when the process was
+ * started by an MPI launcher, so `fsdp-lua recipe.lua` needs no mpirun. */
+#include "internal.h"
+#include "cpu_kernels.h"
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int g_rank = 0, g_world = 1, g_we_initialized_mpi = 0;
+
+int fsdp_current_rank(void) { return g_rank; }
+
+static const char *mpi_error_string(long code) {
+    static _Thread_local char buf[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string((int)code, buf, &len) != MPI_SUCCESS) snprintf(buf, sizeof buf, "MPI error %ld", code);
+    return buf;
+}
+
+static int launched_by_mpi(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"};
+    for (int i = 0; i < 5; i++)
+        if (getenv(vars[i])) return 1;
+    return 0;
+}
+
+fsdp_status fsdp_runtime_init(int *rank, int *world) {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited && launched_by_mpi()) {
+        int provided = 0;
+        FSDP_CHECK_CALL(MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided), rc_ == MPI_SUCCESS,
+                        mpi_error_string);
+        g_we_initialized_mpi = 1;
+        inited = 1;
+    }
+    if (inited) {
+        /* Errors come back as codes; FSDP_CHECK_CALL turns them into messages. */
+        MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+        FSDP_CHECK_CALL(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank), rc_ == MPI_SUCCESS, mpi_error_string);
+        FSDP_CHECK_CALL(MPI_Comm_size(MPI_COMM_WORLD, &g_world), rc_ == MPI_SUCCESS, mpi_error_string);
+    }
+    if (rank) *rank = g_rank;
+    if (world) *world = g_world;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_runtime_rank(int *rank, int *world) {
+    if (rank) *rank = g_rank;
+    if (world) *world = g_world;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_runtime_finalize(void) {
+    int inited = 0, finalized = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (g_we_initialized_mpi && inited && !finalized)
+        FSDP_CHECK_CALL(MPI_Finalize(), rc_ == MPI_SUCCESS, mpi_error_string);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_runtime_abort(const char *msg, int exit_code) {
+    if (msg) fprintf(stderr, "%s\n", msg);
+    fflush(stderr);
+    fflush(stdout);
+    int inited = 0, finalized = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (inited && !finalized && g_world > 1) MPI_Abort(MPI_COMM_WORLD, exit_code ? exit_code : 1);
+    exit(exit_code);
+}
+
+fsdp_status fsdp_version(const char **out) {
+    if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_version: out is NULL");
+    *out = FSDP_VERSION_STRING;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_set_num_threads(int n) {
+    if (n < 1 || n > 256)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_set_num_threads: %d threads asked, expected 1..256", n);
+    cpu_threads_set(n);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_get_num_threads(int *out) {
+    if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_get_num_threads: out is NULL");
+    *out = cpu_threads_get();
+    return FSDP_OK;
+}

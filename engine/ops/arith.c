@@ -1,0 +1,467 @@
+/* arith.c: broadcasting arithmetic, reductions, matmul and casts, with
+ * their backward. */
+#include "ops_util.h"
+#include "reduce_shape.h"
+#include <math.h>
+#include <stdlib.h>
+
+/* ---- summing onto a shape ---- */
+
+fsdp_status sum_dims_keep(fsdp_tensor **out, fsdp_tensor *t, const bool *reduce) {
+    int nd = t->ndim;
+    fsdp_tensor *cur = t;
+    tensor_retain(cur);
+    /* one pass per run of adjacent reduced dims: (outer, red, inner) */
+    for (int d = 0; d < nd;) {
+        if (!reduce[d] || cur->shape[d] == 1) { d++; continue; }
+        int e = d;
+        while (e + 1 < nd && reduce[e + 1]) e++;
+        int64_t outer = 1, red = 1, inner = 1, shape[FSDP_MAX_DIMS];
+        for (int k = 0; k < nd; k++) {
+            shape[k] = cur->shape[k];
+            if (k < d) outer *= cur->shape[k];
+            else if (k <= e) { red *= cur->shape[k]; shape[k] = 1; }
+            else inner *= cur->shape[k];
+        }
+        fsdp_tensor *next;
+        fsdp_status st = op_new_f32(&next, nd, shape);
+        if (st != FSDP_OK) {
+            tensor_release(cur);
+            return st;
+        }
+        cpu_sum_dim_f32(tensor_data(next), tensor_data(cur), outer, red, inner);
+        tensor_release(cur);
+        cur = next;
+        d = e + 1;
+    }
+    *out = cur;
+    return FSDP_OK;
+}
+
+fsdp_status sum_to_shape(fsdp_tensor **out, fsdp_tensor *g, int ndim, const int64_t *shape) {
+    int lead = g->ndim - ndim;
+    bool reduce[FSDP_MAX_DIMS];
+    for (int k = 0; k < g->ndim; k++) reduce[k] = k < lead || (shape[k - lead] == 1 && g->shape[k] != 1);
+    fsdp_tensor *r;
+    FSDP_TRY(sum_dims_keep(&r, g, reduce));
+    /* drop the leading dims: same data, target shape */
+    int64_t strides[FSDP_MAX_DIMS];
+    contiguous_strides(ndim, shape, strides);
+    fsdp_tensor *v = tensor_view(r, ndim, shape, strides, r->offset);
+    tensor_release(r);
+    if (!v) return fsdp_set_error(FSDP_ERR_OOM, "sum_to_shape: out of host memory");
+    *out = v;
+    return FSDP_OK;
+}
+
+/* ---- broadcasting binary ops ---- */
+
+static const char *const binary_names[] = {"fsdp_add", "fsdp_sub", "fsdp_mul", "fsdp_div"};
+
+/* Output shape of broadcasting a and b, and each one's read strides. */
+static bool broadcast2(const fsdp_tensor *a, const fsdp_tensor *b, int *ndim, int64_t *shape, int64_t *sa,
+                       int64_t *sb) {
+    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
+    for (int k = 0; k < nd; k++) {
+        int ka = k - (nd - a->ndim), kb = k - (nd - b->ndim);
+        int64_t da = ka >= 0 ? a->shape[ka] : 1, db = kb >= 0 ? b->shape[kb] : 1;
+        if (da != db && da != 1 && db != 1) return false;
+        shape[k] = da > db ? da : db;
+        sa[k] = (ka < 0 || da == 1) ? 0 : a->strides[ka];
+        sb[k] = (kb < 0 || db == 1) ? 0 : b->strides[kb];
+    }
+    *ndim = nd;
+    return true;
+}
+
+/* out = x op y with y (and x) read through broadcast strides onto g's shape */
+static fsdp_status binary_like(fsdp_tensor **out, int op, fsdp_tensor *x, fsdp_tensor *y, int nd,
+                               const int64_t *shape) {
+    int64_t sx[FSDP_MAX_DIMS], sy[FSDP_MAX_DIMS], s2[FSDP_MAX_DIMS];
+    int nd2;
+    broadcast2(x, y, &nd2, s2, sx, sy);
+    FSDP_TRY(op_new_f32(out, nd, shape));
+    cpu_binary_f32(op, tensor_data(*out), tensor_data(x), sx, tensor_data(y), sy, nd, shape);
+    return FSDP_OK;
+}
+
+static fsdp_status binary_backward(fsdp_node *node) {
+    int op = (int)node->i[0];
+    fsdp_tensor *g, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL, *t1 = NULL, *t2 = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    if (!g) return FSDP_OK;
+    fsdp_status st = FSDP_OK;
+    int nd = g->ndim;
+    const int64_t *shape = g->shape;
+    if (op == FSDP_MUL || op == FSDP_DIV) {
+        if ((st = tensor_as_f32(&a, node->in[0])) != FSDP_OK) goto done;
+        if ((st = tensor_as_f32(&b, node->in[1])) != FSDP_OK) goto done;
+    }
+    /* gradient of a, at the output's shape */
+    if (node_needs_grad(node, 0)) {
+        if (op == FSDP_ADD || op == FSDP_SUB) { t1 = g; tensor_retain(g); }
+        else if ((st = binary_like(&t1, op == FSDP_MUL ? FSDP_MUL : FSDP_DIV, g, b, nd, shape)) != FSDP_OK) goto done;
+        st = sum_to_shape(&ga, t1, node->in[0]->ndim, node->in[0]->shape);
+        tensor_release(t1);
+        t1 = NULL;
+        if (st != FSDP_OK) goto done;
+    }
+    if (node_needs_grad(node, 1)) {
+        if (op == FSDP_ADD) { t1 = g; tensor_retain(g); }
+        else if (op == FSDP_SUB) {
+            if ((st = op_new_f32(&t1, nd, shape)) != FSDP_OK) goto done;
+            cpu_scale_f32(tensor_data(t1), tensor_data(g), -1.0f, tensor_numel(g));
+        } else if (op == FSDP_MUL) {
+            if ((st = binary_like(&t1, FSDP_MUL, g, a, nd, shape)) != FSDP_OK) goto done;
+        } else { /* d(a/b)/db = -g a / b^2 */
+            if ((st = binary_like(&t2, FSDP_MUL, g, a, nd, shape)) != FSDP_OK) goto done;
+            if ((st = binary_like(&t1, FSDP_DIV, t2, b, nd, shape)) != FSDP_OK) goto done;
+            tensor_release(t2);
+            t2 = NULL;
+            if ((st = binary_like(&t2, FSDP_DIV, t1, b, nd, shape)) != FSDP_OK) goto done;
+            cpu_scale_f32(tensor_data(t2), tensor_data(t2), -1.0f, tensor_numel(t2));
+            tensor_release(t1);
+            t1 = t2;
+            t2 = NULL;
+        }
+        st = sum_to_shape(&gb, t1, node->in[1]->ndim, node->in[1]->shape);
+        tensor_release(t1);
+        t1 = NULL;
+        if (st != FSDP_OK) goto done;
+    }
+    if (ga) { st = op_give_grad(node, 0, ga); ga = NULL; }
+    if (gb && st == FSDP_OK) { st = op_give_grad(node, 1, gb); gb = NULL; }
+done:
+    tensor_release(g);
+    tensor_release(a);
+    tensor_release(b);
+    tensor_release(ga);
+    tensor_release(gb);
+    tensor_release(t2);
+    return st;
+}
+
+fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *b) {
+    if (op < FSDP_ADD || op > FSDP_DIV)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_binary: unknown op %d (expected 0..3)", op);
+    const char *name = binary_names[op];
+    const char *names[] = {"a", "b"};
+    fsdp_tensor *ts[] = {a, b};
+    FSDP_TRY(op_check(name, out, 2, names, ts, NULL));
+    FSDP_TRY(op_check_float(name, 2, names, ts));
+    int nd;
+    int64_t shape[FSDP_MAX_DIMS], sa[FSDP_MAX_DIMS], sb[FSDP_MAX_DIMS];
+    char sig[1024];
+    if (!broadcast2(a, b, &nd, shape, sa, sb))
+        return fsdp_set_error(FSDP_ERR_SHAPE, "%s: shapes do not broadcast", op_sig(sig, sizeof sig, name, 2, names, ts));
+    fsdp_tensor *r;
+    if (a->dtype == FSDP_F32) {   /* read straight through the operands' strides */
+        FSDP_TRY(op_new_f32(&r, nd, shape));
+        cpu_binary_f32(op, tensor_data(r), tensor_data(a), sa, tensor_data(b), sb, nd, shape);
+    } else {
+        fsdp_tensor *a32, *b32;
+        FSDP_TRY(tensor_as_f32(&a32, a));
+        fsdp_status st = tensor_as_f32(&b32, b);
+        if (st == FSDP_OK) {
+            st = binary_like(&r, op, a32, b32, nd, shape);
+            tensor_release(b32);
+        }
+        tensor_release(a32);
+        FSDP_TRY(st);
+    }
+    fsdp_tensor *res;
+    FSDP_TRY(op_finish(&res, r, a->dtype));
+    fsdp_status st;
+    fsdp_node *node = op_record(&st, "binary", binary_backward, 2, ts, 1, &res);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (node) node->i[0] = op;
+    *out = res;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_add(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) { return fsdp_binary(out, FSDP_ADD, a, b); }
+fsdp_status fsdp_sub(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) { return fsdp_binary(out, FSDP_SUB, a, b); }
+fsdp_status fsdp_mul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) { return fsdp_binary(out, FSDP_MUL, a, b); }
+fsdp_status fsdp_div(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) { return fsdp_binary(out, FSDP_DIV, a, b); }
+
+/* ---- scalar ops ---- */
+
+static fsdp_status scale_backward(fsdp_node *node) {
+    fsdp_tensor *g, *r;
+    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    if (!g) return FSDP_OK;
+    fsdp_status st = op_new_f32(&r, g->ndim, g->shape);
+    if (st == FSDP_OK) cpu_scale_f32(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
+    tensor_release(g);
+    FSDP_TRY(st);
+    return op_give_grad(node, 0, r);
+}
+
+static fsdp_status scalar_op(const char *name, fsdp_tensor **out, fsdp_tensor *a, double s, bool add) {
+    const char *names[] = {"a"};
+    fsdp_tensor *ts[] = {a};
+    FSDP_TRY(op_check(name, out, 1, names, ts, NULL));
+    FSDP_TRY(op_check_float(name, 1, names, ts));
+    fsdp_tensor *a32, *r, *res;
+    FSDP_TRY(tensor_as_f32(&a32, a));
+    fsdp_status st = op_new_f32(&r, a->ndim, a->shape);
+    if (st == FSDP_OK) {
+        if (add) cpu_add_scalar_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
+        else cpu_scale_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
+    }
+    tensor_release(a32);
+    FSDP_TRY(st);
+    FSDP_TRY(op_finish(&res, r, a->dtype));
+    /* d(a + s)/da = 1: a scale by one */
+    fsdp_node *node = op_record(&st, add ? "add_scalar" : "scale", scale_backward, 1, ts, 1, &res);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (node) node->f[0] = add ? 1.0 : s;
+    *out = res;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_scale(fsdp_tensor **out, fsdp_tensor *a, double s) { return scalar_op("fsdp_scale", out, a, s, false); }
+fsdp_status fsdp_add_scalar(fsdp_tensor **out, fsdp_tensor *a, double s) {
+    return scalar_op("fsdp_add_scalar", out, a, s, true);
+}
+
+/* ---- sum and mean ---- */
+
+/* backward: broadcast g (keepdim shape) over the input, times f[0] */
+static fsdp_status reduce_backward(fsdp_node *node) {
+    fsdp_tensor *g, *in = node->in[0], *r;
+    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    if (!g) return FSDP_OK;
+    int nd = in->ndim;
+    int64_t strides[FSDP_MAX_DIMS], kept[FSDP_MAX_DIMS];
+    for (int k = 0; k < nd; k++) kept[k] = node->i[k] ? 1 : in->shape[k];   /* keepdim shape of g */
+    contiguous_strides(nd, kept, strides);
+    for (int k = 0; k < nd; k++)
+        if (node->i[k]) strides[k] = 0;
+    fsdp_status st = op_new_f32(&r, nd, in->shape);
+    if (st == FSDP_OK) {
+        cpu_copy_strided(tensor_data(r), r->strides, tensor_data(g), strides, nd, in->shape, sizeof(float));
+        if (node->f[0] != 1.0) cpu_scale_f32(tensor_data(r), tensor_data(r), (float)node->f[0], tensor_numel(r));
+    }
+    tensor_release(g);
+    FSDP_TRY(st);
+    return op_give_grad(node, 0, r);
+}
+
+static fsdp_status reduce_op(const char *name, fsdp_tensor **out, fsdp_tensor *t, int ndims, const int *dims,
+                             int keepdim, bool mean) {
+    const char *names[] = {"t"};
+    fsdp_tensor *ts[] = {t};
+    FSDP_TRY(op_check(name, out, 1, names, ts, NULL));
+    FSDP_TRY(op_check_float(name, 1, names, ts));
+    char d[200];
+    int nd = t->ndim;
+    bool reduce[FSDP_MAX_DIMS] = {0};
+    if (ndims < 0 || (ndims > 0 && !dims))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s(t %s): %d dims given", name, tensor_desc(t, d, sizeof d), ndims);
+    for (int k = 0; k < ndims; k++) {
+        int dd = dims[k] < 0 ? dims[k] + nd : dims[k];
+        if (dd < 0 || dd >= nd)
+            return fsdp_set_error(FSDP_ERR_SHAPE, "%s(t %s): dim %d out of range -%d..%d", name,
+                                  tensor_desc(t, d, sizeof d), dims[k], nd, nd - 1);
+        reduce[dd] = true;
+    }
+    if (ndims == 0)
+        for (int k = 0; k < nd; k++) reduce[k] = true;
+    int64_t count = 1;
+    for (int k = 0; k < nd; k++)
+        if (reduce[k]) count *= t->shape[k];
+    fsdp_tensor *t32, *r;
+    FSDP_TRY(tensor_as_f32(&t32, t));
+    fsdp_status st = sum_dims_keep(&r, t32, reduce);
+    tensor_release(t32);
+    FSDP_TRY(st);
+    double factor = mean ? (count ? 1.0 / (double)count : NAN) : 1.0;
+    if (mean) cpu_scale_f32(tensor_data(r), tensor_data(r), (float)factor, tensor_numel(r));
+    /* the output shape: keep the reduced dims as 1, or drop them */
+    int64_t shape[FSDP_MAX_DIMS], strides[FSDP_MAX_DIMS];
+    int ond = 0;
+    for (int k = 0; k < nd; k++)
+        if (keepdim || !reduce[k]) shape[ond++] = reduce[k] ? 1 : t->shape[k];
+    contiguous_strides(ond, shape, strides);
+    fsdp_tensor *v = tensor_view(r, ond, shape, strides, r->offset), *res;
+    tensor_release(r);
+    if (!v) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", name);
+    FSDP_TRY(op_finish(&res, v, t->dtype));
+    fsdp_node *node = op_record(&st, mean ? "mean" : "sum", reduce_backward, 1, ts, 1, &res);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (node) {
+        for (int k = 0; k < nd; k++) node->i[k] = reduce[k];
+        node->f[0] = factor;
+    }
+    *out = res;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sum(fsdp_tensor **out, fsdp_tensor *t, int ndims, const int *dims, int keepdim) {
+    return reduce_op("fsdp_sum", out, t, ndims, dims, keepdim, false);
+}
+fsdp_status fsdp_mean(fsdp_tensor **out, fsdp_tensor *t, int ndims, const int *dims, int keepdim) {
+    return reduce_op("fsdp_mean", out, t, ndims, dims, keepdim, true);
+}
+
+/* ---- matmul ---- */
+
+typedef struct {
+    int64_t batch, M, N, K;
+    bool shared_b;          /* b is 2-D and used by every batch */
+} mm_dims;
+
+static fsdp_status matmul_backward(fsdp_node *node) {
+    int ta = (int)node->i[0], tb = (int)node->i[1];
+    mm_dims m = {node->i[2], node->i[3], node->i[4], node->i[5], node->i[6] != 0};
+    fsdp_tensor *g, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    if (!g) return FSDP_OK;
+    fsdp_status st;
+    if ((st = tensor_as_f32(&a, node->in[0])) != FSDP_OK) goto done;
+    if ((st = tensor_as_f32(&b, node->in[1])) != FSDP_OK) goto done;
+    int64_t sa = m.M * m.K, sb = m.shared_b ? 0 : m.K * m.N, sc = m.M * m.N;
+    const float *A = tensor_data(a), *B = tensor_data(b), *G = tensor_data(g);
+    if (node_needs_grad(node, 0)) {
+        if ((st = op_new_f32(&ga, a->ndim, a->shape)) != FSDP_OK) goto done;
+        if (!ta) /* dA (M,K) = dC (M,N) @ op(B)^T */
+            cpu_matmul_f32(tensor_data(ga), G, B, m.batch, m.M, m.K, m.N, 0, !tb, 1.0f, 0.0f, sc, sb, sa);
+        else     /* dA stored (K,M) = op(B) (K,N) @ dC^T */
+            cpu_matmul_f32(tensor_data(ga), B, G, m.batch, m.K, m.M, m.N, tb, 1, 1.0f, 0.0f, sb, sc, sa);
+    }
+    if (node_needs_grad(node, 1)) {
+        if ((st = op_new_f32(&gb, b->ndim, b->shape)) != FSDP_OK) goto done;
+        /* a shared b sums its gradient over the batch: accumulate with beta = 1 */
+        int64_t nb = m.shared_b ? m.batch : 1, per = m.shared_b ? 1 : m.batch;
+        for (int64_t k = 0; k < nb; k++) {
+            const float *Ak = A + k * sa, *Gk = G + k * sc;
+            float beta = k ? 1.0f : 0.0f;
+            if (!tb) /* dB (K,N) = op(A)^T (K,M) @ dC (M,N) */
+                cpu_matmul_f32(tensor_data(gb), Ak, Gk, per, m.K, m.N, m.M, !ta, 0, 1.0f, beta, sa, sc, m.K * m.N);
+            else     /* dB stored (N,K) = dC^T (N,M) @ op(A) (M,K) */
+                cpu_matmul_f32(tensor_data(gb), Gk, Ak, per, m.N, m.K, m.M, 1, ta, 1.0f, beta, sc, sa, m.K * m.N);
+        }
+    }
+    if (ga) { st = op_give_grad(node, 0, ga); ga = NULL; }
+    if (gb && st == FSDP_OK) { st = op_give_grad(node, 1, gb); gb = NULL; }
+done:
+    tensor_release(g);
+    tensor_release(a);
+    tensor_release(b);
+    tensor_release(ga);
+    tensor_release(gb);
+    return st;
+}
+
+fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int trans_a, int trans_b) {
+    const char *names[] = {"a", "b"};
+    fsdp_tensor *ts[] = {a, b};
+    FSDP_TRY(op_check("fsdp_matmul", out, 2, names, ts, NULL));
+    FSDP_TRY(op_check_float("fsdp_matmul", 2, names, ts));
+    char sig[1024];
+    if (a->ndim < 2 || b->ndim < 2)
+        return fsdp_set_error(FSDP_ERR_SHAPE, "%s: both operands need at least 2 dims",
+                              op_sig(sig, sizeof sig, "fsdp_matmul", 2, names, ts));
+    int nd = a->ndim;
+    mm_dims m;
+    m.M = trans_a ? a->shape[nd - 1] : a->shape[nd - 2];
+    int64_t Ka = trans_a ? a->shape[nd - 2] : a->shape[nd - 1];
+    int64_t Kb = trans_b ? b->shape[b->ndim - 1] : b->shape[b->ndim - 2];
+    m.N = trans_b ? b->shape[b->ndim - 2] : b->shape[b->ndim - 1];
+    m.K = Ka;
+    if (Ka != Kb)
+        return fsdp_set_error(FSDP_ERR_SHAPE, "%s (trans_a %d, trans_b %d): inner dimensions differ (%lld vs %lld)",
+                              op_sig(sig, sizeof sig, "fsdp_matmul", 2, names, ts), trans_a != 0, trans_b != 0,
+                              (long long)Ka, (long long)Kb);
+    m.shared_b = b->ndim == 2;
+    m.batch = 1;
+    for (int k = 0; k < nd - 2; k++) m.batch *= a->shape[k];
+    if (!m.shared_b) {
+        bool same = b->ndim == nd;
+        for (int k = 0; same && k < nd - 2; k++) same = a->shape[k] == b->shape[k];
+        if (!same)
+            return fsdp_set_error(FSDP_ERR_SHAPE, "%s: batch dims differ (b must be 2-D or share a's batch dims)",
+                                  op_sig(sig, sizeof sig, "fsdp_matmul", 2, names, ts));
+    }
+    int64_t shape[FSDP_MAX_DIMS];
+    for (int k = 0; k < nd - 2; k++) shape[k] = a->shape[k];
+    shape[nd - 2] = m.M;
+    shape[nd - 1] = m.N;
+    if (m.shared_b && !trans_a) {   /* (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N) */
+        m.M *= m.batch;
+        m.batch = 1;
+    }
+    fsdp_tensor *a32, *b32, *r, *res;
+    FSDP_TRY(tensor_as_f32(&a32, a));
+    fsdp_status st = tensor_as_f32(&b32, b);
+    if (st == FSDP_OK) {
+        st = op_new_f32(&r, nd, shape);
+        if (st == FSDP_OK)
+            cpu_matmul_f32(tensor_data(r), tensor_data(a32), tensor_data(b32), m.batch, m.M, m.N, m.K, trans_a != 0,
+                           trans_b != 0, 1.0f, 0.0f, m.M * m.K, m.shared_b ? 0 : m.K * m.N, m.M * m.N);
+        tensor_release(b32);
+    }
+    tensor_release(a32);
+    FSDP_TRY(st);
+    FSDP_TRY(op_finish(&res, r, a->dtype));
+    fsdp_node *node = op_record(&st, "matmul", matmul_backward, 2, ts, 1, &res);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (node) {
+        node->i[0] = trans_a != 0;
+        node->i[1] = trans_b != 0;
+        node->i[2] = m.batch;
+        node->i[3] = m.M;
+        node->i[4] = m.N;
+        node->i[5] = m.K;
+        node->i[6] = m.shared_b;
+    }
+    *out = res;
+    return FSDP_OK;
+}
+
+/* ---- cast ---- */
+
+static fsdp_status cast_backward(fsdp_node *node) {
+    fsdp_tensor *g;
+    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    if (!g) return FSDP_OK;
+    return op_give_grad(node, 0, g);   /* converted to the input's dtype there */
+}
+
+fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype) {
+    const char *names[] = {"t"};
+    fsdp_tensor *ts[] = {t};
+    FSDP_TRY(op_check("fsdp_cast", out, 1, names, ts, NULL));
+    char d[200];
+    if (dtype < 0 || dtype >= FSDP_DTYPE_COUNT)
+        return fsdp_set_error(FSDP_ERR_DTYPE, "fsdp_cast(t %s): unknown dtype %d", tensor_desc(t, d, sizeof d), dtype);
+    fsdp_tensor *res;
+    FSDP_TRY(tensor_new(&res, dtype, t->ndim, t->shape, tensor_device(t), fsdp_default_tag(), false));
+    fsdp_status st = fsdp_copy(res, t);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (fsdp_dtype_is_float(t->dtype) && fsdp_dtype_is_float(dtype)) {
+        op_record(&st, "cast", cast_backward, 1, ts, 1, &res);
+        if (st != FSDP_OK) {
+            tensor_release(res);
+            return st;
+        }
+    }
+    *out = res;
+    return FSDP_OK;
+}

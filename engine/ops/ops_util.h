@@ -1,0 +1,121 @@
+/* ops_util.h: what every op file shares: argument checks that produce the
+ * engine's error messages, f32 staging of bf16 tensors, and the output
+ * step (convert back to the input dtype, record on the tape). */
+#ifndef FSDP_OPS_UTIL_H
+#define FSDP_OPS_UTIL_H
+
+#include "internal.h"
+#include "cpu_kernels.h"
+#include <stdio.h>
+#include <string.h>
+
+/* "fsdp_matmul(a f32[2,3] cpu, b f32[4,5] cpu)" into buf, for messages. */
+static inline const char *op_sig(char *buf, size_t size, const char *op, int n, const char *const *names,
+                                 fsdp_tensor *const *ts) {
+    size_t k = (size_t)snprintf(buf, size, "%s(", op);
+    for (int i = 0; i < n && k < size; i++) {
+        char d[200];
+        k += (size_t)snprintf(buf + k, size - k, "%s%s %s", i ? ", " : "", names[i],
+                              ts[i] ? tensor_desc(ts[i], d, sizeof d) : "none");
+    }
+    if (k < size) snprintf(buf + k, size - k, ")");
+    return buf;
+}
+
+/* Checks shared by every op: non-NULL out and tensors, one device, and the
+ * CPU backend (the CUDA backend plugs in per device). names[i] names ts[i]
+ * in messages; optional tensors may be NULL when optional[i]. */
+static inline fsdp_status op_check(const char *op, void *out, int n, const char *const *names,
+                                   fsdp_tensor *const *ts, const bool *optional) {
+    char sig[1024];
+    if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "%s: output pointer is NULL", op);
+    for (int i = 0; i < n; i++)
+        if (!ts[i] && !(optional && optional[i]))
+            return fsdp_set_error(FSDP_ERR_INVALID, "%s: %s is NULL", op, names[i]);
+    int dev = -1;
+    for (int i = 0; i < n; i++) {
+        if (!ts[i]) continue;
+        if (dev >= 0 && tensor_device(ts[i]) != dev)
+            return fsdp_set_error(FSDP_ERR_DEVICE, "%s: tensors on different devices",
+                                  op_sig(sig, sizeof sig, op, n, names, ts));
+        dev = tensor_device(ts[i]);
+    }
+    if (dev > FSDP_DEVICE_CPU)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s: no %s kernels in this build",
+                              op_sig(sig, sizeof sig, op, n, names, ts), fsdp_device_name(dev));
+    return FSDP_OK;
+}
+
+/* Float inputs of one dtype (f32 or bf16). */
+static inline fsdp_status op_check_float(const char *op, int n, const char *const *names, fsdp_tensor *const *ts) {
+    char sig[1024];
+    int dt = -1;
+    for (int i = 0; i < n; i++) {
+        if (!ts[i]) continue;
+        if (!fsdp_dtype_is_float(ts[i]->dtype))
+            return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s must be f32 or bf16",
+                                  op_sig(sig, sizeof sig, op, n, names, ts), names[i]);
+        if (dt >= 0 && ts[i]->dtype != dt)
+            return fsdp_set_error(FSDP_ERR_DTYPE, "%s: dtypes differ; cast one first",
+                                  op_sig(sig, sizeof sig, op, n, names, ts));
+        dt = ts[i]->dtype;
+    }
+    return FSDP_OK;
+}
+
+/* Integer index tensors (i32, i64, u16). */
+static inline bool dtype_is_index(int dt) { return dt == FSDP_I32 || dt == FSDP_I64 || dt == FSDP_U16; }
+
+/* A new f32 contiguous tensor (activation tag) of the given shape. */
+static inline fsdp_status op_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape) {
+    return tensor_new(out, FSDP_F32, ndim, shape, FSDP_DEVICE_CPU, fsdp_default_tag(), false);
+}
+
+/* Turns an f32 result into the op's output dtype; takes r. */
+static inline fsdp_status op_finish(fsdp_tensor **out, fsdp_tensor *r, int dtype) {
+    if (dtype == FSDP_F32) {
+        *out = r;
+        return FSDP_OK;
+    }
+    fsdp_status st = tensor_from_f32(out, r, dtype);
+    tensor_release(r);
+    return st;
+}
+
+/* Gives a gradient (f32 contiguous, input i's shape) to input i in that
+ * input's dtype; takes g. */
+static inline fsdp_status op_give_grad(fsdp_node *node, int i, fsdp_tensor *g) {
+    if (!node_needs_grad(node, i)) {
+        tensor_release(g);
+        return FSDP_OK;
+    }
+    if (node->in[i]->dtype != g->dtype) {
+        fsdp_tensor *c;
+        fsdp_status st = tensor_from_f32(&c, g, node->in[i]->dtype);
+        tensor_release(g);
+        if (st != FSDP_OK) return st;
+        g = c;
+    }
+    return node_add_grad(node, i, g);
+}
+
+/* Output i's gradient as f32 contiguous (*out NULL when none flowed). */
+static inline fsdp_status op_grad_out_f32(fsdp_node *node, int i, fsdp_tensor **out) {
+    fsdp_tensor *g = node_grad_out(node, i);
+    *out = NULL;
+    if (!g) return FSDP_OK;
+    return tensor_as_f32(out, g);
+}
+
+/* Records node for op when the tape wants it; returns NULL (no error) when
+ * not recorded, and sets *st on failure. */
+static inline fsdp_node *op_record(fsdp_status *st, const char *op, fsdp_backward_fn fn, int n_in,
+                                   fsdp_tensor *const *in, int n_out, fsdp_tensor *const *out) {
+    *st = FSDP_OK;
+    if (!tape_wants(n_in, in)) return NULL;
+    fsdp_node *node = tape_record(op, fn, n_in, in, n_out, out);
+    if (!node) *st = FSDP_ERR_OOM;
+    return node;
+}
+
+#endif
