@@ -174,6 +174,23 @@ fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fs
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset);
 fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype);
 
+/* ---- in place on whole tensors (never recorded) ---- */
+fsdp_status fsdp_scale_(fsdp_tensor *t, double s);                         /* t *= s */
+fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha);       /* y += alpha * x, same shape */
+/* Sum of squares, accumulated in double (gradient norms). */
+fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out);
+
+/* ---- optimizers: one fused pass over flat f32 buffers (a shard or a whole
+ * parameter; shapes may differ, element counts must match) ---- */
+/* AdamW as PyTorch defines it: decoupled decay p -= lr*wd*p, bias-corrected
+ * moments; step counts from 1. */
+fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
+                            double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
+/* SGD as PyTorch defines it; momentum_buf may be NULL when momentum is 0.
+ * first_step initializes the buffer with the gradient. */
+fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
+                          double momentum, double dampening, double weight_decay, int nesterov, int first_step);
+
 /* ---- autograd tape ---- */
 fsdp_status fsdp_tensor_set_requires_grad(fsdp_tensor *t, int on);
 fsdp_status fsdp_tensor_requires_grad(fsdp_tensor *t, int *out);

@@ -1,0 +1,128 @@
+/* AdamW and SGD against double-precision references of PyTorch's update
+ * rules, several steps, prime sizes; the in-place helpers; bad input. */
+#include "fsdp.h"
+#include "testutil.h"
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CPU FSDP_DEVICE_CPU
+
+static fsdp_tensor *make(const float *v, int64_t n) {
+    fsdp_tensor *t;
+    fsdp_tensor_from_data(&t, FSDP_F32, 1, &n, v, n * 4, CPU, FSDP_TAG_OTHER);
+    return t;
+}
+
+static void check_adamw(int64_t n, double wd) {
+    test_rng r;
+    test_rng_seed(&r, (uint64_t)n);
+    float *p = malloc((size_t)n * 4), *g = malloc((size_t)n * 4), *zero = calloc((size_t)n, 4), *out = malloc((size_t)n * 4);
+    double *P = malloc((size_t)n * 8), *M = calloc((size_t)n, 8), *V = calloc((size_t)n, 8);
+    test_fill_nonzero(&r, p, n, 1.0f);
+    for (int64_t i = 0; i < n; i++) P[i] = p[i];
+    fsdp_tensor *tp = make(p, n), *tm = make(zero, n), *tv = make(zero, n);
+    const double lr = 1e-2, b1 = 0.9, b2 = 0.95, eps = 1e-8;
+    for (int step = 1; step <= 5; step++) {
+        test_fill_nonzero(&r, g, n, 0.5f);
+        fsdp_tensor *tg = make(g, n);
+        test_check(fsdp_adamw_step(tp, tg, tm, tv, lr, b1, b2, eps, wd, step) == FSDP_OK, "adamw: %s", fsdp_last_error());
+        fsdp_tensor_release(tg);
+        double bc1 = 1 - pow(b1, step), bc2 = 1 - pow(b2, step);
+        for (int64_t i = 0; i < n; i++) {
+            P[i] *= 1 - lr * wd;
+            M[i] = b1 * M[i] + (1 - b1) * g[i];
+            V[i] = b2 * V[i] + (1 - b2) * (double)g[i] * g[i];
+            P[i] -= lr * (M[i] / bc1) / (sqrt(V[i] / bc2) + eps);
+        }
+    }
+    fsdp_tensor_to_data(tp, out, n * 4);
+    char name[64];
+    snprintf(name, sizeof name, "adamw n=%lld wd=%g", (long long)n, wd);
+    test_compare(name, out, P, n, 1e-6, 1e-5);
+    fsdp_tensor_release(tp);
+    fsdp_tensor_release(tm);
+    fsdp_tensor_release(tv);
+    free(p), free(g), free(zero), free(out), free(P), free(M), free(V);
+}
+
+static void check_sgd(int64_t n, double momentum, double damp, double wd, int nesterov) {
+    test_rng r;
+    test_rng_seed(&r, (uint64_t)n + 99);
+    float *p = malloc((size_t)n * 4), *g = malloc((size_t)n * 4), *zero = calloc((size_t)n, 4), *out = malloc((size_t)n * 4);
+    double *P = malloc((size_t)n * 8), *B = calloc((size_t)n, 8);
+    test_fill_nonzero(&r, p, n, 1.0f);
+    for (int64_t i = 0; i < n; i++) P[i] = p[i];
+    fsdp_tensor *tp = make(p, n), *tb = momentum != 0 ? make(zero, n) : NULL;
+    const double lr = 0.05;
+    for (int step = 1; step <= 4; step++) {
+        test_fill_nonzero(&r, g, n, 0.5f);
+        fsdp_tensor *tg = make(g, n);
+        test_check(fsdp_sgd_step(tp, tg, tb, lr, momentum, damp, wd, nesterov, step == 1) == FSDP_OK, "sgd: %s",
+                   fsdp_last_error());
+        fsdp_tensor_release(tg);
+        for (int64_t i = 0; i < n; i++) {
+            double d = g[i] + wd * P[i];
+            if (momentum != 0) {
+                B[i] = step == 1 ? d : momentum * B[i] + (1 - damp) * d;
+                d = nesterov ? d + momentum * B[i] : B[i];
+            }
+            P[i] -= lr * d;
+        }
+    }
+    fsdp_tensor_to_data(tp, out, n * 4);
+    char name[96];
+    snprintf(name, sizeof name, "sgd n=%lld momentum=%g damp=%g wd=%g nesterov=%d", (long long)n, momentum, damp, wd,
+             nesterov);
+    test_compare(name, out, P, n, 1e-6, 1e-5);
+    fsdp_tensor_release(tp);
+    fsdp_tensor_release(tb);
+    free(p), free(g), free(zero), free(out), free(P), free(B);
+}
+
+static void check_inplace_and_errors(void) {
+    float a[5] = {1, -2, 3, -4, 5}, b[5] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+    fsdp_tensor *ta = make(a, 5), *tb = make(b, 5);
+    double ss;
+    fsdp_sumsq(ta, &ss);
+    test_check(ss == 55.0, "sumsq = 55 (%g)", ss);
+    fsdp_axpy_(ta, tb, 2.0);
+    fsdp_scale_(ta, 0.5);
+    float out[5];
+    double want[5];
+    fsdp_tensor_to_data(ta, out, sizeof out);
+    for (int i = 0; i < 5; i++) want[i] = (a[i] + 1.0) * 0.5;
+    test_compare("axpy then scale", out, want, 5, 0, 1e-7);
+    float c[3] = {1, 2, 3};
+    fsdp_tensor *tc = make(c, 3), *bf;
+    fsdp_cast(&bf, ta, FSDP_BF16);
+    fsdp_status st = fsdp_adamw_step(ta, tc, tb, tb, 1e-3, 0.9, 0.999, 1e-8, 0, 1);
+    test_check(st == FSDP_ERR_SHAPE && strstr(fsdp_last_error(), "grad f32[3]") && strstr(fsdp_last_error(), "expected 5"),
+               "adamw with a short grad: %s", fsdp_last_error());
+    st = fsdp_adamw_step(bf, tb, tb, tb, 1e-3, 0.9, 0.999, 1e-8, 0, 1);
+    test_check(st == FSDP_ERR_DTYPE && strstr(fsdp_last_error(), "bf16"), "adamw on a bf16 param: %s",
+               fsdp_last_error());
+    st = fsdp_adamw_step(ta, tb, tb, tb, 1e-3, 0.9, 0.999, 1e-8, 0, 0);
+    test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "step 0"), "adamw step 0: %s", fsdp_last_error());
+    st = fsdp_sgd_step(ta, tb, NULL, 0.1, 0.9, 0, 0, 0, 1);
+    test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "momentum_buf"), "sgd momentum without buffer: %s",
+               fsdp_last_error());
+    fsdp_tensor_release(ta);
+    fsdp_tensor_release(tb);
+    fsdp_tensor_release(tc);
+    fsdp_tensor_release(bf);
+}
+
+int main(void) {
+    int64_t sizes[] = {1, 7, 97, 100003};
+    for (int i = 0; i < 4; i++) {
+        check_adamw(sizes[i], 0.0);
+        check_adamw(sizes[i], 0.1);
+        check_sgd(sizes[i], 0, 0, 0, 0);
+        check_sgd(sizes[i], 0.9, 0, 0.01, 0);
+        check_sgd(sizes[i], 0.9, 0.1, 0, 0);
+        check_sgd(sizes[i], 0.9, 0, 0.01, 1);
+    }
+    check_inplace_and_errors();
+    return test_summary();
+}
