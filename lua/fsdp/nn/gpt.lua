@@ -1,0 +1,224 @@
+-- GPT (the GPT-2 architecture) and a Llama-style variant.
+--
+-- GPT: learned positions, pre-norm blocks of LayerNorm, attention and a
+-- GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
+-- The vocabulary is padded to a multiple of 128 (faster matmuls); padded
+-- logits are excluded from the loss and from sampling. Module names equal
+-- the Hugging Face GPT-2 names, so paths map one to one (HF's Conv1D stores
+-- the transpose of our Linear weights; see to_hf / from_hf).
+local fsdp = require "fsdp"
+local Module = require "fsdp.nn.module"
+local layers = require "fsdp.nn.layers"
+local tr = require "fsdp.nn.transformer"
+
+local M = {}
+
+local function padded(v, multiple)
+  multiple = multiple or 128
+  return math.ceil(v / multiple) * multiple
+end
+
+local function check_config(name, cfg, keys)
+  if type(cfg) ~= "table" then error(name .. ": expected a config table", 3) end
+  for _, k in ipairs(keys) do
+    local v = cfg[k]
+    if type(v) ~= "number" or v < 1 or v ~= math.floor(v) then
+      error(string.format("%s: config.%s must be a positive integer, got %s", name, k, tostring(v)), 3)
+    end
+  end
+end
+
+local GPT = Module:extend("GPT")
+--- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128}
+function GPT:__init(cfg)
+  check_config("GPT", cfg, { "vocab_size", "n_layer", "n_head", "n_embd", "block_size" })
+  self.config = cfg
+  self.vocab_size = cfg.vocab_size
+  self.padded_vocab = padded(cfg.vocab_size, cfg.pad_to)
+  local C = cfg.n_embd
+  local proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+  self:add("wte", layers.Embedding(self.padded_vocab, C))
+  self:add("wpe", layers.Embedding(cfg.block_size, C))
+  local h = self:add("h", tr.ModuleList())
+  for _ = 1, cfg.n_layer do
+    h:append(tr.Block(C, cfg.n_head, { proj_std = proj_std, dropout = cfg.dropout }))
+  end
+  self:add("ln_f", layers.LayerNorm(C))
+end
+
+local function check_ids(self, idx, what)
+  local s = idx:shape()
+  if #s ~= 2 then error(string.format("%s: %s must be (B, T), got a %d-dim tensor", self.__name, what, #s), 3) end
+  if s[2] > self.config.block_size then
+    error(string.format("%s: context %d is longer than the model's block_size %d", self.__name, s[2],
+      self.config.block_size), 3)
+  end
+  return s[1], s[2]
+end
+
+--- model(idx (B, T) integer, targets (B, T) or nil) -> logits (B, T, padded V), loss or nil
+function GPT:forward(idx, targets)
+  local B, T = check_ids(self, idx, "idx")
+  local pos = self.pos_cache and self.pos_cache[T]
+  if not pos then
+    self.pos_cache = self.pos_cache or {}
+    pos = fsdp.arange(0, T, { dtype = "i64" })
+    self.pos_cache[T] = pos
+  end
+  local x = self.wte(idx) + self.wpe(pos)                      -- (B, T, C)
+  if self.drop then x = self.drop(x) end
+  for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
+  x = self.ln_f(x)
+  local head = self.lm_head and self.lm_head.weight or self.wte.weight
+  local logits = x:matmul(head, { tb = true })                 -- (B, T, Vp)
+  local loss
+  if targets then
+    local V = self.padded_vocab
+    loss = fsdp.cross_entropy(logits:view(B * T, V), targets:view(B * T),
+      { ignore_index = -100, valid_vocab = self.vocab_size })
+  end
+  return logits, loss
+end
+
+-- HF's Conv1D layers store (in, out): every Linear weight inside a block.
+local function is_conv1d(path)
+  return path:match("^h%.%d+%.") and path:match("%.weight$") and
+      (path:match("c_attn") or path:match("c_proj") or path:match("c_fc")) ~= nil
+end
+
+--- {hf name = tensor} of the model's parameters in HF GPT-2 layout
+-- (Conv1D weights transposed, token embedding cut to vocab_size rows).
+function GPT:to_hf(sd)
+  sd = sd or self:state_dict()
+  local out = {}
+  for path, t in pairs(sd) do
+    if is_conv1d(path) then
+      out[path] = t:transpose(1, 2):contiguous()
+    elseif path == "wte.weight" then
+      out[path] = t:narrow(1, 1, self.vocab_size):contiguous()
+    else
+      out[path] = t
+    end
+  end
+  return out
+end
+
+--- Loads HF-named tensors (as GPT:to_hf writes them, or as a GPT-2
+-- safetensors file holds them; a "transformer." prefix is accepted).
+function GPT:from_hf(hf)
+  local sd = {}
+  for name, t in pairs(hf) do
+    local path = name:gsub("^transformer%.", "")
+    if path == "lm_head.weight" then
+      -- tied to wte: nothing to load
+    elseif path:match("%.attn%.bias$") or path:match("%.attn%.masked_bias$") then
+      -- HF's causal-mask buffers, not parameters
+    elseif is_conv1d(path) then
+      sd[path] = t:transpose(1, 2)
+    elseif path == "wte.weight" then
+      local s = t:shape()
+      if s[1] ~= self.vocab_size then
+        error(string.format("GPT:from_hf: wte.weight has %d rows, the model's vocab_size is %d", s[1],
+          self.vocab_size), 2)
+      end
+      local full = fsdp.zeros({ self.padded_vocab, s[2] }, { dtype = "f32" })
+      full:narrow(1, 1, s[1]):copy(t)
+      sd[path] = full
+    else
+      sd[path] = t
+    end
+  end
+  return self:load_state_dict(sd)
+end
+
+--- Generates n tokens after prompt (B, T) ids: greedy, or top-k sampling
+-- with {top_k=, temperature=, seed=}. Returns a Lua table per row.
+function GPT:generate(prompt, n, opts)
+  opts = opts or {}
+  local rows = prompt:tolist()
+  local was_training = self.training
+  self:eval()
+  local rng = opts.seed or 1
+  local function uniform()   -- a small LCG: sampling needs no engine state
+    rng = (rng * 1103515245 + 12345) % 2147483648
+    return rng / 2147483648
+  end
+  fsdp.no_grad(function()
+    for _ = 1, n do
+      for b = 1, #rows do
+        local ctx = rows[b]
+        local from = math.max(1, #ctx - self.config.block_size + 1)
+        local window = {}
+        for i = from, #ctx do window[#window + 1] = ctx[i] end
+        local logits = self:forward(fsdp.tensor({ window }, { dtype = "i64" }))
+        local last = logits:narrow(2, #window, 1):view(-1):tolist()
+        local k = opts.top_k or 1
+        -- the k best of the real vocabulary (padding excluded)
+        local best = {}
+        for v = 1, self.vocab_size do
+          local s = last[v]
+          if #best < k or s > best[#best].s then
+            best[#best + 1] = { v = v - 1, s = s }
+            table.sort(best, function(a, c) return a.s > c.s end)
+            if #best > k then best[#best] = nil end
+          end
+        end
+        local choice = best[1].v
+        if k > 1 then
+          local temp, total, w = opts.temperature or 1.0, 0, {}
+          for i, e in ipairs(best) do w[i] = math.exp((e.s - best[1].s) / temp); total = total + w[i] end
+          local r = uniform() * total
+          for i, e in ipairs(best) do
+            r = r - w[i]
+            if r <= 0 then choice = e.v; break end
+          end
+        end
+        ctx[#ctx + 1] = choice
+      end
+    end
+  end)
+  self:train(was_training)
+  return rows
+end
+M.GPT = GPT
+
+--- Llama{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, hidden=, theta=}:
+-- RMSNorm, SwiGLU, rotary positions, no biases, untied head.
+local Llama = Module:extend("Llama")
+function Llama:__init(cfg)
+  check_config("Llama", cfg, { "vocab_size", "n_layer", "n_head", "n_embd", "block_size" })
+  self.config = cfg
+  self.vocab_size = cfg.vocab_size
+  self.padded_vocab = padded(cfg.vocab_size, cfg.pad_to)
+  local C = cfg.n_embd
+  local proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+  self:add("wte", layers.Embedding(self.padded_vocab, C))
+  local h = self:add("h", tr.ModuleList())
+  local hidden = cfg.hidden or 4 * math.floor(2 * 4 * C / 3 / 4 + 0.5)   -- 2/3 of 4C, as Llama sizes it
+  for _ = 1, cfg.n_layer do
+    h:append(tr.Block(C, cfg.n_head, {
+      norm = "rmsnorm", mlp = "swiglu", bias = false, rotary = true, block_size = cfg.block_size,
+      theta = cfg.theta, hidden = hidden, proj_std = proj_std,
+    }))
+  end
+  self:add("ln_f", layers.RMSNorm(C))
+  self:add("lm_head", layers.Linear(C, self.padded_vocab, { bias = false }))
+end
+
+function Llama:forward(idx, targets)
+  local B, T = check_ids(self, idx, "idx")
+  local x = self.wte(idx)
+  for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
+  x = self.ln_f(x)
+  local logits = self.lm_head(x)
+  local loss
+  if targets then
+    loss = fsdp.cross_entropy(logits:view(B * T, self.padded_vocab), targets:view(B * T),
+      { ignore_index = -100, valid_vocab = self.vocab_size })
+  end
+  return logits, loss
+end
+Llama.generate = GPT.generate
+M.Llama = Llama
+
+return M

@@ -1,0 +1,76 @@
+-- Basic layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout.
+local fsdp = require "fsdp"
+local Module = require "fsdp.nn.module"
+local init = Module.init
+
+local M = {}
+
+--- Linear(in, out, {bias=true, std=0.02}): y = x W^T + b, W (out, in).
+local Linear = Module:extend("Linear")
+function Linear:__init(n_in, n_out, opts)
+  opts = opts or {}
+  self.n_in, self.n_out = n_in, n_out
+  self:param("weight", { n_out, n_in }, init.normal(opts.std or 0.02))
+  if opts.bias ~= false then self:param("bias", { n_out }, init.zeros()) end
+end
+function Linear:forward(x)
+  local y = x:matmul(self.weight, { tb = true })
+  if self.bias then y = y + self.bias end
+  return y
+end
+M.Linear = Linear
+
+--- Embedding(n, dim, {std=0.02}): rows of a (n, dim) table by integer ids.
+local Embedding = Module:extend("Embedding")
+function Embedding:__init(n, dim, opts)
+  self.n, self.dim = n, dim
+  self:param("weight", { n, dim }, init.normal(opts and opts.std or 0.02))
+end
+function Embedding:forward(ids) return fsdp.embedding(self.weight, ids) end
+M.Embedding = Embedding
+
+--- LayerNorm(dim, {eps=1e-5, affine=true}) over the last dim.
+local LayerNorm = Module:extend("LayerNorm")
+function LayerNorm:__init(dim, opts)
+  self.eps = opts and opts.eps or 1e-5
+  if not (opts and opts.affine == false) then
+    self:param("weight", { dim }, init.ones())
+    self:param("bias", { dim }, init.zeros())
+  end
+end
+function LayerNorm:forward(x) return x:layernorm(self.weight, self.bias, self.eps) end
+M.LayerNorm = LayerNorm
+
+--- RMSNorm(dim, {eps=1e-6}) over the last dim.
+local RMSNorm = Module:extend("RMSNorm")
+function RMSNorm:__init(dim, opts)
+  self.eps = opts and opts.eps or 1e-6
+  self:param("weight", { dim }, init.ones())
+end
+function RMSNorm:forward(x) return x:rmsnorm(self.weight, self.eps) end
+M.RMSNorm = RMSNorm
+
+-- Dropout masks come from one counter shared by the process: each call
+-- takes the next numel-sized window, so a run is reproducible from its seed
+-- and a recomputation (activation checkpointing) can rewind the counter.
+local rng = { seed = 0, offset = 0 }
+M.dropout_rng = rng
+function M.manual_seed(seed) rng.seed, rng.offset = seed, 0 end
+
+--- Dropout(p): inverted dropout in training mode, identity in eval mode.
+local Dropout = Module:extend("Dropout")
+function Dropout:__init(p)
+  if type(p) ~= "number" or p < 0 or p >= 1 then
+    error("Dropout: p must be a number in [0, 1), got " .. tostring(p), 3)
+  end
+  self.p = p
+end
+function Dropout:forward(x)
+  if not self.training or self.p == 0 then return x end
+  local off = rng.offset
+  rng.offset = off + x:numel()
+  return x:dropout(self.p, rng.seed, off)
+end
+M.Dropout = Dropout
+
+return M
