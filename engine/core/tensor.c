@@ -340,6 +340,7 @@ fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size) {
 /* Writing through a view whose elements alias each other (stride 0 over a
  * dim longer than 1) would race and is refused. */
 static fsdp_status check_writable(const char *op, fsdp_tensor *t) {
+    if (tensor_numel(t) == 0) return FSDP_OK;
     for (int d = 0; d < t->ndim; d++)
         if (t->strides[d] == 0 && t->shape[d] > 1) {
             char s[200];

@@ -114,7 +114,7 @@ static inline fsdp_node *op_record(fsdp_status *st, const char *op, fsdp_backwar
     *st = FSDP_OK;
     if (!tape_wants(n_in, in)) return NULL;
     fsdp_node *node = tape_record(op, fn, n_in, in, n_out, out);
-    if (!node) *st = FSDP_ERR_OOM;
+    if (!node) *st = strstr(fsdp_last_error(), "during its backward") ? FSDP_ERR_STATE : FSDP_ERR_OOM;
     return node;
 }
 

@@ -205,6 +205,22 @@ function Module:load_state_dict(sd, opts)
   return self
 end
 
+--- Runs fn() with every parameter replaced by a cast of it to dtype (say
+-- "bf16"): activations then flow in that dtype, and gradients reach the f32
+-- parameters through the cast's backward. The parameters are put back after.
+function Module:compute_in(dtype, fn, ...)
+  if dtype == nil or dtype == "f32" then return fn(...) end
+  local saved = {}
+  for _, p in ipairs(self:named_parameters()) do
+    saved[#saved + 1] = p
+    p.module[p.name] = p.tensor:cast(dtype)
+  end
+  local res = { pcall(fn, ...) }
+  for _, p in ipairs(saved) do p.module[p.name] = p.tensor end
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2)
+end
+
 function Module:zero_grad()
   for _, t in ipairs(self:parameters()) do t:zero_grad() end
 end

@@ -1,0 +1,75 @@
+/* activation.c: GELU (tanh form) and SiLU, forward and backward.
+ *
+ * GELU is the tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi)(x + 0.044715 x^3),
+ * evaluated through the identity 0.5 (1 + tanh(u)) = sigmoid(2u): same function,
+ * but it avoids the cancellation in 1 + tanh(u) for negative x, and it costs one
+ * exp instead of a tanh. */
+#include "cpu_kernels.h"
+#include <math.h>
+
+#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+#define GRAIN 16384                   /* elements per chunk: an exp costs a few ns */
+
+typedef struct {
+    float *out;
+    const float *x, *dout;
+} act_ctx;
+
+static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+static void gelu_fwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) {
+        float x = c->x[i];
+        float u = GELU_C * (x + GELU_A * x * x * x);
+        c->out[i] = x * sigmoidf(2.0f * u);
+    }
+}
+
+/* d/dx [x s(2u)] = s + x * 2 s (1 - s) * du/dx, with s = sigmoid(2u) = 0.5 (1 + tanh u),
+ * since 1 - tanh^2 u = 4 s (1 - s). */
+static void gelu_bwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) {
+        float x = c->x[i];
+        float u = GELU_C * (x + GELU_A * x * x * x);
+        float du = GELU_C * (1.0f + 3.0f * GELU_A * x * x);
+        float s = sigmoidf(2.0f * u);
+        c->out[i] = c->dout[i] * (s + 2.0f * x * s * (1.0f - s) * du);
+    }
+}
+
+static void silu_fwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) c->out[i] = c->x[i] * sigmoidf(c->x[i]);
+}
+
+/* d/dx [x s(x)] = s + x s (1 - s) */
+static void silu_bwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) {
+        float x = c->x[i], s = sigmoidf(x);
+        c->out[i] = c->dout[i] * s * (1.0f + x * (1.0f - s));
+    }
+}
+
+void cpu_gelu_forward_f32(float *out, const float *x, int64_t n) {
+    act_ctx c = {out, x, NULL};
+    cpu_parallel_for(n, GRAIN, gelu_fwd_range, &c);
+}
+
+void cpu_gelu_backward_f32(float *dx, const float *x, const float *dout, int64_t n) {
+    act_ctx c = {dx, x, dout};
+    cpu_parallel_for(n, GRAIN, gelu_bwd_range, &c);
+}
+
+void cpu_silu_forward_f32(float *out, const float *x, int64_t n) {
+    act_ctx c = {out, x, NULL};
+    cpu_parallel_for(n, GRAIN, silu_fwd_range, &c);
+}
+
+void cpu_silu_backward_f32(float *dx, const float *x, const float *dout, int64_t n) {
+    act_ctx c = {dx, x, dout};
+    cpu_parallel_for(n, GRAIN, silu_bwd_range, &c);
+}

@@ -1,0 +1,157 @@
+/* reduce.c: sums. Everything accumulates in double: a float running sum of
+ * 1e6 values loses ~3 digits, a double one none that matter once the result
+ * is rounded back to float. Work is split into blocks whose boundaries depend
+ * only on the sizes, and partial sums are combined in a fixed order, so the
+ * result is the same bit for bit whatever the thread count. */
+#include "cpu_kernels.h"
+#include <stdlib.h>
+
+#define LANES 16   /* independent accumulators, so the loop vectorizes without reassociation */
+
+static double sum_contig(const float *x, int64_t n) {
+    double acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += (double)x[i + j];
+    double s = 0;
+    for (; i < n; i++) s += (double)x[i];
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+static double sumsq_contig(const float *x, int64_t n) {
+    double acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) { double v = x[i + j]; acc[j] += v * v; }
+    double s = 0;
+    for (; i < n; i++) { double v = x[i]; s += v * v; }
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+/* ---- sum_all, sumsq: blocks of the flat array, one double partial each ---- */
+#define MAX_BLOCKS 4096
+#define MIN_BLOCK (1 << 16)
+
+typedef struct {
+    const float *in;
+    int64_t n, block;
+    double (*fn)(const float *, int64_t);
+    double partial[MAX_BLOCKS];
+} flat_ctx;
+
+static void flat_blocks(void *p, int64_t begin, int64_t end) {
+    flat_ctx *c = p;
+    for (int64_t k = begin; k < end; k++) {
+        int64_t lo = k * c->block, hi = lo + c->block < c->n ? lo + c->block : c->n;
+        c->partial[k] = c->fn(c->in + lo, hi - lo);
+    }
+}
+
+static double flat_reduce(const float *in, int64_t n, double (*fn)(const float *, int64_t)) {
+    if (n <= 0) return 0.0;
+    if (n <= MIN_BLOCK) return fn(in, n);
+    flat_ctx *c = malloc(sizeof *c);
+    if (!c) return fn(in, n);
+    int64_t block = (n + MAX_BLOCKS - 1) / MAX_BLOCKS;
+    if (block < MIN_BLOCK) block = MIN_BLOCK;
+    int64_t nblocks = (n + block - 1) / block;
+    c->in = in;
+    c->n = n;
+    c->block = block;
+    c->fn = fn;
+    cpu_parallel_for(nblocks, 1, flat_blocks, c);
+    double s = 0;
+    for (int64_t k = 0; k < nblocks; k++) s += c->partial[k];
+    free(c);
+    return s;
+}
+
+double cpu_sum_all_f32(const float *in, int64_t n) { return flat_reduce(in, n, sum_contig); }
+double cpu_sumsq_f32(const float *in, int64_t n) { return flat_reduce(in, n, sumsq_contig); }
+
+/* ---- sum_dim: (outer, red, inner) -> (outer, inner) ----
+ * inner == 1: each output is a contiguous sum. inner > 1: add rows of a
+ * tile of inner into a double accumulator, walking red. When outer * tiles
+ * alone gives too few work items (e.g. a bias gradient, outer = 1), red is
+ * also cut into slices whose partials are added afterwards in order. */
+#define TILE 256
+#define RED_SLICE 1024   /* rows per slice when red is split */
+
+typedef struct {
+    float *out;
+    const float *in;
+    int64_t outer, red, inner, tiles, slices, slice_len;
+    double *partial;     /* (slices, outer, inner) when slices > 1 */
+} dim_ctx;
+
+/* Sums rows [r0, r1) of the (red, inner) slab at tile t into acc. */
+static void sum_tile(double *acc, const float *slab, int64_t inner, int64_t j0, int64_t len, int64_t r0, int64_t r1) {
+    for (int64_t j = 0; j < len; j++) acc[j] = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = slab + r * inner + j0;
+        for (int64_t j = 0; j < len; j++) acc[j] += (double)row[j];
+    }
+}
+
+static void dim_items(void *p, int64_t begin, int64_t end) {
+    dim_ctx *c = p;
+    double acc[TILE];
+    for (int64_t item = begin; item < end; item++) {
+        int64_t s = item / (c->outer * c->tiles);   /* slice of red */
+        int64_t rest = item % (c->outer * c->tiles);
+        int64_t o = rest / c->tiles, t = rest % c->tiles;
+        int64_t r0 = s * c->slice_len, r1 = r0 + c->slice_len < c->red ? r0 + c->slice_len : c->red;
+        const float *slab = c->in + o * c->red * c->inner;   /* (red, inner) */
+        if (c->inner == 1) {
+            double v = sum_contig(slab + r0, r1 - r0);
+            if (c->slices > 1) c->partial[s * c->outer + o] = v;
+            else c->out[o] = (float)v;
+            continue;
+        }
+        int64_t j0 = t * TILE, len = j0 + TILE < c->inner ? TILE : c->inner - j0;
+        sum_tile(acc, slab, c->inner, j0, len, r0, r1);
+        if (c->slices > 1) {
+            double *dst = c->partial + (s * c->outer + o) * c->inner + j0;
+            for (int64_t j = 0; j < len; j++) dst[j] = acc[j];
+        } else {
+            float *dst = c->out + o * c->inner + j0;
+            for (int64_t j = 0; j < len; j++) dst[j] = (float)acc[j];
+        }
+    }
+}
+
+void cpu_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner) {
+    if (outer <= 0 || inner <= 0) return;
+    if (red <= 0) {
+        for (int64_t i = 0; i < outer * inner; i++) out[i] = 0.0f;
+        return;
+    }
+    dim_ctx c = {.out = out, .in = in, .outer = outer, .red = red, .inner = inner};
+    c.tiles = inner == 1 ? 1 : (inner + TILE - 1) / TILE;
+    c.slices = 1;
+    c.slice_len = red;
+    /* Few independent outputs but a long red: split red (sizes alone decide,
+     * not the thread count, so results do not depend on it). */
+    int64_t items = outer * c.tiles;
+    if (items < 16 && red >= 2 * RED_SLICE && outer * red * inner >= (1 << 16)) {
+        int64_t want = (16 + items - 1) / items;            /* slices to reach ~16 items */
+        int64_t most = red / RED_SLICE;
+        c.slices = want < most ? want : most;
+        c.slice_len = (red + c.slices - 1) / c.slices;
+        c.slices = (red + c.slice_len - 1) / c.slice_len;
+        c.partial = malloc((size_t)(c.slices * outer * inner) * sizeof(double));
+        if (!c.partial) { c.slices = 1; c.slice_len = red; }
+    }
+    int64_t per_item = c.slice_len * (inner == 1 ? 1 : (inner < TILE ? inner : TILE));
+    cpu_parallel_for(c.slices * items, (1 << 15) / per_item + 1, dim_items, &c);
+    if (c.slices > 1) {
+        for (int64_t i = 0; i < outer * inner; i++) {
+            double s = 0;
+            for (int64_t k = 0; k < c.slices; k++) s += c.partial[k * outer * inner + i];
+            out[i] = (float)s;
+        }
+        free(c.partial);
+    }
+}

@@ -1,0 +1,596 @@
+/* nn.c: the neural-network ops: activations, softmax, normalization,
+ * embedding, cross-entropy, attention and dropout.
+ *
+ * Each op checks its arguments (messages name the op and every tensor),
+ * stages float inputs to contiguous f32, runs the CPU kernel into an f32
+ * result, converts that back to the input dtype and records a node whose
+ * backward does the same in reverse. Backward functions read their inputs
+ * from node->in[] and the op's output from node->out[]; node->saved[] holds
+ * only what the forward computed on the side (row statistics, lse). */
+#include "ops_util.h"
+#include <math.h>
+#include <stdarg.h>
+
+/* Sets an error "<op signature>: <message>" and returns st. */
+static fsdp_status op_fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                           const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static fsdp_status op_fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                           const char *fmt, ...) {
+    char sig[1024], msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return fsdp_set_error(st, "%s: %s", op_sig(sig, sizeof sig, op, n, names, ts), msg);
+}
+
+/* (rows, cols) view over the last dim; a 0-dim tensor is one row of one. */
+static void rows_cols(const fsdp_tensor *x, int64_t *rows, int64_t *cols) {
+    *cols = x->ndim ? x->shape[x->ndim - 1] : 1;
+    *rows = *cols ? tensor_numel(x) / *cols : 0;
+}
+
+static float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
+
+/* tensor_as_f32 that passes NULL (an absent optional input) through. */
+static fsdp_status stage_f32(fsdp_tensor **out, fsdp_tensor *t) {
+    *out = NULL;
+    return t ? tensor_as_f32(out, t) : FSDP_OK;
+}
+
+/* The common tail of every forward: converts the f32 result r to dtype,
+ * records the node when the tape wants it and moves saved[] into it (they
+ * are released when nothing is recorded). Takes r and saved[] on every
+ * path. *node_out (optional) is the node, or NULL when not recorded. */
+static fsdp_status op_done(fsdp_tensor **out, fsdp_node **node_out, fsdp_tensor *r, int dtype, const char *name,
+                           fsdp_backward_fn fn, int n_in, fsdp_tensor *const *in, int n_saved,
+                           fsdp_tensor *const *saved) {
+    fsdp_tensor *res = NULL;
+    fsdp_node *node = NULL;
+    fsdp_status st = op_finish(&res, r, dtype);
+    if (st == FSDP_OK) node = op_record(&st, name, fn, n_in, in, 1, &res);
+    for (int i = 0; i < n_saved; i++) {
+        if (node) node->saved[i] = saved[i];
+        else tensor_release(saved[i]);
+    }
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (node_out) *node_out = node;
+    *out = res;
+    return FSDP_OK;
+}
+
+/* ---- elementwise activations ---- */
+
+typedef void (*unary_fwd_fn)(float *out, const float *x, int64_t n);
+typedef void (*unary_bwd_fn)(float *dx, const float *x, const float *dout, int64_t n);
+
+static fsdp_status unary_backward(fsdp_node *node, unary_bwd_fn kernel) {
+    fsdp_tensor *dout, *x = NULL, *dx = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    fsdp_status st = tensor_as_f32(&x, node->in[0]);
+    if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
+    if (st == FSDP_OK) kernel(f32p(dx), f32p(x), f32p(dout), tensor_numel(x));
+    tensor_release(x);
+    tensor_release(dout);
+    return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
+}
+
+static fsdp_status unary_forward(fsdp_tensor **out, fsdp_tensor *x, const char *op, const char *name,
+                                 unary_fwd_fn kernel, fsdp_backward_fn bwd) {
+    const char *names[] = {"x"};
+    fsdp_tensor *ts[] = {x}, *x32, *r;
+    FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 1, names, ts));
+    FSDP_TRY(tensor_as_f32(&x32, x));
+    fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
+    if (st == FSDP_OK) kernel(f32p(r), f32p(x32), tensor_numel(x));
+    tensor_release(x32);
+    if (st != FSDP_OK) return st;
+    return op_done(out, NULL, r, x->dtype, name, bwd, 1, ts, 0, NULL);
+}
+
+static fsdp_status gelu_backward(fsdp_node *node) { return unary_backward(node, cpu_gelu_backward_f32); }
+static fsdp_status silu_backward(fsdp_node *node) { return unary_backward(node, cpu_silu_backward_f32); }
+
+fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x) {
+    return unary_forward(out, x, "fsdp_gelu", "gelu", cpu_gelu_forward_f32, gelu_backward);
+}
+
+fsdp_status fsdp_silu(fsdp_tensor **out, fsdp_tensor *x) {
+    return unary_forward(out, x, "fsdp_silu", "silu", cpu_silu_forward_f32, silu_backward);
+}
+
+/* ---- softmax and log-softmax over the last dim ---- */
+
+typedef void (*row_fwd_fn)(float *out, const float *x, int64_t rows, int64_t cols);
+typedef void (*row_bwd_fn)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+
+/* Both backwards need only the output y, which the node holds. */
+static fsdp_status softmax_like_backward(fsdp_node *node, row_bwd_fn kernel) {
+    fsdp_tensor *dout, *y = NULL, *dx = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    int64_t rows, cols;
+    rows_cols(node->in[0], &rows, &cols);
+    fsdp_status st = tensor_as_f32(&y, node->out[0]);
+    if (st == FSDP_OK) st = op_new_f32(&dx, y->ndim, y->shape);
+    if (st == FSDP_OK) kernel(f32p(dx), f32p(y), f32p(dout), rows, cols);
+    tensor_release(y);
+    tensor_release(dout);
+    return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
+}
+
+static fsdp_status softmax_like_forward(fsdp_tensor **out, fsdp_tensor *x, const char *op, const char *name,
+                                        row_fwd_fn kernel, fsdp_backward_fn bwd) {
+    const char *names[] = {"x"};
+    fsdp_tensor *ts[] = {x}, *x32, *r;
+    FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 1, names, ts));
+    int64_t rows, cols;
+    rows_cols(x, &rows, &cols);
+    FSDP_TRY(tensor_as_f32(&x32, x));
+    fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
+    if (st == FSDP_OK) kernel(f32p(r), f32p(x32), rows, cols);
+    tensor_release(x32);
+    if (st != FSDP_OK) return st;
+    return op_done(out, NULL, r, x->dtype, name, bwd, 1, ts, 0, NULL);
+}
+
+static fsdp_status softmax_backward(fsdp_node *node) {
+    return softmax_like_backward(node, cpu_softmax_backward_f32);
+}
+static fsdp_status log_softmax_backward(fsdp_node *node) {
+    return softmax_like_backward(node, cpu_log_softmax_backward_f32);
+}
+
+fsdp_status fsdp_softmax(fsdp_tensor **out, fsdp_tensor *x) {
+    return softmax_like_forward(out, x, "fsdp_softmax", "softmax", cpu_softmax_forward_f32, softmax_backward);
+}
+
+fsdp_status fsdp_log_softmax(fsdp_tensor **out, fsdp_tensor *x) {
+    return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", cpu_log_softmax_forward_f32,
+                                log_softmax_backward);
+}
+
+/* ---- layernorm and RMSNorm over the last dim ---- */
+
+/* A norm's weight or bias (names[i]) must be (C), C the last dim of x. */
+static fsdp_status check_norm_params(const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                                     double eps) {
+    int64_t rows, C;
+    rows_cols(ts[0], &rows, &C);
+    for (int i = 1; i < n; i++) {
+        fsdp_tensor *p = ts[i];
+        if (!p || (p->ndim == 1 && p->shape[0] == C)) continue;
+        if (tensor_numel(p) != C)
+            return op_fail(FSDP_ERR_SHAPE, op, n, names, ts, "%s has %lld elements, expected %lld (the last dim of x)",
+                           names[i], (long long)tensor_numel(p), (long long)C);
+        return op_fail(FSDP_ERR_SHAPE, op, n, names, ts, "%s must be 1-D with %lld elements (the last dim of x)",
+                       names[i], (long long)C);
+    }
+    if (!(eps >= 0))   /* NaN too */
+        return op_fail(FSDP_ERR_INVALID, op, n, names, ts, "eps is %g, expected >= 0", eps);
+    return FSDP_OK;
+}
+
+/* Gradient buffer for optional parameter i, or NULL when it needs none. */
+static fsdp_status param_grad_buf(fsdp_node *node, int i, fsdp_tensor **out) {
+    *out = NULL;
+    if (!node_needs_grad(node, i)) return FSDP_OK;
+    return op_new_f32(out, node->in[i]->ndim, node->in[i]->shape);
+}
+
+/* saved[0] mean (rows), saved[1] rstd (rows) */
+static fsdp_status layernorm_backward(fsdp_node *node) {
+    fsdp_tensor *dout, *x = NULL, *w = NULL, *dx = NULL, *dw = NULL, *db = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    int64_t rows, cols;
+    rows_cols(node->in[0], &rows, &cols);
+    fsdp_status st = tensor_as_f32(&x, node->in[0]);
+    if (st == FSDP_OK) st = stage_f32(&w, node->in[1]);
+    if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
+    if (st == FSDP_OK) st = param_grad_buf(node, 1, &dw);
+    if (st == FSDP_OK) st = param_grad_buf(node, 2, &db);
+    if (st == FSDP_OK)
+        cpu_layernorm_backward_f32(f32p(dx), f32p(dw), f32p(db), f32p(dout), f32p(x), f32p(w),
+                                   f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);
+    tensor_release(x);
+    tensor_release(w);
+    tensor_release(dout);
+    if (st != FSDP_OK) {
+        tensor_release(dx);
+        tensor_release(dw);
+        tensor_release(db);
+        return st;
+    }
+    /* op_give_grad takes its argument even when it fails: give all three */
+    fsdp_status s1 = op_give_grad(node, 0, dx);
+    fsdp_status s2 = dw ? op_give_grad(node, 1, dw) : FSDP_OK;
+    fsdp_status s3 = db ? op_give_grad(node, 2, db) : FSDP_OK;
+    return s1 != FSDP_OK ? s1 : s2 != FSDP_OK ? s2 : s3;
+}
+
+fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias, double eps) {
+    const char *op = "fsdp_layernorm", *names[] = {"x", "weight", "bias"};
+    fsdp_tensor *ts[] = {x, weight, bias};
+    const bool optional[] = {false, true, true};
+    FSDP_TRY(op_check(op, out, 3, names, ts, optional));
+    FSDP_TRY(op_check_float(op, 3, names, ts));
+    FSDP_TRY(check_norm_params(op, 3, names, ts, eps));
+    int64_t rows, cols, rshape[1];
+    rows_cols(x, &rows, &cols);
+    rshape[0] = rows;
+    fsdp_tensor *x32 = NULL, *w32 = NULL, *b32 = NULL, *r = NULL, *mean = NULL, *rstd = NULL;
+    fsdp_status st = tensor_as_f32(&x32, x);
+    if (st == FSDP_OK) st = stage_f32(&w32, weight);
+    if (st == FSDP_OK) st = stage_f32(&b32, bias);
+    if (st == FSDP_OK) st = op_new_f32(&r, x->ndim, x->shape);
+    if (st == FSDP_OK) st = op_new_f32(&mean, 1, rshape);
+    if (st == FSDP_OK) st = op_new_f32(&rstd, 1, rshape);
+    if (st == FSDP_OK)
+        cpu_layernorm_forward_f32(f32p(r), f32p(mean), f32p(rstd), f32p(x32), f32p(w32), f32p(b32), rows, cols,
+                                  (float)eps);
+    tensor_release(x32);
+    tensor_release(w32);
+    tensor_release(b32);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        tensor_release(mean);
+        tensor_release(rstd);
+        return st;
+    }
+    fsdp_tensor *saved[] = {mean, rstd};
+    return op_done(out, NULL, r, x->dtype, "layernorm", layernorm_backward, 3, ts, 2, saved);
+}
+
+/* saved[0] rstd (rows) */
+static fsdp_status rmsnorm_backward(fsdp_node *node) {
+    fsdp_tensor *dout, *x = NULL, *w = NULL, *dx = NULL, *dw = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    int64_t rows, cols;
+    rows_cols(node->in[0], &rows, &cols);
+    fsdp_status st = tensor_as_f32(&x, node->in[0]);
+    if (st == FSDP_OK) st = stage_f32(&w, node->in[1]);
+    if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
+    if (st == FSDP_OK) st = param_grad_buf(node, 1, &dw);
+    if (st == FSDP_OK)
+        cpu_rmsnorm_backward_f32(f32p(dx), f32p(dw), f32p(dout), f32p(x), f32p(w), f32p(node->saved[0]), rows, cols);
+    tensor_release(x);
+    tensor_release(w);
+    tensor_release(dout);
+    if (st != FSDP_OK) {
+        tensor_release(dx);
+        tensor_release(dw);
+        return st;
+    }
+    fsdp_status s1 = op_give_grad(node, 0, dx);
+    fsdp_status s2 = dw ? op_give_grad(node, 1, dw) : FSDP_OK;
+    return s1 != FSDP_OK ? s1 : s2;
+}
+
+fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, double eps) {
+    const char *op = "fsdp_rmsnorm", *names[] = {"x", "weight"};
+    fsdp_tensor *ts[] = {x, weight};
+    const bool optional[] = {false, true};
+    FSDP_TRY(op_check(op, out, 2, names, ts, optional));
+    FSDP_TRY(op_check_float(op, 2, names, ts));
+    FSDP_TRY(check_norm_params(op, 2, names, ts, eps));
+    int64_t rows, cols, rshape[1];
+    rows_cols(x, &rows, &cols);
+    rshape[0] = rows;
+    fsdp_tensor *x32 = NULL, *w32 = NULL, *r = NULL, *rstd = NULL;
+    fsdp_status st = tensor_as_f32(&x32, x);
+    if (st == FSDP_OK) st = stage_f32(&w32, weight);
+    if (st == FSDP_OK) st = op_new_f32(&r, x->ndim, x->shape);
+    if (st == FSDP_OK) st = op_new_f32(&rstd, 1, rshape);
+    if (st == FSDP_OK) cpu_rmsnorm_forward_f32(f32p(r), f32p(rstd), f32p(x32), f32p(w32), rows, cols, (float)eps);
+    tensor_release(x32);
+    tensor_release(w32);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        tensor_release(rstd);
+        return st;
+    }
+    fsdp_tensor *saved[] = {rstd};
+    return op_done(out, NULL, r, x->dtype, "rmsnorm", rmsnorm_backward, 2, ts, 1, saved);
+}
+
+/* ---- index checks shared by embedding and cross-entropy ---- */
+
+/* "[1,2]": the multi-index of flat position pos in shape, for messages. */
+static const char *index_str(int ndim, const int64_t *shape, int64_t pos, char *buf, size_t size) {
+    int64_t idx[FSDP_MAX_DIMS];
+    for (int d = ndim - 1; d >= 0; d--) {
+        idx[d] = shape[d] ? pos % shape[d] : 0;
+        pos = shape[d] ? pos / shape[d] : 0;
+    }
+    return shape_str(ndim, idx, buf, size);
+}
+
+/* First position of ids (i64, contiguous) outside [0, limit), or -1; with
+ * has_skip, the value skip (an ignore_index) is allowed too. */
+static int64_t first_bad_index(const fsdp_tensor *ids, int64_t limit, bool has_skip, int64_t skip) {
+    const int64_t *p = tensor_data(ids);
+    int64_t n = tensor_numel(ids);
+    for (int64_t i = 0; i < n; i++)
+        if ((p[i] < 0 || p[i] >= limit) && !(has_skip && p[i] == skip)) return i;
+    return -1;
+}
+
+/* ---- embedding ---- */
+
+static fsdp_status embedding_backward(fsdp_node *node) {
+    if (!node_needs_grad(node, 0)) return FSDP_OK;
+    fsdp_tensor *dout, *ids = NULL, *dtable = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    fsdp_tensor *table = node->in[0];
+    int64_t V = table->shape[0], C = table->shape[1];
+    fsdp_status st = tensor_as_i64(&ids, node->in[1]);
+    if (st == FSDP_OK) st = op_new_f32(&dtable, 2, table->shape);
+    if (st == FSDP_OK) cpu_embedding_backward_f32(f32p(dtable), V, tensor_data(ids), tensor_numel(ids), f32p(dout), C);
+    tensor_release(ids);
+    tensor_release(dout);
+    return st == FSDP_OK ? op_give_grad(node, 0, dtable) : st;
+}
+
+/* Gathers rows of any element size: a bf16 table is read in place rather
+ * than widening all V rows for the few the ids pick. */
+static void gather_rows(void *out, const void *table, const int64_t *ids, int64_t n, size_t row_bytes) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)out + (size_t)i * row_bytes, (const char *)table + (size_t)ids[i] * row_bytes, row_bytes);
+}
+
+fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids) {
+    const char *op = "fsdp_embedding", *names[] = {"table", "ids"};
+    fsdp_tensor *ts[] = {table, ids};
+    FSDP_TRY(op_check(op, out, 2, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 1, names, ts));
+    if (table->ndim != 2)
+        return op_fail(FSDP_ERR_SHAPE, op, 2, names, ts, "table must be 2-D (V, C)");
+    if (!dtype_is_index(ids->dtype))
+        return op_fail(FSDP_ERR_DTYPE, op, 2, names, ts, "ids must be i32, i64 or u16");
+    if (ids->ndim + 1 > FSDP_MAX_DIMS)
+        return op_fail(FSDP_ERR_SHAPE, op, 2, names, ts, "ids has %d dims; the output would have more than %d",
+                       ids->ndim, FSDP_MAX_DIMS);
+    int64_t V = table->shape[0], C = table->shape[1], n = tensor_numel(ids);
+    fsdp_tensor *ids64 = NULL, *tab = NULL, *res = NULL;
+    FSDP_TRY(tensor_as_i64(&ids64, ids));
+    fsdp_status st = FSDP_OK;
+    int64_t bad = first_bad_index(ids64, V, false, 0);
+    if (bad >= 0) {
+        char pos[160];
+        st = op_fail(FSDP_ERR_INDEX, op, 2, names, ts, "ids%s is %lld, expected 0 <= id < %lld (the rows of table)",
+                     index_str(ids->ndim, ids->shape, bad, pos, sizeof pos),
+                     (long long)((const int64_t *)tensor_data(ids64))[bad], (long long)V);
+    }
+    int64_t oshape[FSDP_MAX_DIMS];
+    memcpy(oshape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
+    oshape[ids->ndim] = C;
+    if (st == FSDP_OK) st = tensor_contiguous(&tab, table);
+    /* the output is made in the table's dtype directly: nothing to convert */
+    if (st == FSDP_OK)
+        st = tensor_new(&res, table->dtype, ids->ndim + 1, oshape, FSDP_DEVICE_CPU, fsdp_default_tag(), false);
+    if (st == FSDP_OK) {
+        if (table->dtype == FSDP_F32) cpu_embedding_forward_f32(f32p(res), tensor_data(ids64), n, f32p(tab), C);
+        else gather_rows(tensor_data(res), tensor_data(tab), tensor_data(ids64), n, (size_t)C * fsdp_dtype_size(table->dtype));
+    }
+    tensor_release(ids64);
+    tensor_release(tab);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    /* res is already in its final dtype; F32 makes op_finish pass it through */
+    return op_done(out, NULL, res, FSDP_F32, "embedding", embedding_backward, 2, ts, 0, NULL);
+}
+
+/* ---- cross-entropy ---- */
+
+/* saved[0] lse (N); i[0] ignore_index, i[1] valid_v, i[2] count of rows not ignored */
+static fsdp_status cross_entropy_backward(fsdp_node *node) {
+    if (!node_needs_grad(node, 0)) return FSDP_OK;
+    fsdp_tensor *dout, *logits = NULL, *targets = NULL, *dx = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    int64_t N = node->in[0]->shape[0], V = node->in[0]->shape[1], count = node->i[2];
+    /* the loss is a mean: each row's share of dloss is dloss / count */
+    float dloss = count ? f32p(dout)[0] / (float)count : 0.0f;
+    tensor_release(dout);
+    fsdp_status st = tensor_as_f32(&logits, node->in[0]);
+    if (st == FSDP_OK) st = tensor_as_i64(&targets, node->in[1]);
+    if (st == FSDP_OK) st = op_new_f32(&dx, 2, node->in[0]->shape);
+    if (st == FSDP_OK)
+        cpu_cross_entropy_backward_f32(f32p(dx), f32p(logits), f32p(node->saved[0]), tensor_data(targets), N, V,
+                                       node->i[1], node->i[0], dloss);
+    tensor_release(logits);
+    tensor_release(targets);
+    return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
+}
+
+fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets, int64_t ignore_index,
+                               int64_t valid_vocab) {
+    const char *op = "fsdp_cross_entropy", *names[] = {"logits", "targets"};
+    fsdp_tensor *ts[] = {logits, targets};
+    FSDP_TRY(op_check(op, out, 2, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 1, names, ts));
+    if (!dtype_is_index(targets->dtype))
+        return op_fail(FSDP_ERR_DTYPE, op, 2, names, ts, "targets must be i32, i64 or u16");
+    if (logits->ndim != 2) return op_fail(FSDP_ERR_SHAPE, op, 2, names, ts, "logits must be 2-D (N, V)");
+    int64_t N = logits->shape[0], V = logits->shape[1];
+    if (targets->ndim != 1 || targets->shape[0] != N)
+        return op_fail(FSDP_ERR_SHAPE, op, 2, names, ts, "targets must be 1-D with %lld elements (the rows of logits)",
+                       (long long)N);
+    if (valid_vocab < 0 || valid_vocab > V)
+        return op_fail(FSDP_ERR_INVALID, op, 2, names, ts, "valid_vocab is %lld, expected 0..%lld (0 = all columns)",
+                       (long long)valid_vocab, (long long)V);
+    int64_t valid_v = valid_vocab ? valid_vocab : V, rshape[1] = {N};
+    fsdp_tensor *t64 = NULL, *x32 = NULL, *losses = NULL, *lse = NULL, *r = NULL;
+    FSDP_TRY(tensor_as_i64(&t64, targets));
+    fsdp_status st = FSDP_OK;
+    int64_t bad = first_bad_index(t64, valid_v, true, ignore_index);
+    if (bad >= 0)
+        st = op_fail(FSDP_ERR_INDEX, op, 2, names, ts,
+                     "targets[%lld] is %lld, expected 0 <= target < %lld (valid_vocab) or ignore_index %lld",
+                     (long long)bad, (long long)((const int64_t *)tensor_data(t64))[bad], (long long)valid_v,
+                     (long long)ignore_index);
+    if (st == FSDP_OK) st = tensor_as_f32(&x32, logits);
+    if (st == FSDP_OK) st = op_new_f32(&losses, 1, rshape);
+    if (st == FSDP_OK) st = op_new_f32(&lse, 1, rshape);
+    if (st == FSDP_OK) st = op_new_f32(&r, 0, NULL);
+    int64_t count = 0;
+    if (st == FSDP_OK) {
+        count = cpu_cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N, V, valid_v,
+                                              ignore_index);
+        /* ignored rows hold 0, so the sum runs over all N; no rows: loss 0 */
+        f32p(r)[0] = count ? (float)(cpu_sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
+    }
+    tensor_release(t64);
+    tensor_release(x32);
+    tensor_release(losses);
+    if (st != FSDP_OK) {
+        tensor_release(lse);
+        tensor_release(r);
+        return st;
+    }
+    fsdp_node *node = NULL;
+    fsdp_tensor *saved[] = {lse};
+    FSDP_TRY(op_done(out, &node, r, logits->dtype, "cross_entropy", cross_entropy_backward, 2, ts, 1, saved));
+    if (node) {
+        node->i[0] = ignore_index;
+        node->i[1] = valid_v;
+        node->i[2] = count;
+    }
+    return FSDP_OK;
+}
+
+/* ---- attention ---- */
+
+/* saved[0] lse (B, H, T), saved[1] the output; f[0] scale, i[0] causal */
+static fsdp_status attention_backward(fsdp_node *node) {
+    fsdp_tensor *dout, *q = NULL, *k = NULL, *v = NULL, *o = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    const int64_t *s = node->in[0]->shape;
+    fsdp_status st = tensor_as_f32(&q, node->in[0]);
+    if (st == FSDP_OK) st = tensor_as_f32(&k, node->in[1]);
+    if (st == FSDP_OK) st = tensor_as_f32(&v, node->in[2]);
+    if (st == FSDP_OK) st = tensor_as_f32(&o, node->saved[1]);
+    if (st == FSDP_OK) st = op_new_f32(&dq, 4, s);
+    if (st == FSDP_OK) st = op_new_f32(&dk, 4, s);
+    if (st == FSDP_OK) st = op_new_f32(&dv, 4, s);
+    if (st == FSDP_OK)
+        cpu_attention_backward_f32(f32p(dq), f32p(dk), f32p(dv), f32p(dout), f32p(q), f32p(k), f32p(v), f32p(o),
+                                   f32p(node->saved[0]), s[0], s[1], s[2], s[3], (int)node->i[0],
+                                   (float)node->f[0]);
+    tensor_release(q);
+    tensor_release(k);
+    tensor_release(v);
+    tensor_release(o);
+    tensor_release(dout);
+    if (st != FSDP_OK) {
+        tensor_release(dq);
+        tensor_release(dk);
+        tensor_release(dv);
+        return st;
+    }
+    fsdp_status s1 = op_give_grad(node, 0, dq);
+    fsdp_status s2 = op_give_grad(node, 1, dk);
+    fsdp_status s3 = op_give_grad(node, 2, dv);
+    return s1 != FSDP_OK ? s1 : s2 != FSDP_OK ? s2 : s3;
+}
+
+fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fsdp_tensor *v, int causal,
+                           double scale) {
+    const char *op = "fsdp_attention", *names[] = {"q", "k", "v"};
+    fsdp_tensor *ts[] = {q, k, v};
+    FSDP_TRY(op_check(op, out, 3, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 3, names, ts));
+    if (q->ndim != 4) return op_fail(FSDP_ERR_SHAPE, op, 3, names, ts, "q must be 4-D (B, H, T, D)");
+    for (int i = 1; i < 3; i++)
+        if (ts[i]->ndim != 4 || memcmp(ts[i]->shape, q->shape, 4 * sizeof(int64_t)) != 0)
+            return op_fail(FSDP_ERR_SHAPE, op, 3, names, ts, "%s must have the shape of q", names[i]);
+    if (isnan(scale)) return op_fail(FSDP_ERR_INVALID, op, 3, names, ts, "scale is NaN");
+    const int64_t *s = q->shape;
+    if (scale <= 0) scale = s[3] > 0 ? 1.0 / sqrt((double)s[3]) : 1.0;
+    int64_t lshape[3] = {s[0], s[1], s[2]};
+    fsdp_tensor *q32 = NULL, *k32 = NULL, *v32 = NULL, *r = NULL, *lse = NULL;
+    fsdp_status st = tensor_as_f32(&q32, q);
+    if (st == FSDP_OK) st = tensor_as_f32(&k32, k);
+    if (st == FSDP_OK) st = tensor_as_f32(&v32, v);
+    if (st == FSDP_OK) st = op_new_f32(&r, 4, s);
+    if (st == FSDP_OK) st = op_new_f32(&lse, 3, lshape);
+    if (st == FSDP_OK)
+        cpu_attention_forward_f32(f32p(r), f32p(lse), f32p(q32), f32p(k32), f32p(v32), s[0], s[1], s[2], s[3],
+                                  causal != 0, (float)scale);
+    tensor_release(q32);
+    tensor_release(k32);
+    tensor_release(v32);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        tensor_release(lse);
+        return st;
+    }
+    fsdp_node *node = NULL;
+    fsdp_tensor *res, *saved[] = {lse};
+    FSDP_TRY(op_done(&res, &node, r, q->dtype, "attention", attention_backward, 3, ts, 1, saved));
+    if (node) {
+        node->f[0] = scale;
+        node->i[0] = causal != 0;
+        /* A second tensor object over the output's storage, not the output
+         * itself: the tape's sweep judges a node dead by the references to
+         * its outputs, which an extra one here would keep alive forever. */
+        node->saved[1] = tensor_view(res, res->ndim, res->shape, res->strides, res->offset);
+        if (!node->saved[1]) {
+            tensor_release(res);
+            return op_fail(FSDP_ERR_OOM, op, 3, names, ts, "out of host memory for a saved view");
+        }
+    }
+    *out = res;
+    return FSDP_OK;
+}
+
+/* ---- dropout ---- */
+
+/* f[0] p, i[0] seed, i[1] offset: the mask is recomputed, never stored */
+static fsdp_status dropout_backward(fsdp_node *node) {
+    fsdp_tensor *dout, *dx = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    fsdp_status st = op_new_f32(&dx, dout->ndim, dout->shape);
+    if (st == FSDP_OK)
+        cpu_dropout_f32(f32p(dx), f32p(dout), tensor_numel(dout), (float)node->f[0], (uint64_t)node->i[0],
+                        node->i[1]);
+    tensor_release(dout);
+    return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
+}
+
+fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset) {
+    const char *op = "fsdp_dropout", *names[] = {"x"};
+    fsdp_tensor *ts[] = {x}, *x32, *r;
+    FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 1, names, ts));
+    /* the kernel works in float: p that rounds to 1 would scale by 1/0 */
+    if (!(p >= 0 && p < 1) || (float)p >= 1.0f)
+        return op_fail(FSDP_ERR_INVALID, op, 1, names, ts, "p is %.17g, expected 0 <= p < 1", p);
+    if (offset < 0) return op_fail(FSDP_ERR_INVALID, op, 1, names, ts, "offset is %lld, expected >= 0", (long long)offset);
+    FSDP_TRY(tensor_as_f32(&x32, x));
+    fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
+    if (st == FSDP_OK) cpu_dropout_f32(f32p(r), f32p(x32), tensor_numel(x), (float)p, seed, offset);
+    tensor_release(x32);
+    if (st != FSDP_OK) return st;
+    fsdp_node *node = NULL;
+    FSDP_TRY(op_done(out, &node, r, x->dtype, "dropout", dropout_backward, 1, ts, 0, NULL));
+    if (node) {
+        node->f[0] = p;
+        node->i[0] = (int64_t)seed;
+        node->i[1] = offset;
+    }
+    return FSDP_OK;
+}

@@ -1,0 +1,164 @@
+-- fsdp.cli: the command line of fsdp-lua (the launcher calls main(argv)).
+--
+--   fsdp-lua [options] [script [--key=value ...]]
+--
+-- A recipe receives its options as a table: `local opts = ...` at its top
+-- gets {steps = 10, lr = 0.01, name = "x", flag = true, [1] = positional}
+-- from `--steps=10 --lr=0.01 --name=x --flag positional`.
+
+local M = {}
+
+M.usage = [==[
+usage: fsdp-lua [options] [script [--key=value ...]]
+
+Runs a Lua recipe on the fsdp engine, or starts an interactive REPL.
+
+options:
+  -e CODE        run CODE (repeatable; runs before the script)
+  -l MODULE      require MODULE into the global of the same name
+                 (the last part of a dotted name: -l fsdp.nn sets nn)
+  -i             enter the REPL after running the script or -e code
+  -v, --version  print the fsdp-lua, engine and LuaJIT versions
+  -h, --help     print this help
+  --             stop handling options
+  -              read the script from stdin
+
+The script gets its arguments as a table (`local opts = ...`):
+  --key=value    opts.key = value (numbers converted, true/false as booleans;
+                 dashes in keys become underscores)
+  --flag         opts.flag = true     (--no-flag: opts.flag = false)
+  word           opts[1], opts[2], ... in order
+and the usual global `arg` (arg[0] the script, arg[1]... its arguments).
+
+Without a script (and without -e or -v), fsdp-lua starts the REPL, also when
+stdin is a pipe.
+
+examples:
+  fsdp-lua                                   # REPL, `fsdp` preloaded
+  fsdp-lua recipes/mlp.lua --steps=500 --lr=0.1
+  mpirun -np 4 fsdp-lua recipes/gpt2.lua --preset=small
+  fsdp-lua -e 'print(fsdp.randn(2, 3))'
+  fsdp-lua -l fsdp -i recipes/mlp.lua --steps=10
+  echo 'print(1 + 2)' | fsdp-lua -
+
+environment:
+  FSDP_LUA_PATH  extra Lua path (a folder or a package.path template), searched first
+]==]
+
+local function convert(v)
+  if v == "true" then return true end
+  if v == "false" then return false end
+  return tonumber(v) or v
+end
+
+--- Options table from script arguments list[first..#list].
+function M.parse_script_args(list, first)
+  local opts = {}
+  for i = first or 1, #list do
+    local a = list[i]
+    local key, value = a:match("^%-%-([^=]+)=(.*)$")
+    if key then
+      opts[(key:gsub("-", "_"))] = convert(value)
+    elseif a:match("^%-%-no%-.") then
+      opts[(a:sub(6):gsub("-", "_"))] = false
+    elseif a:match("^%-%-.") then
+      opts[(a:sub(3):gsub("-", "_"))] = true
+    else
+      opts[#opts + 1] = a
+    end
+  end
+  return opts
+end
+
+local function fail(msg)
+  io.stderr:write("fsdp-lua: ", msg, "\n")
+  return 1
+end
+
+local function version_line(fsdp)
+  return string.format("fsdp-lua %s (engine %s, %s)", fsdp.version(), fsdp.version(), jit and jit.version or _VERSION)
+end
+
+-- os.exit ends the runtime first, so that a recipe exiting early under
+-- mpirun neither leaves MPI unfinalized nor leaves other ranks waiting.
+local function guard_exit(fsdp)
+  local raw_exit = os.exit
+  os.exit = function(code, close)
+    local n = (code == nil or code == true) and 0 or code == false and 1 or tonumber(code) or 1
+    io.stdout:flush()
+    if n ~= 0 and fsdp.world() > 1 then
+      fsdp.C.fsdp_runtime_abort(string.format("fsdp-lua: rank %d: os.exit(%d)", fsdp.rank(), n), n)
+    end
+    fsdp.C.fsdp_runtime_finalize()
+    raw_exit(code, close)
+  end
+end
+
+function M.main(argv)
+  argv = argv or {}
+  local actions, interactive, show_version, script = {}, false, false, nil
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    if a == "-e" or a == "-l" then
+      if argv[i + 1] == nil then return fail(a .. " needs an argument (see --help)") end
+      actions[#actions + 1] = { a, argv[i + 1] }
+      i = i + 2
+    elseif a == "-i" then
+      interactive, i = true, i + 1
+    elseif a == "-v" or a == "--version" then
+      show_version, i = true, i + 1
+    elseif a == "-h" or a == "--help" then
+      io.stdout:write(M.usage)
+      return 0
+    elseif a == "--" then
+      i = i + 1
+      script = argv[i]
+      break
+    elseif a ~= "-" and a:sub(1, 1) == "-" then
+      return fail("unknown option " .. a .. " (see --help)")
+    else
+      script = a
+      break
+    end
+  end
+
+  local fsdp = require "fsdp"
+  _G.fsdp = fsdp   -- for -e code and the REPL; recipes require it themselves
+  guard_exit(fsdp)
+  if show_version then print(version_line(fsdp)) end
+
+  for _, act in ipairs(actions) do
+    if act[1] == "-l" then
+      local name = act[2]
+      _G[name:match("[^.]+$")] = require(name)
+    else
+      local chunk, err = loadstring(act[2], "=(command line)")
+      if not chunk then error(err, 0) end
+      chunk()
+    end
+  end
+
+  if script then
+    local chunk, err
+    if script == "-" then
+      chunk, err = load(function() return io.stdin:read(4096) end, "=stdin")
+    else
+      local f, oerr = io.open(script, "r")
+      if not f then
+        return fail(string.format("cannot open recipe '%s': %s", script, (oerr:gsub("^.-: ", ""))))
+      end
+      f:close()
+      chunk, err = loadfile(script)
+    end
+    if not chunk then error(err, 0) end
+    chunk(M.parse_script_args(argv, i + 1))
+  end
+
+  if interactive or (not script and #actions == 0 and not show_version) then
+    require("fsdp.repl").run()
+  end
+  return 0
+end
+
+return M

@@ -1,0 +1,134 @@
+-- fsdp.core: the binding to libfsdp and the few helpers every module shares.
+--
+-- Every engine call returns a status (0 = OK) and leaves a message naming
+-- the op, shapes, dtypes, device and rank in fsdp_last_error(); raise()
+-- turns that into a Lua error reported at the user's line, not at ours.
+
+local ffi = require "ffi"
+
+ffi.cdef(require "fsdp.cdef")
+
+-- Under the fsdp-lua launcher the engine is linked into the executable and
+-- its symbols are visible through ffi.C; under plain luajit, load the library.
+local C
+do
+  local linked = pcall(function() return ffi.C.fsdp_version end)
+  C = linked and ffi.C or ffi.load(os.getenv("FSDP_LIB") or "fsdp")
+end
+
+local M = { C = C, ffi = ffi }
+
+local last_error = C.fsdp_last_error
+local getinfo = debug.getinfo
+
+-- Frames whose source lies in this folder belong to the library.
+local libdir = "@" .. (getinfo(1, "S").source:match("^@(.*/)") or "")
+
+-- Level (counted from raise's caller's caller, as error() counts) of the
+-- first stack frame outside the library: where the user made the call.
+local function user_level()
+  local level = 3
+  while true do
+    local info = getinfo(level, "S")
+    if not info then return 0 end
+    if info.what ~= "C" and info.source:sub(1, #libdir) ~= libdir then return level - 1 end
+    level = level + 1
+  end
+end
+
+-- Raises the engine's last error (or msg) at the user's level.
+local function raise(msg)
+  msg = msg or ffi.string(last_error())
+  local level = user_level()
+  error(msg, level > 0 and level or 0)
+end
+M.raise = raise
+
+-- check(status, ...) returns ... when status is 0, else raises.
+function M.check(st, ...)
+  if st ~= 0 then raise() end
+  return ...
+end
+
+-- ---- enums by name ----
+
+M.dtype_names = { [0] = "f32", "bf16", "i32", "i64", "u16" }
+local dtype_ids = {
+  f32 = 0, float32 = 0, float = 0,
+  bf16 = 1, bfloat16 = 1,
+  i32 = 2, int32 = 2, int = 2,
+  i64 = 3, int64 = 3, long = 3,
+  u16 = 4, uint16 = 4,
+}
+function M.dtype_id(d, default)
+  if d == nil then return default or 0 end
+  local id = dtype_ids[d]
+  if id then return id end
+  if type(d) == "number" and M.dtype_names[d] then return d end
+  raise("unknown dtype " .. tostring(d) .. " (expected f32, bf16, i32, i64 or u16)")
+end
+M.dtype_is_float = { [0] = true, [1] = true }
+
+M.tag_names = { [0] = "param", "grad", "optimizer", "activation", "comm", "other" }
+local tag_ids = { param = 0, grad = 1, optimizer = 2, activation = 3, comm = 4, other = 5 }
+function M.tag_id(tag, default)
+  if tag == nil then return default end
+  local id = tag_ids[tag]
+  if id then return id end
+  if type(tag) == "number" and M.tag_names[tag] then return tag end
+  raise("unknown memory tag " .. tostring(tag) ..
+        " (expected param, grad, optimizer, activation, comm or other)")
+end
+
+M.device_names = { [0] = "cpu", "cuda" }
+function M.device_id(d)
+  if d == nil or d == "cpu" or d == 0 then return 0 end
+  if d == "cuda" or d == 1 then return 1 end
+  raise("unknown device " .. tostring(d) .. " (expected cpu or cuda)")
+end
+
+-- ---- tensor handles ----
+
+M.tensor_ptr = ffi.typeof("fsdp_tensor *")
+local release = C.fsdp_tensor_release
+M.release = release
+local ffi_gc = ffi.gc
+
+-- One out-box for the many calls that return a new tensor. Calls never
+-- nest between filling it and wrap() emptying it.
+local out = ffi.new("fsdp_tensor *[1]")
+M.out = out
+
+-- The new reference in out[0], owned by the Lua GC from now on.
+function M.wrap()
+  local p = out[0]
+  out[0] = nil
+  return ffi_gc(p, release)
+end
+
+-- Same, but nil for a NULL result (e.g. no gradient yet).
+function M.wrap_or_nil()
+  local p = out[0]
+  if p == nil then return nil end
+  out[0] = nil
+  return ffi_gc(p, release)
+end
+
+-- Tensors given back early with :free(). Weak keys: the cdata object is the
+-- identity, so a later tensor at the same address is not affected.
+M.freed = setmetatable({}, { __mode = "k" })
+
+local istype = ffi.istype
+local tensor_ptr = M.tensor_ptr
+local freed = M.freed
+
+-- Validates a tensor argument: right type, not freed.
+function M.T(x, what)
+  if not istype(tensor_ptr, x) then
+    raise((what or "argument") .. ": expected a tensor, got " .. type(x))
+  end
+  if freed[x] then raise((what or "argument") .. ": tensor was freed with :free()") end
+  return x
+end
+
+return M

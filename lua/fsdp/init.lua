@@ -1,0 +1,71 @@
+-- fsdp: the Lua front end of the fsdp-lua engine.
+--
+--   local fsdp = require "fsdp"
+--   local x = fsdp.randn(4, 3, {seed = 1, requires_grad = true})
+--   local loss = (x * x):sum()
+--   loss:backward()
+--   print(x.grad)
+--
+-- Tensors (fsdp.tensor) and autograd (fsdp.autograd) live in their own
+-- modules; this one gathers their public functions in one table.
+
+local ffi = require "ffi"
+local core = require "fsdp.core"
+local tensor = require "fsdp.tensor"
+local autograd = require "fsdp.autograd"
+
+local C, raise = core.C, core.raise
+
+local fsdp = {}
+
+for k, v in pairs(tensor) do
+  if k ~= "methods" then fsdp[k] = v end
+end
+fsdp.Tensor = tensor.methods   -- add methods here to extend every tensor
+
+fsdp.backward = autograd.backward
+fsdp.no_grad = autograd.no_grad
+fsdp.enable_grad = autograd.enable_grad
+fsdp.set_grad_enabled = autograd.set_grad_enabled
+fsdp.is_grad_enabled = autograd.is_grad_enabled
+fsdp.Function = autograd.Function
+fsdp.tape_size = autograd.tape_size
+fsdp.tape_clear = autograd.tape_clear
+fsdp.tape_push = autograd.tape_push
+fsdp.tape_pop = autograd.tape_pop
+
+fsdp.autograd = autograd
+fsdp.memory = require "fsdp.memory"
+fsdp.core = core
+fsdp.C = C
+
+for id, name in pairs(core.dtype_names) do fsdp[name] = name end
+
+local int_box = ffi.new("int[2]")
+
+function fsdp.version()
+  local s = ffi.new("const char *[1]")
+  if C.fsdp_version(s) ~= 0 then raise() end
+  return ffi.string(s[0])
+end
+
+function fsdp.set_num_threads(n)
+  if C.fsdp_set_num_threads(n) ~= 0 then raise() end
+end
+
+function fsdp.num_threads()
+  if C.fsdp_get_num_threads(int_box) ~= 0 then raise() end
+  return int_box[0]
+end
+
+function fsdp.rank()
+  if C.fsdp_runtime_rank(int_box, int_box + 1) ~= 0 then raise() end
+  return int_box[0]
+end
+
+function fsdp.world()
+  if C.fsdp_runtime_rank(int_box, int_box + 1) ~= 0 then raise() end
+  return int_box[1]
+end
+
+return fsdp

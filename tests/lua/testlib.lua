@@ -1,0 +1,90 @@
+-- testlib: a tiny assertion helper for the Lua tests. Counts checks, keeps
+-- going after a failure, prints "N passed, N failed" and exits 1 on failure.
+--
+--   local t = require "testlib"
+--   t.eq(1 + 1, 2, "sum")
+--   t.near(x, 0.5, 1e-6, "value")
+--   local err = t.raises(function() ... end, {"fsdp_matmul", "3 vs 4"}, "matmul shapes")
+--   t.done()
+
+local M = { passed = 0, failed = 0 }
+
+local function where()
+  local info = debug.getinfo(3, "Sl")
+  return info and (info.short_src .. ":" .. info.currentline) or "?"
+end
+
+local function record(ok, name, detail)
+  if ok then
+    M.passed = M.passed + 1
+  else
+    M.failed = M.failed + 1
+    io.stderr:write("FAIL ", where(), ": ", name or "check", detail and ("\n     " .. detail) or "", "\n")
+  end
+  return ok
+end
+M.record = record
+
+function M.ok(cond, name) return record(cond and true or false, name) end
+
+function M.eq(got, want, name)
+  return record(got == want, name, "got " .. tostring(got) .. ", want " .. tostring(want))
+end
+
+function M.near(got, want, tol, name)
+  tol = tol or 1e-5
+  local ok = type(got) == "number" and math.abs(got - want) <= tol * math.max(1, math.abs(want))
+  return record(ok, name, "got " .. tostring(got) .. ", want " .. tostring(want) .. " (tol " .. tol .. ")")
+end
+
+-- Nested tables of numbers, elementwise within tol.
+local function close(a, b, tol)
+  if type(a) == "number" and type(b) == "number" then
+    return math.abs(a - b) <= tol * math.max(1, math.abs(b))
+  end
+  if type(a) ~= "table" or type(b) ~= "table" or #a ~= #b then return false end
+  for i = 1, #a do
+    if not close(a[i], b[i], tol) then return false end
+  end
+  return true
+end
+
+local function show(v)
+  if type(v) ~= "table" then return tostring(v) end
+  local parts = {}
+  for i = 1, #v do parts[i] = show(v[i]) end
+  return "{" .. table.concat(parts, ", ") .. "}"
+end
+M.show = show
+
+function M.all_near(got, want, tol, name)
+  return record(close(got, want, tol or 1e-5), name, "got " .. show(got) .. "\n     want " .. show(want))
+end
+
+-- fn must raise an error whose message contains every string in `needles`
+-- (plain text). Returns the message.
+function M.raises(fn, needles, name)
+  local ok, err = pcall(fn)
+  if ok then
+    record(false, name, "no error raised")
+    return nil
+  end
+  err = tostring(err)
+  if type(needles) == "string" then needles = { needles } end
+  for _, n in ipairs(needles or {}) do
+    if not err:find(n, 1, true) then
+      record(false, name, "error lacks '" .. n .. "': " .. err)
+      return err
+    end
+  end
+  record(true, name)
+  return err
+end
+
+function M.done()
+  print(string.format("%d passed, %d failed", M.passed, M.failed))
+  io.stdout:flush()
+  if M.failed > 0 then os.exit(1) end
+end
+
+return M

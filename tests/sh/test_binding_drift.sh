@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# lua/fsdp/cdef.lua must be what tools/gen_binding.lua makes from
+# engine/include/fsdp.h (DESIGN.md, "Decided" 1: no hand-kept copy).
+#   bash tests/sh/test_binding_drift.sh <launcher> <repo root>
+set -u
+L=${1:?usage: test_binding_drift.sh <launcher> <repo root>}
+ROOT=${2:?usage: test_binding_drift.sh <launcher> <repo root>}
+cd "$ROOT" || exit 1
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+# The generator is plain Lua: luajit when installed, else the launcher.
+if command -v luajit >/dev/null 2>&1; then RUN=luajit; else RUN=$L; fi
+if ! "$RUN" tools/gen_binding.lua "$TMP/cdef.lua"; then
+  echo "FAIL: tools/gen_binding.lua did not run"
+  exit 1
+fi
+
+if ! diff -u lua/fsdp/cdef.lua "$TMP/cdef.lua"; then
+  echo "FAIL: lua/fsdp/cdef.lua is out of date with engine/include/fsdp.h."
+  echo "Regenerate it with:  luajit tools/gen_binding.lua   (from the repository root)"
+  exit 1
+fi
+
+# It must also parse in a fresh LuaJIT (a header construct the FFI cannot
+# take shows up here by name, not as every Lua test failing at once).
+# (Under the launcher the binding is already loaded, so only with luajit.)
+if [ "$RUN" = luajit ] && ! luajit -e 'require("ffi").cdef(dofile("lua/fsdp/cdef.lua"))' 2>&1; then
+  echo "FAIL: lua/fsdp/cdef.lua does not parse"
+  exit 1
+fi
+echo "binding up to date"

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# The REPL, driven through a pipe and through a pseudo-terminal.
+#   bash tests/sh/test_repl.sh <launcher> <repo root>
+set -u
+L=${1:?usage: test_repl.sh <launcher> <repo root>}
+ROOT=${2:?usage: test_repl.sh <launcher> <repo root>}
+cd "$ROOT" || exit 1
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+export OPENBLAS_NUM_THREADS=1 HOME="$TMP"   # history goes to the temp folder
+
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
+has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
+hasnt() { if grep -qF -- "$3" <<<"$2"; then bad "$1: unexpected '$3'" "$2"; else ok; fi; }
+line() { if grep -qxF -- "$3" <<<"$2"; then ok; else bad "$1: no line '$3'" "$2"; fi; }
+
+# ---- through a pipe: no prompts, one result per input ----
+out=$(cat <<'EOF' | "$L" 2>&1
+1+2
+fsdp.tensor({1, 2, 3}) * 2
+error("boom")
+40 + 2
+fsdp.ones(2, 3):matmul(fsdp.ones(4, 5))
+"still alive"
+for i = 1, 3 do
+  io.write(i, ";")
+end
+print()
+function sq(x)
+  return x * x
+end
+sq(7)
+local s = [[a
+b]] print(#s * 10)
+{1, 2, name = "x"}
+1, nil, "three"
+x = 5
+x
+t = fsdp.zeros(2, 2)
+t:fill(3):sum()
+exit()
+print("not reached")
+EOF
+)
+rc=$?
+[ $rc -eq 0 ] && ok || bad "REPL exits 0 (got $rc)" "$out"
+line "1+2 prints 3" "$out" "3"
+has "tensor expression values" "$out" " 2  4  6"
+has "tensor expression footer" "$out" "[f32 tensor of shape (3) on cpu]"
+has "error message" "$out" "stdin:1: boom"
+has "error traceback" "$out" "stack traceback"
+line "the line after an error evaluates" "$out" "42"
+has "engine error message" "$out" "fsdp_matmul"
+line "the line after an engine error evaluates" "$out" "still alive"
+line "multi-line for block" "$out" "1;2;3;"
+line "multi-line function" "$out" "49"
+line "multi-line long string" "$out" "30"
+line "tables print readably" "$out" '{1, 2, name = "x"}'
+line "multiple results" "$out" $'1\tnil\tthree'
+line "globals persist" "$out" "5"
+line "method chain" "$out" "12"
+hasnt "exit() stops the loop" "$out" "not reached"
+hasnt "no prompt when not a terminal" "$out" "fsdp> "
+
+# syntax errors do not end the loop either
+out=$(printf 'x = = 1\nprint("after")\n' | "$L" 2>&1)
+has "syntax error reported" "$out" "stdin:1:"
+line "the line after a syntax error evaluates" "$out" "after"
+
+# Ctrl-D in the middle of a block: exits quietly
+out=$(printf 'for i = 1, 2 do\n' | "$L" 2>&1); rc=$?
+[ $rc -eq 0 ] && ok || bad "EOF inside a block exits 0 (got $rc)" "$out"
+
+# quit(3) sets the exit code
+printf 'quit(3)\n' | "$L" >/dev/null 2>&1; rc=$?
+[ $rc -eq 3 ] && ok || bad "quit(3) exits 3 (got $rc)"
+
+# ---- through a pseudo-terminal: prompts, readline, history ----
+PY=/usr/bin/python3
+[ -x "$PY" ] || PY=$(command -v python3 || true)
+if [ -n "$PY" ]; then
+  out=$("$PY" - "$L" <<'EOF' 2>&1
+import os, pty, select, subprocess, sys, time
+
+launcher = sys.argv[1]
+master, slave = pty.openpty()
+proc = subprocess.Popen([launcher], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+os.close(slave)
+buf = b""
+
+def expect(text, timeout=20):
+    global buf
+    end = time.time() + timeout
+    while text.encode() not in buf:
+        left = end - time.time()
+        if left <= 0:
+            print("TIMEOUT waiting for %r; got %r" % (text, buf.decode(errors="replace")))
+            proc.kill()
+            sys.exit(1)
+        r, _, _ = select.select([master], [], [], left)
+        if r:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                continue
+            buf += chunk
+    i = buf.index(text.encode()) + len(text)
+    seen, buf = buf[:i], buf[i:]
+    return seen.decode(errors="replace")
+
+expect("fsdp> ")
+print("PROMPT_OK")
+os.write(master, b"20 + 22\n")
+expect("42")
+print("EXPR_OK")
+expect("fsdp> ")
+os.write(master, b"for i = 1, 2 do\n")
+expect(">> ")
+print("CONTINUATION_OK")
+os.write(master, b"io.write(i * 100, ' ') end\n")
+expect("100 200")
+print("BLOCK_OK")
+expect("fsdp> ")
+os.write(master, b"fsdp.ones(2) + 1\n")
+expect("[f32 tensor of shape (2) on cpu]")
+print("TENSOR_OK")
+expect("fsdp> ")
+os.write(master, b"error('oops')\n")
+expect("stack traceback")
+expect("fsdp> ")
+os.write(master, b"1 + 1\n")
+expect("2")
+print("SURVIVES_OK")
+expect("fsdp> ")
+os.write(master, b"\x04")   # Ctrl-D
+try:
+    proc.wait(timeout=20)
+except subprocess.TimeoutExpired:
+    proc.kill()
+    print("NO_EXIT")
+    sys.exit(1)
+print("EXIT_%d" % proc.returncode)
+EOF
+)
+  for s in PROMPT_OK EXPR_OK CONTINUATION_OK BLOCK_OK TENSOR_OK SURVIVES_OK EXIT_0; do
+    has "pty: $s" "$out" "$s"
+  done
+  # with readline, the history is saved (best effort: only checked when built with it)
+  if nm -D "$L" 2>/dev/null | grep -q fsdp_repl_readline; then
+    if [ -f "$TMP/.fsdp_lua_history" ] && grep -qF "20 + 22" "$TMP/.fsdp_lua_history"; then ok; else bad "history saved to ~/.fsdp_lua_history"; fi
+  fi
+else
+  echo "note: no python3; skipping the pseudo-terminal checks"
+fi
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]

@@ -1,0 +1,80 @@
+-- make_shards.lua: a text file -> byte-level token shards in llm.c's format.
+--
+--   fsdp-lua tools/make_shards.lua --input=data/tiny_corpus.txt --out=shards \
+--            [--val-fraction=0.1] [--shard-tokens=100000000]
+--
+-- Tokens are the file's bytes, 0..255 (vocabulary 256: no tokenizer, any
+-- text or binary file works; UTF-8 characters become several tokens). Each
+-- shard is a 1024-byte header of 256 little-endian int32 — magic 20240520,
+-- version 1, token count — then the tokens as little-endian uint16.
+--
+-- The last val-fraction of the bytes goes to val_000000.bin, ...; the rest
+-- to train_000000.bin, ...; at most shard-tokens tokens a shard. This is
+-- the same cut data.ByteLoader makes with split = "train" / "val", so
+-- training on the shards and on the text file directly see the same tokens.
+
+local data = require "fsdp.data"
+
+local function usage(msg)
+  if msg then io.stderr:write("make_shards: ", msg, "\n") end
+  io.stderr:write("usage: fsdp-lua tools/make_shards.lua --input=FILE --out=DIR",
+                  " [--val-fraction=0.1] [--shard-tokens=100000000]\n")
+  os.exit(msg and 2 or 0)
+end
+
+local opts = { ["val-fraction"] = "0.1", ["shard-tokens"] = "100000000" }
+for _, a in ipairs(arg or {}) do
+  if a == "--help" or a == "-h" then usage() end
+  local k, v = a:match("^%-%-([%w%-]+)=(.*)$")
+  if not k or not (k == "input" or k == "out" or k == "val-fraction" or k == "shard-tokens") then
+    usage("unknown argument '" .. a .. "'")
+  end
+  opts[k] = v
+end
+if not opts.input then usage("--input=FILE is required") end
+if not opts.out then usage("--out=DIR is required") end
+local frac = tonumber(opts["val-fraction"])
+if not frac or frac < 0 or frac >= 1 then usage("--val-fraction must be a number in [0, 1)") end
+local per = tonumber(opts["shard-tokens"])
+if not per or per < 1 or per ~= math.floor(per) or per > 2147483647 then
+  usage("--shard-tokens must be a positive integer below 2^31")
+end
+
+local f, err = io.open(opts.input, "rb")
+if not f then usage("cannot open input: " .. tostring(err)) end
+local text = f:read("*a")
+f:close()
+if #text == 0 then usage("input '" .. opts.input .. "' is empty") end
+
+local out = opts.out:gsub("/+$", "")
+if out == "" then out = "/" end
+if not data.is_dir(out) then
+  local ok = os.execute("mkdir -p '" .. out:gsub("'", "'\\''") .. "'")
+  if (ok ~= 0 and ok ~= true) or not data.is_dir(out) then usage("cannot create directory '" .. out .. "'") end
+end
+
+local ffi = require "ffi"
+local bytes = ffi.cast("const uint8_t *", text)
+
+-- Writes text[a..b] (1-based, inclusive) as split_000000.bin, ...
+local function write_split(split, a, b)
+  local n, idx, written = b - a + 1, 0, 0
+  while written < n do
+    local k = math.min(per, n - written)
+    local toks = ffi.new("uint16_t[?]", k)
+    local base = a - 1 + written
+    for i = 0, k - 1 do toks[i] = bytes[base + i] end
+    local path = string.format("%s/%s_%06d.bin", out, split, idx)
+    data.write_shard(path, toks, k)
+    print(string.format("wrote %s: %d tokens", path, k))
+    written, idx = written + k, idx + 1
+  end
+  return idx
+end
+
+local ta, tb = data.split_range(#text, frac, "train")
+local va, vb = data.split_range(#text, frac, "val")
+local nt = write_split("train", ta, tb)
+local nv = write_split("val", va, vb)
+print(string.format("%s: %d bytes -> %d train tokens in %d shard(s), %d val tokens in %d shard(s) (byte-level, vocab 256)",
+                    opts.input, #text, tb - ta + 1, nt, vb - va + 1, nv))
