@@ -27,10 +27,9 @@
 #define MR 8     /* rows of C per register block */
 #define NR 16    /* columns of C per register block: two 8-float vectors */
 
-typedef float v8 __attribute__((vector_size(32)));   /* GCC/Clang vector extension */
-
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+/* 8 floats, a GCC/Clang vector extension; memcpy is its unaligned load and
+ * store (no helpers taking v8 by value: that draws -Wpsabi without AVX) */
+typedef float v8 __attribute__((vector_size(32)));
 
 /* C (M, N) += A (M, K) @ B (K, N). A(i, k) = a[i * a_i + k * a_k], so A^T is a
  * swap of strides; B and C are row-major with leading dims ldb and ldc. */
@@ -41,18 +40,23 @@ static void gemm_acc(float *c, int64_t ldc, const float *a, int64_t a_i, int64_t
         for (int64_t j0 = 0; j0 < Nb; j0 += NR) {
             v8 acc[MR][2] = {{{0}}};
             for (int64_t k = 0; k < K; k++) {
-                v8 b0 = load8(b + k * ldb + j0), b1 = load8(b + k * ldb + j0 + 8);
+                v8 b0, b1;
+                memcpy(&b0, b + k * ldb + j0, sizeof b0);
+                memcpy(&b1, b + k * ldb + j0 + 8, sizeof b1);
                 for (int i = 0; i < MR; i++) {
                     float aik = a[(i0 + i) * a_i + k * a_k];
                     acc[i][0] += aik * b0;
                     acc[i][1] += aik * b1;
                 }
             }
-            for (int i = 0; i < MR; i++) {
-                float *ci = c + (i0 + i) * ldc + j0;
-                store8(ci, load8(ci) + acc[i][0]);
-                store8(ci + 8, load8(ci + 8) + acc[i][1]);
-            }
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++) {
+                    float *ci = c + (i0 + i) * ldc + j0 + 8 * h;
+                    v8 cv;
+                    memcpy(&cv, ci, sizeof cv);
+                    cv += acc[i][h];
+                    memcpy(ci, &cv, sizeof cv);
+                }
         }
     /* the edges: columns [Nb, N) of the block rows, then the rows past Mb */
     for (int64_t i = 0; i < M; i++)
@@ -81,19 +85,19 @@ static void gemm_abt(float *s, const float *a, const float *bm, int64_t m, int64
 
 /* ---- exp ---- */
 
-/* exp(x) for x <= 0 (scores minus their max or lse), within 3e-7 relative:
- * x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial,
- * 2^k by building the exponent bits. Below -87, 2^k leaves the normal range,
- * and exp(x) < 2e-38 is returned as 0; NaN stays NaN. */
+/* exp(x) for x <= 0 (scores minus their max or lse; a rounding's worth above
+ * 0 is fine), within 3e-7 relative: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by
+ * its degree-6 Taylor polynomial, 2^k by building the exponent bits. Below
+ * -87, 2^k leaves the normal range, and exp(x) < 2e-38 is returned as 0. */
 static inline float exp_neg(float x) {
-    float xc = x < -87.0f ? -87.0f : x;
+    float xc = x >= -87.0f ? x : -87.0f;   /* NaN too, so the int conversion below is defined */
     float k = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;   /* round(x / ln2): 1.5 * 2^23 trick */
     float r = (xc - k * 0.693145752f) - k * 1.42860677e-6f;     /* ln2 split in two for precision */
     float p = 1.0f + r * (1.0f + r * (1.0f / 2 + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
     int32_t bits = ((int32_t)k + 127) << 23;
     float two_k;
     memcpy(&two_k, &bits, sizeof two_k);
-    return x < -87.0f ? 0.0f : p * two_k;
+    return x >= -87.0f ? p * two_k : x < -87.0f ? 0.0f : x;   /* NaN stays NaN */
 }
 
 /* Max and sum of x[0, n) through 16 partial results, so that the loops

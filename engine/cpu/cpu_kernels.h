@@ -6,7 +6,7 @@
  * into accumulated gradients). Float kernels take f32; bf16 tensors are
  * widened to f32 by the op layer, so every kernel accumulates in f32 or
  * wider. Each kernel has a naive double-precision reference in
- * tests/c/reference.c and a test against it.
+ * tests/c/ref_*.c and a test against it.
  */
 #ifndef FSDP_CPU_KERNELS_H
 #define FSDP_CPU_KERNELS_H

@@ -192,6 +192,8 @@ function M.backward(root, grad)
     end
   end
   free_depth(my_depth)   -- the tape is consumed
+  -- the forward's activations are unreachable now: free them before the next step
+  if my_depth == 1 then collectgarbage() end
 end
 
 -- ---- Lua-defined ops ----

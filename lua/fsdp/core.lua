@@ -99,10 +99,23 @@ local ffi_gc = ffi.gc
 local out = ffi.new("fsdp_tensor *[1]")
 M.out = out
 
+-- Engine memory is invisible to Lua's collector, which counts only the few
+-- bytes of each handle: left alone it would let dead tensors pile up for
+-- gigabytes. A full collection every so many new handles (cheap: the Lua
+-- heap is small) keeps dead tensors from outliving a training step.
+local collectgarbage = collectgarbage
+local made, COLLECT_EVERY = 0, 2048
+M.collect_every = function(n) COLLECT_EVERY = n end
+
 -- The new reference in out[0], owned by the Lua GC from now on.
 function M.wrap()
   local p = out[0]
   out[0] = nil
+  made = made + 1
+  if made >= COLLECT_EVERY then
+    made = 0
+    collectgarbage()
+  end
   return ffi_gc(p, release)
 end
 
@@ -111,6 +124,7 @@ function M.wrap_or_nil()
   local p = out[0]
   if p == nil then return nil end
   out[0] = nil
+  made = made + 1
   return ffi_gc(p, release)
 end
 
