@@ -38,6 +38,11 @@ local object_mt = { __jsontype = "object" }
 function M.array(t) return setmetatable(t or {}, array_mt) end
 --- json.is_array(t): true for tables decoded from a JSON array (or marked).
 function M.is_array(t) return getmetatable(t) == array_mt end
+--- json.is_object(v): true for a table that encodes as a JSON object
+-- (not an array, not json.null).
+function M.is_object(v)
+  return type(v) == "table" and v ~= M.null and getmetatable(v) ~= array_mt
+end
 --- json.object(t): marks t as an object (matters for empty tables).
 function M.object(t) return setmetatable(t or {}, object_mt) end
 

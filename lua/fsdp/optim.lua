@@ -10,6 +10,10 @@ local raise = fsdp.core.raise
 
 local M = {}
 
+-- Tensors whose .grad is a fixed buffer (a sharded model's gradient shard
+-- slices): zero_grad fills it with zeros instead of dropping it.
+M.persistent_grad = setmetatable({}, { __mode = "k" })
+
 -- Parameter groups: a list of tensors, or {{params = {...}, weight_decay = ...}, ...}.
 local function make_groups(name, params, defaults)
   if type(params) ~= "table" or #params == 0 then error(name .. ": expected a non-empty list of parameters", 3) end
@@ -112,7 +116,14 @@ end
 for _, cls in ipairs({ AdamW, SGD }) do
   function cls:zero_grad()
     for _, g in ipairs(self.groups) do
-      for _, p in ipairs(g.params) do p:set_grad(nil) end
+      for _, p in ipairs(g.params) do
+        if M.persistent_grad[p] then
+          local grad = p:get_grad()
+          if grad then grad:fill(0) end
+        else
+          p:set_grad(nil)
+        end
+      end
     end
   end
   function cls:set_lr(lr)

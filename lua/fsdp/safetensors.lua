@@ -95,7 +95,7 @@ local function parse_header(f, path)
   if #text ~= n then fail(path, fmt("header truncated: read %d of %d bytes", #text, n)) end
   local ok, hdr = pcall(json.decode, text)
   if not ok then fail(path, "header is not valid JSON: " .. tostring(hdr)) end
-  if type(hdr) ~= "table" or json.is_array(hdr) then
+  if not json.is_object(hdr) then
     fail(path, "header is not a JSON object")
   end
 
@@ -107,7 +107,7 @@ local function parse_header(f, path)
 
   local meta = hdr.__metadata__
   if meta ~= nil then
-    if type(meta) ~= "table" or json.is_array(meta) then
+    if not json.is_object(meta) then
       fail(path, "__metadata__ is not a JSON object")
     end
     for k, v in pairs(meta) do
@@ -122,7 +122,7 @@ local function parse_header(f, path)
   for name, e in pairs(hdr) do
     if name ~= "__metadata__" then
       local what = fmt("tensor %q", name)
-      if type(e) ~= "table" or json.is_array(e) then fail(path, what .. ": entry is not a JSON object") end
+      if not json.is_object(e) then fail(path, what .. ": entry is not a JSON object") end
       local dt = e.dtype
       local id = st_to_id[dt]
       if type(dt) ~= "string" then fail(path, what .. ": dtype missing or not a string") end
