@@ -37,7 +37,13 @@ local id_to_st = { [0] = "F32", "BF16", "I32", "I64", "U16" }
 local elem_size = { [0] = 4, 2, 4, 8, 2 }
 M.dtypes = st_to_id
 
+-- One out-box per call site: with a single box shared by the dtype and
+-- ndim calls in describe(), LuaJIT 2.1.0-beta3 (Debian 12) now and then
+-- compiled a trace that read the ndim into the dtype (about one process
+-- in five; seen as a u16 tensor saved as I64). Separate boxes never did.
 local int_box = ffi.new("int[1]")
+local dt_box = ffi.new("int[1]")
+local nd_box = ffi.new("int[1]")
 local i64_box = ffi.new("int64_t[1]")
 local ptr_box = ffi.new("void *[1]")
 local dims8 = ffi.new("int64_t[8]")
@@ -260,10 +266,10 @@ local function describe(t, name, path)
     raise(fmt("safetensors.save: %s: tensor %q is a %s, not a tensor", tostring(path), name, type(t)))
   end
   core.T(t, "safetensors.save: tensor " .. name)
-  if C.fsdp_tensor_dtype(t, int_box) ~= 0 then raise() end
-  local id = int_box[0]
-  if C.fsdp_tensor_ndim(t, int_box) ~= 0 then raise() end
-  local nd = int_box[0]
+  if C.fsdp_tensor_dtype(t, dt_box) ~= 0 then raise() end
+  local id = dt_box[0]
+  if C.fsdp_tensor_ndim(t, nd_box) ~= 0 then raise() end
+  local nd = nd_box[0]
   if C.fsdp_tensor_shape(t, dims8) ~= 0 then raise() end
   if C.fsdp_tensor_numel(t, i64_box) ~= 0 then raise() end
   local shape = json.array({})
