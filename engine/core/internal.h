@@ -108,7 +108,19 @@ struct fsdp_node {
     fsdp_tensor *saved[FSDP_NODE_MAX_SAVED]; /* retained; extra state (mean, lse ...) */
     double f[8];                       /* op parameters */
     int64_t i[FSDP_MAX_DIMS * 2];
+    /* a marker (FSDP schedule action): run whenever the walk reaches it */
+    fsdp_status (*marker)(void *ctx);
+    void *marker_ctx;
+    void (*marker_release)(void *ctx);
 };
+
+/* Records a marker: backward calls fn(ctx) when its walk reaches this point,
+ * whether or not gradients flow there (the FSDP actions around a unit's
+ * backward). release(ctx), if given, runs when the node is dropped. */
+fsdp_status tape_record_marker(const char *op, fsdp_status (*fn)(void *ctx), void *ctx, void (*release)(void *ctx));
+/* fn(ctx) runs once after the current tape's next backward walk completes
+ * (not when it is aborted or cleared; then release(ctx) runs instead). */
+fsdp_status tape_on_finish(fsdp_status (*fn)(void *ctx), void *ctx, void (*release)(void *ctx));
 
 /* True when gradients are enabled and some input requires them. */
 bool tape_wants(int n_in, fsdp_tensor *const *in);

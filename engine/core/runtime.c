@@ -2,6 +2,7 @@
  * started by an MPI launcher, so `fsdp-lua recipe.lua` needs no mpirun. */
 #include "internal.h"
 #include "cpu_kernels.h"
+#include "comm_internal.h"
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,6 +53,7 @@ fsdp_status fsdp_runtime_rank(int *rank, int *world) {
 }
 
 fsdp_status fsdp_runtime_finalize(void) {
+    comm_shutdown();   /* drain the comm thread before MPI goes away */
     int inited = 0, finalized = 0;
     MPI_Initialized(&inited);
     MPI_Finalized(&finalized);

@@ -24,6 +24,9 @@ typedef struct tape {
     int64_t pos;                 /* next node to visit, walking down */
     fsdp_node *paused;           /* custom node whose Lua backward is running */
     bool grad_mode_before_pause;
+    /* run after a completed backward walk */
+    int n_finish;
+    struct { fsdp_status (*fn)(void *); void *ctx; void (*release)(void *); } finish[16];
     struct tape *below;
 } tape;
 
@@ -36,6 +39,7 @@ static tape *current_tape(void) {
 }
 
 static void node_free(fsdp_node *node) {
+    if (node->marker_release) node->marker_release(node->marker_ctx);
     for (int i = 0; i < node->n_in; i++) tensor_release(node->in[i]);
     for (int i = 0; i < node->n_out; i++) tensor_release(node->out[i]);
     for (int i = 0; i < FSDP_NODE_MAX_SAVED; i++) tensor_release(node->saved[i]);
@@ -60,6 +64,28 @@ static void tape_reset(tape *tp) {
     tp->in_backward = false;
     tp->paused = NULL;
     tp->pos = -1;
+    for (int k = 0; k < tp->n_finish; k++)
+        if (tp->finish[k].release) tp->finish[k].release(tp->finish[k].ctx);
+    tp->n_finish = 0;
+}
+
+/* Runs the finish hooks of a completed walk; the first failure wins but
+ * every hook runs (each releases what it holds). */
+static fsdp_status run_finish_hooks(tape *tp) {
+    fsdp_status st = FSDP_OK;
+    char msg[4096] = "";
+    int n = tp->n_finish;
+    tp->n_finish = 0;
+    for (int k = 0; k < n; k++) {
+        fsdp_status s = tp->finish[k].fn(tp->finish[k].ctx);
+        if (s != FSDP_OK && st == FSDP_OK) {
+            st = s;
+            snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+        }
+        if (tp->finish[k].release) tp->finish[k].release(tp->finish[k].ctx);
+    }
+    if (st != FSDP_OK) fsdp_set_error(st, "%s", msg);
+    return st;
 }
 
 /* A node none of whose outputs is referenced outside the tape can never
@@ -72,7 +98,7 @@ static void sweep_dead_nodes(tape *tp) {
         bool alive = false;
         for (int i = 0; i < node->n_out; i++)
             if (atomic_load(&node->out[i]->refcount) > 1) alive = true;
-        if (!alive && node->custom_id < 0) {
+        if (!alive && node->custom_id < 0 && !node->marker) {
             node_free(node);
             tp->nodes[k] = NULL;
         }
@@ -341,6 +367,20 @@ fsdp_status fsdp_backward_step(int *custom_id) {
     }
     for (; tp->pos >= 0; tp->pos--) {
         fsdp_node *node = tp->nodes[tp->pos];
+        if (node->marker) {
+            bool was = grad_enabled;
+            grad_enabled = false;
+            fsdp_status st = node->marker(node->marker_ctx);
+            grad_enabled = was;
+            if (st != FSDP_OK) {
+                char msg[4096];
+                snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+                tape_reset(tp);
+                return fsdp_set_error(st, "backward at %s: %s", node->op, msg);
+            }
+            finish_node(tp, tp->pos);
+            continue;
+        }
         bool flows = false;
         for (int i = 0; i < node->n_out; i++)
             if (node->out[i]->bgrad) flows = true;
@@ -368,8 +408,34 @@ fsdp_status fsdp_backward_step(int *custom_id) {
         }
         finish_node(tp, tp->pos);
     }
+    fsdp_status st = run_finish_hooks(tp);
     tape_reset(tp);   /* every node was visited */
     *custom_id = -1;
+    return st;
+}
+
+fsdp_status tape_record_marker(const char *op, fsdp_status (*fn)(void *ctx), void *ctx, void (*release)(void *ctx)) {
+    fsdp_node *node = tape_record(op, NULL, 0, NULL, 0, NULL);
+    if (!node) {
+        if (release) release(ctx);
+        return strstr(fsdp_last_error(), "during its backward") ? FSDP_ERR_STATE : FSDP_ERR_OOM;
+    }
+    node->marker = fn;
+    node->marker_ctx = ctx;
+    node->marker_release = release;
+    return FSDP_OK;
+}
+
+fsdp_status tape_on_finish(fsdp_status (*fn)(void *ctx), void *ctx, void (*release)(void *ctx)) {
+    tape *tp = current_tape();
+    if (tp->n_finish == (int)(sizeof tp->finish / sizeof tp->finish[0])) {
+        if (release) release(ctx);
+        return fsdp_set_error(FSDP_ERR_STATE, "tape: too many end-of-backward hooks (%d)", tp->n_finish);
+    }
+    tp->finish[tp->n_finish].fn = fn;
+    tp->finish[tp->n_finish].ctx = ctx;
+    tp->finish[tp->n_finish].release = release;
+    tp->n_finish++;
     return FSDP_OK;
 }
 

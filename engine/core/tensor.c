@@ -175,6 +175,14 @@ fsdp_status tensor_from_f32(fsdp_tensor **out, fsdp_tensor *src, int dtype) { re
 
 /* ---- public: making and inspecting ---- */
 
+/* A parameter view of a resharded FSDP unit has no data until regathered. */
+#define CHECK_LIVE(op, t)                                                                          \
+    if ((t)->storage->data == NULL && (t)->storage->nbytes > 0) {                                  \
+        char d_[200];                                                                              \
+        return fsdp_set_error(FSDP_ERR_STATE, "%s: %s belongs to a resharded unit (no data until " \
+                              "it is gathered again)", op, tensor_desc(t, d_, sizeof d_));         \
+    }
+
 #define CHECK_OUT(op, p) \
     if (!(p)) return fsdp_set_error(FSDP_ERR_INVALID, "%s: output pointer is NULL", op)
 #define CHECK_T(op, t) \
@@ -219,6 +227,7 @@ fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, int dtype, int ndim, const 
 
 fsdp_status fsdp_tensor_to_data(fsdp_tensor *t, void *dst, int64_t nbytes) {
     CHECK_T("fsdp_tensor_to_data", t);
+    CHECK_LIVE("fsdp_tensor_to_data", t);
     int64_t need = tensor_numel(t) * (int64_t)fsdp_dtype_size(t->dtype);
     if (!dst || nbytes < need) {
         char d[200];
@@ -300,6 +309,7 @@ fsdp_status fsdp_tensor_is_contiguous(fsdp_tensor *t, int *out) {
 
 fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
     CHECK_T("fsdp_tensor_data_ptr", t);
+    CHECK_LIVE("fsdp_tensor_data_ptr", t);
     CHECK_OUT("fsdp_tensor_data_ptr", out);
     if (tensor_device(t) != FSDP_DEVICE_CPU) {
         char d[200];
@@ -312,6 +322,7 @@ fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
 
 fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out) {
     CHECK_T("fsdp_tensor_item", t);
+    CHECK_LIVE("fsdp_tensor_item", t);
     CHECK_OUT("fsdp_tensor_item", out);
     char d[200];
     if (tensor_numel(t) != 1)
@@ -354,6 +365,7 @@ static fsdp_status check_writable(const char *op, fsdp_tensor *t) {
 
 fsdp_status fsdp_fill(fsdp_tensor *t, double value) {
     CHECK_T("fsdp_fill", t);
+    CHECK_LIVE("fsdp_fill", t);
     FSDP_TRY(check_writable("fsdp_fill", t));
     /* fill one element, then copy it out with a broadcast read */
     int64_t n = tensor_numel(t);
@@ -390,6 +402,8 @@ static bool broadcast_strides(const fsdp_tensor *src, int ndim, const int64_t *s
 fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
     CHECK_T("fsdp_copy", dst);
     CHECK_T("fsdp_copy", src);
+    CHECK_LIVE("fsdp_copy", dst);
+    CHECK_LIVE("fsdp_copy", src);
     char a[200], b[200];
     if (tensor_device(dst) != tensor_device(src))
         return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_copy: dst %s and src %s are on different devices",

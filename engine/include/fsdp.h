@@ -71,7 +71,22 @@ typedef enum fsdp_binary_op {
     FSDP_DIV = 3
 } fsdp_binary_op;
 
+typedef enum fsdp_reduce_op {
+    FSDP_REDUCE_SUM = 0,
+    FSDP_REDUCE_AVG = 1,
+    FSDP_REDUCE_MAX = 2
+} fsdp_reduce_op;
+
 typedef struct fsdp_tensor fsdp_tensor;
+typedef struct fsdp_comm fsdp_comm;     /* a group of ranks and its backend */
+typedef struct fsdp_work fsdp_work;     /* an asynchronous collective */
+typedef struct fsdp_sched fsdp_sched;   /* the sharded units of one model and their schedule */
+
+typedef enum fsdp_prefetch {
+    FSDP_PREFETCH_NONE = 0,
+    FSDP_PREFETCH_BACKWARD_PRE = 1,    /* gather the next unit before this unit's backward */
+    FSDP_PREFETCH_BACKWARD_POST = 2    /* ... after this unit's backward */
+} fsdp_prefetch;
 
 /* ---- errors and runtime ---- */
 const char *fsdp_last_error(void);           /* message of the last failure on this thread */
@@ -190,6 +205,79 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
  * first_step initializes the buffer with the gradient. */
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
                           double momentum, double dampening, double weight_decay, int nesterov, int first_step);
+
+/* ---- communicators (DESIGN.md, decision 4) ----
+ * MPI carries CPU tensors when the job runs under mpirun; otherwise the
+ * world is a single rank. Collectives are issued in order onto one comm
+ * thread and overlap compute; each returns a work handle to wait on (pass
+ * work == NULL to wait before returning). A work keeps its tensors alive
+ * until it completes. Every collective carries a sequence number and a
+ * fingerprint (kind, communicator, bytes, dtype, label): with
+ * FSDP_DEBUG_COLLECTIVES=1 ranks compare them first and fail on the first
+ * mismatch; a wait longer than FSDP_WATCHDOG_SECONDS (default 600) reports
+ * which collective the rank waits on and ends the job. */
+fsdp_status fsdp_comm_world(fsdp_comm **out);
+/* Ranks passing the same color form a communicator, ordered by key.
+ * Collective over parent. */
+fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int key);
+fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
+fsdp_status fsdp_comm_free(fsdp_comm *c);
+/* dst (size * n elements) <- every rank's src (n elements), in rank order. */
+fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label);
+/* dst (n elements) <- this rank's n-element block of the sum (or average)
+ * of every rank's src (size * n elements). f32 and bf16 (bf16 sums in f32). */
+fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
+                                const char *label);
+fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label);
+fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
+fsdp_status fsdp_barrier(fsdp_comm *c);
+/* n doubles combined across ranks in place (sum, avg or max), synchronously. */
+fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, int op);
+fsdp_status fsdp_work_wait(fsdp_work *w);
+fsdp_status fsdp_work_test(fsdp_work *w, int *done);
+fsdp_status fsdp_work_free(fsdp_work *w);
+/* Process-wide traffic since the last reset: bytes all-gathered (received),
+ * bytes reduced (sent into reduce-scatter and all-reduce), and seconds the
+ * caller spent blocked in fsdp_work_wait. */
+fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+fsdp_status fsdp_comm_reset_stats(void);
+
+/* ---- sharded units and their schedule (DESIGN.md, "The FSDP contract") ----
+ * A unit's parameters are flattened into one buffer padded to a multiple of
+ * the shard group size N; this rank keeps its 1/N slice: the f32 master,
+ * its gradient (both persistent) and, in Lua, the optimizer state. Before a
+ * unit runs, its shards are all-gathered (in the compute dtype) into the
+ * full buffer, whose parameters are views; afterwards it is freed. The
+ * actions around each unit's backward are tape markers, so the schedule
+ * runs in C: gather (and prefetch) before, reduce-scatter (averaged, in the
+ * reduce dtype) into the gradient shard after. With a replica communicator
+ * (hybrid sharding) the reduced shard is then averaged across replicas. */
+fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
+                           int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit);
+fsdp_status fsdp_sched_free(fsdp_sched *s);
+/* A unit of n parameters with these element counts, in order; keep: leave it
+ * gathered from forward to backward (the root; shard_grad_op). */
+fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
+                                int *index);
+fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
+                           int64_t *shard_offset);
+/* The persistent f32 master shard and gradient shard (new references). */
+fsdp_status fsdp_unit_shard(fsdp_sched *s, int unit, fsdp_tensor **master, fsdp_tensor **grad);
+/* Parameter i as a view of the unit's full buffer, requiring grad; usable
+ * only while the unit is gathered. */
+fsdp_status fsdp_unit_param(fsdp_sched *s, int unit, int i, int ndim, const int64_t *shape, fsdp_tensor **out);
+/* Forward hooks: gather (waiting for it), prefetch, and the tape markers. */
+fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int unit);
+fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int unit);
+/* Gather or free a unit outside the schedule (evaluation, export). */
+fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
+fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
+/* sync = 0: backward keeps accumulating full gradients locally (no
+ * communication per micro-batch); the next backward with sync = 1 reduces
+ * the sum. */
+fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
+/* Units gathered now, and the most gathered at once since the last reset. */
+fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset);
 
 /* ---- autograd tape ---- */
 fsdp_status fsdp_tensor_set_requires_grad(fsdp_tensor *t, int on);

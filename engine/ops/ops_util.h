@@ -32,6 +32,12 @@ static inline fsdp_status op_check(const char *op, void *out, int n, const char 
     for (int i = 0; i < n; i++)
         if (!ts[i] && !(optional && optional[i]))
             return fsdp_set_error(FSDP_ERR_INVALID, "%s: %s is NULL", op, names[i]);
+    for (int i = 0; i < n; i++)
+        if (ts[i] && !ts[i]->storage->data && ts[i]->storage->nbytes > 0)
+            return fsdp_set_error(FSDP_ERR_STATE,
+                                  "%s: %s is a parameter of a resharded unit (its full buffer is freed); "
+                                  "run it inside the unit's forward, or unshard the unit first",
+                                  op_sig(sig, sizeof sig, op, n, names, ts), names[i]);
     int dev = -1;
     for (int i = 0; i < n; i++) {
         if (!ts[i]) continue;

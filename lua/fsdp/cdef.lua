@@ -47,7 +47,22 @@ typedef enum fsdp_binary_op {
     FSDP_DIV = 3
 } fsdp_binary_op;
 
+typedef enum fsdp_reduce_op {
+    FSDP_REDUCE_SUM = 0,
+    FSDP_REDUCE_AVG = 1,
+    FSDP_REDUCE_MAX = 2
+} fsdp_reduce_op;
+
 typedef struct fsdp_tensor fsdp_tensor;
+typedef struct fsdp_comm fsdp_comm;
+typedef struct fsdp_work fsdp_work;
+typedef struct fsdp_sched fsdp_sched;
+
+typedef enum fsdp_prefetch {
+    FSDP_PREFETCH_NONE = 0,
+    FSDP_PREFETCH_BACKWARD_PRE = 1,
+    FSDP_PREFETCH_BACKWARD_POST = 2
+} fsdp_prefetch;
 
 const char *fsdp_last_error(void);
 fsdp_status fsdp_version(const char **out);
@@ -148,6 +163,51 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
 
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
                           double momentum, double dampening, double weight_decay, int nesterov, int first_step);
+
+fsdp_status fsdp_comm_world(fsdp_comm **out);
+
+fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int key);
+fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
+fsdp_status fsdp_comm_free(fsdp_comm *c);
+
+fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label);
+
+fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
+                                const char *label);
+fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label);
+fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
+fsdp_status fsdp_barrier(fsdp_comm *c);
+
+fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, int op);
+fsdp_status fsdp_work_wait(fsdp_work *w);
+fsdp_status fsdp_work_test(fsdp_work *w, int *done);
+fsdp_status fsdp_work_free(fsdp_work *w);
+
+fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+fsdp_status fsdp_comm_reset_stats(void);
+
+fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
+                           int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit);
+fsdp_status fsdp_sched_free(fsdp_sched *s);
+
+fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
+                                int *index);
+fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
+                           int64_t *shard_offset);
+
+fsdp_status fsdp_unit_shard(fsdp_sched *s, int unit, fsdp_tensor **master, fsdp_tensor **grad);
+
+fsdp_status fsdp_unit_param(fsdp_sched *s, int unit, int i, int ndim, const int64_t *shape, fsdp_tensor **out);
+
+fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int unit);
+fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int unit);
+
+fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
+fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
+
+fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
+
+fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset);
 
 fsdp_status fsdp_tensor_set_requires_grad(fsdp_tensor *t, int on);
 fsdp_status fsdp_tensor_requires_grad(fsdp_tensor *t, int *out);

@@ -36,6 +36,10 @@ fsdp.tape_pop = autograd.tape_pop
 
 fsdp.autograd = autograd
 fsdp.memory = require "fsdp.memory"
+
+-- Sharding (fsdp.shard) needs the rest of the library loaded first.
+function fsdp.shard(...) return require("fsdp.shard").shard(...) end
+fsdp.policy = setmetatable({}, { __index = function(_, k) return require("fsdp.shard").policy[k] end })
 fsdp.core = core
 fsdp.C = C
 

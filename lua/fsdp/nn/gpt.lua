@@ -38,6 +38,7 @@ function GPT:__init(cfg)
   local C = cfg.n_embd
   local proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
   self:add("wte", layers.Embedding(self.padded_vocab, C))
+  self.wte._used_outside_forward = true   -- the LM head reads wte.weight (sharding keeps it with the root)
   self:add("wpe", layers.Embedding(cfg.block_size, C))
   local h = self:add("h", tr.ModuleList())
   for _ = 1, cfg.n_layer do

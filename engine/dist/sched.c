@@ -1,0 +1,545 @@
+/* sched.c: sharded units and the FSDP schedule around them.
+ *
+ * Each unit flattens its parameters into one buffer of `padded` elements
+ * (a multiple of the shard group size N); this rank owns elements
+ * [shard_offset, shard_offset + shard_numel): the f32 master and its
+ * gradient. The full buffer lives in a storage object that outlives its
+ * data: gathering allocates the data and all-gathers into it, resharding
+ * frees it, and the parameter views made once over that storage stay valid
+ * handles throughout (an op on them while resharded is refused).
+ *
+ * Forward: pre_forward gathers the unit (waiting), prefetches the next unit
+ * in last forward's order and records a "begin" marker; post_forward records
+ * an "end" marker and frees the full buffer unless the unit is kept.
+ * Backward walks the tape down, so it meets a unit's end marker first:
+ * gather again (and prefetch the next unit), and point each parameter
+ * view's .grad at its slice of a zeroed flat gradient buffer, so that the
+ * ops' backward accumulates straight into it. At the begin marker every
+ * gradient of the unit is complete: reduce-scatter (averaged) the flat
+ * gradient into a shard-sized buffer, asynchronously, and free the full
+ * buffers. After the walk, the root's finish hook waits for the pending
+ * reductions in issue order, averages them across replicas (hybrid), and
+ * adds them into the gradient shards. Every rank records the same markers
+ * in the same order, so collectives match across ranks. */
+#include "ops_util.h"
+#include <stdlib.h>
+
+typedef struct unit {
+    char name[128];
+    int n_params;
+    int64_t *numels, *offsets;     /* (n_params) */
+    int64_t total, padded, shard_n, shard_off;
+    bool keep;                     /* stays gathered from forward to backward */
+    fsdp_tensor *master;           /* (shard_n) f32, tag param */
+    fsdp_tensor *grad;             /* (shard_n) f32, tag grad */
+    fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
+    fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
+    bool gathered;                 /* data allocated and its gather issued */
+    fsdp_work *gather;             /* in flight, or NULL */
+    fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
+} unit;
+
+typedef struct pending {
+    int unit;
+    fsdp_work *work;
+    fsdp_tensor *reduced;          /* (shard_n) reduce dtype */
+} pending;
+
+struct fsdp_sched {
+    atomic_int refcount;
+    fsdp_comm *shard_comm, *replica_comm;
+    int shard_rank, shard_size, replica_size;
+    int compute_dtype, reduce_dtype;
+    int backward_prefetch, forward_prefetch, limit;
+    bool sync;
+    unit *units;
+    int n_units, cap_units;
+    int *order;                    /* units in the order of their last post_forward */
+    int n_order;
+    int *fwd_order;                /* units in the order of their last pre_forward */
+    int n_fwd_order, fwd_pos;
+    int n_gathered, peak_gathered;
+    pending *pend;
+    int n_pend, cap_pend;
+    bool finish_registered;
+};
+
+/* marker context: which unit and which phase */
+typedef struct {
+    fsdp_sched *s;
+    int unit;
+} marker_ctx;
+
+static void sched_retain(fsdp_sched *s) { atomic_fetch_add(&s->refcount, 1); }
+
+static void unit_clear(unit *u);
+
+static void sched_release(fsdp_sched *s) {
+    if (!s || atomic_fetch_sub(&s->refcount, 1) != 1) return;
+    for (int k = 0; k < s->n_pend; k++) {
+        fsdp_work_free(s->pend[k].work);
+        tensor_release(s->pend[k].reduced);
+    }
+    for (int k = 0; k < s->n_units; k++) unit_clear(&s->units[k]);
+    free(s->units);
+    free(s->order);
+    free(s->fwd_order);
+    free(s->pend);
+    fsdp_comm_free(s->shard_comm);
+    if (s->replica_comm) fsdp_comm_free(s->replica_comm);
+    free(s);
+}
+
+static void unit_clear(unit *u) {
+    if (u->gather) fsdp_work_free(u->gather);
+    if (u->views)
+        for (int i = 0; i < u->n_params; i++) tensor_release(u->views[i]);
+    free(u->views);
+    tensor_release(u->master);
+    tensor_release(u->grad);
+    tensor_release(u->full);
+    tensor_release(u->flat_grad);
+    free(u->numels);
+    free(u->offsets);
+}
+
+static fsdp_status check_unit(const char *op, fsdp_sched *s, int k) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "%s: schedule is NULL", op);
+    if (k < 0 || k >= s->n_units)
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s: unit %d out of range (the schedule has %d)", op, k, s->n_units);
+    return FSDP_OK;
+}
+
+/* ---- gathering ---- */
+
+static fsdp_status wait_gather(unit *u) {
+    if (!u->gather) return FSDP_OK;
+    fsdp_status st = fsdp_work_wait(u->gather);
+    fsdp_work_free(u->gather);
+    u->gather = NULL;
+    return st;
+}
+
+/* Allocates the full buffer and issues its all-gather (no wait). */
+static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
+    if (u->gathered) return FSDP_OK;
+    fsdp_storage *st = u->full->storage;
+    FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
+    fsdp_tensor *src = u->master;
+    tensor_retain(src);
+    if (s->compute_dtype != FSDP_F32) {
+        fsdp_tensor *c;
+        fsdp_status r = tensor_from_f32(&c, u->master, s->compute_dtype);
+        tensor_release(src);
+        if (r != FSDP_OK) return r;
+        src = c;
+    }
+    fsdp_status r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
+    tensor_release(src);   /* the work holds it until done */
+    if (r != FSDP_OK) {
+        fsdp_free(st->device, st->tag, st->data, st->nbytes);
+        st->data = NULL;
+        return r;
+    }
+    u->gathered = true;
+    s->n_gathered++;
+    if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
+    return FSDP_OK;
+}
+
+static fsdp_status gather_now(fsdp_sched *s, unit *u) {
+    FSDP_TRY(issue_gather(s, u));
+    return wait_gather(u);
+}
+
+static fsdp_status reshard(fsdp_sched *s, unit *u) {
+    if (!u->gathered) return FSDP_OK;
+    FSDP_TRY(wait_gather(u));
+    fsdp_storage *st = u->full->storage;
+    fsdp_free(st->device, st->tag, st->data, st->nbytes);
+    st->data = NULL;
+    u->gathered = false;
+    s->n_gathered--;
+    return FSDP_OK;
+}
+
+/* Prefetch: gather unit k early when the limit allows. */
+static fsdp_status prefetch(fsdp_sched *s, int k) {
+    if (k < 0 || k >= s->n_units) return FSDP_OK;
+    unit *u = &s->units[k];
+    if (u->gathered || s->n_gathered >= s->limit) return FSDP_OK;
+    return issue_gather(s, u);
+}
+
+/* ---- backward markers ---- */
+
+static void marker_release(void *p) {
+    marker_ctx *m = p;
+    sched_release(m->s);
+    free(m);
+}
+
+/* Points each parameter view's .grad at its slice of the flat gradient. */
+static fsdp_status link_grads(unit *u) {
+    for (int i = 0; i < u->n_params; i++) {
+        fsdp_tensor *v = u->views ? u->views[i] : NULL;
+        if (!v) continue;
+        int64_t strides[FSDP_MAX_DIMS];
+        contiguous_strides(v->ndim, v->shape, strides);
+        fsdp_tensor *g = tensor_view(u->flat_grad, v->ndim, v->shape, strides, u->offsets[i]);
+        if (!g) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+        tensor_release(v->grad);
+        v->grad = g;
+    }
+    return FSDP_OK;
+}
+
+static void unlink_grads(unit *u) {
+    for (int i = 0; u->views && i < u->n_params; i++) {
+        if (!u->views[i]) continue;
+        tensor_release(u->views[i]->grad);
+        u->views[i]->grad = NULL;
+    }
+}
+
+static int order_index(const int *order, int n, int k) {
+    for (int i = n - 1; i >= 0; i--)
+        if (order[i] == k) return i;
+    return -1;
+}
+
+/* The walk reached the end of unit k's forward: its backward starts. */
+static fsdp_status before_backward(void *p) {
+    marker_ctx *m = p;
+    fsdp_sched *s = m->s;
+    unit *u = &s->units[m->unit];
+    FSDP_TRY(gather_now(s, u));
+    if (!u->flat_grad) {   /* kept across micro-batches without sync */
+        FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, FSDP_DEVICE_CPU, FSDP_TAG_GRAD, true));
+        FSDP_TRY(link_grads(u));
+    }
+    if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_PRE) {
+        int i = order_index(s->order, s->n_order, m->unit);
+        if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1]));
+    }
+    return FSDP_OK;
+}
+
+/* The walk reached the start of unit k's forward: its gradients are complete. */
+static fsdp_status after_backward(void *p) {
+    marker_ctx *m = p;
+    fsdp_sched *s = m->s;
+    unit *u = &s->units[m->unit];
+    if (s->sync && u->flat_grad) {
+        fsdp_tensor *src = u->flat_grad, *dst;
+        tensor_retain(src);
+        if (s->reduce_dtype != s->compute_dtype) {
+            fsdp_tensor *c;
+            fsdp_status r = tensor_as_f32(&c, u->flat_grad);
+            tensor_release(src);
+            if (r != FSDP_OK) return r;
+            src = c;
+            if (s->reduce_dtype != FSDP_F32) {
+                r = tensor_from_f32(&c, src, s->reduce_dtype);
+                tensor_release(src);
+                if (r != FSDP_OK) return r;
+                src = c;
+            }
+        }
+        fsdp_status r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, FSDP_DEVICE_CPU, FSDP_TAG_COMM, false);
+        if (r != FSDP_OK) {
+            tensor_release(src);
+            return r;
+        }
+        if (s->n_pend == s->cap_pend) {
+            int cap = s->cap_pend ? 2 * s->cap_pend : 16;
+            pending *np = realloc(s->pend, (size_t)cap * sizeof *np);
+            if (!np) {
+                tensor_release(src);
+                tensor_release(dst);
+                return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+            }
+            s->pend = np;
+            s->cap_pend = cap;
+        }
+        fsdp_work *w = NULL;
+        r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
+        tensor_release(src);
+        if (r != FSDP_OK) {
+            tensor_release(dst);
+            return r;
+        }
+        s->pend[s->n_pend++] = (pending){m->unit, w, dst};
+        unlink_grads(u);
+        tensor_release(u->flat_grad);
+        u->flat_grad = NULL;
+    }
+    FSDP_TRY(reshard(s, u));
+    if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_POST) {
+        int i = order_index(s->order, s->n_order, m->unit);
+        if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1]));
+    }
+    return FSDP_OK;
+}
+
+/* After the walk: finish the reductions in issue order (the same on every
+ * rank, so the replica all-reduces match too) into the gradient shards. */
+static fsdp_status finish_backward(void *p) {
+    fsdp_sched *s = p;
+    fsdp_status st = FSDP_OK;
+    for (int k = 0; k < s->n_pend; k++) {
+        pending *q = &s->pend[k];
+        unit *u = &s->units[q->unit];
+        fsdp_status r = fsdp_work_wait(q->work);
+        if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
+            r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
+        if (r == FSDP_OK) {
+            fsdp_tensor *g32;
+            r = tensor_as_f32(&g32, q->reduced);
+            if (r == FSDP_OK) {
+                cpu_axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+                tensor_release(g32);
+            }
+        }
+        if (r != FSDP_OK && st == FSDP_OK) st = r;
+        fsdp_work_free(q->work);
+        tensor_release(q->reduced);
+    }
+    s->n_pend = 0;
+    return st;
+}
+
+static void finish_release(void *p) {
+    fsdp_sched *s = p;
+    s->finish_registered = false;
+    sched_release(s);
+}
+
+static fsdp_status record_marker(fsdp_sched *s, int k, bool end) {
+    marker_ctx *m = malloc(sizeof *m);
+    if (!m) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", s->units[k].name);
+    m->s = s;
+    m->unit = k;
+    sched_retain(s);
+    return tape_record_marker(end ? "fsdp unit end" : "fsdp unit begin", end ? before_backward : after_backward, m,
+                              marker_release);
+}
+
+/* ---- public ---- */
+
+fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
+                           int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit) {
+    if (!out || !shard_comm) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_new: NULL argument");
+    if (!fsdp_dtype_is_float(compute_dtype) || !fsdp_dtype_is_float(reduce_dtype))
+        return fsdp_set_error(FSDP_ERR_DTYPE, "fsdp_sched_new: compute dtype %s and reduce dtype %s must be f32 or bf16",
+                              fsdp_dtype_name(compute_dtype), fsdp_dtype_name(reduce_dtype));
+    if (backward_prefetch < 0 || backward_prefetch > 2)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_new: backward prefetch %d (expected 0, 1 or 2)",
+                              backward_prefetch);
+    if (limit < 1) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_new: limit %d (expected >= 1)", limit);
+    fsdp_sched *s = calloc(1, sizeof *s);
+    if (!s) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_new: out of host memory");
+    atomic_init(&s->refcount, 1);
+    /* the schedule keeps its own communicator handles */
+    fsdp_status st = fsdp_comm_split(&s->shard_comm, shard_comm, 0, 0);
+    if (st == FSDP_OK && replica_comm) st = fsdp_comm_split(&s->replica_comm, replica_comm, 0, 0);
+    if (st != FSDP_OK) {
+        if (s->shard_comm) fsdp_comm_free(s->shard_comm);
+        free(s);
+        return st;
+    }
+    fsdp_comm_info(s->shard_comm, &s->shard_rank, &s->shard_size);
+    s->replica_size = 1;
+    if (s->replica_comm) fsdp_comm_info(s->replica_comm, NULL, &s->replica_size);
+    s->compute_dtype = compute_dtype;
+    s->reduce_dtype = reduce_dtype;
+    s->backward_prefetch = backward_prefetch;
+    s->forward_prefetch = forward_prefetch != 0;
+    s->limit = limit;
+    s->sync = true;
+    *out = s;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sched_free(fsdp_sched *s) {
+    sched_release(s);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
+                                int *index) {
+    if (!s || !index || n_params < 0 || (n_params > 0 && !numels))
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_add_unit: bad arguments");
+    if (s->n_units == s->cap_units) {
+        int cap = s->cap_units ? 2 * s->cap_units : 16;
+        unit *nu = realloc(s->units, (size_t)cap * sizeof *nu);
+        int *no = realloc(s->order, (size_t)cap * 4 * sizeof *no);
+        int *nf = realloc(s->fwd_order, (size_t)cap * 4 * sizeof *nf);
+        if (nu) s->units = nu;
+        if (no) s->order = no;
+        if (nf) s->fwd_order = nf;
+        if (!nu || !no || !nf) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_add_unit: out of host memory");
+        s->cap_units = cap;
+    }
+    unit *u = &s->units[s->n_units];
+    memset(u, 0, sizeof *u);
+    snprintf(u->name, sizeof u->name, "%s", name ? name : "unit");
+    u->n_params = n_params;
+    u->numels = calloc((size_t)(n_params ? n_params : 1), sizeof(int64_t));
+    u->offsets = calloc((size_t)(n_params ? n_params : 1), sizeof(int64_t));
+    if (!u->numels || !u->offsets) {
+        unit_clear(u);
+        return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_add_unit: out of host memory");
+    }
+    int64_t total = 0;
+    for (int i = 0; i < n_params; i++) {
+        if (numels[i] < 0) {
+            unit_clear(u);
+            return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_sched_add_unit(%s): parameter %d has %lld elements", u->name, i,
+                                  (long long)numels[i]);
+        }
+        u->numels[i] = numels[i];
+        u->offsets[i] = total;
+        total += numels[i];
+    }
+    int64_t N = s->shard_size;
+    u->total = total;
+    u->padded = (total + N - 1) / N * N;
+    if (u->padded == 0) u->padded = N;   /* every rank owns at least one element */
+    u->shard_n = u->padded / N;
+    u->shard_off = s->shard_rank * u->shard_n;
+    u->keep = keep != 0;
+    fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, FSDP_DEVICE_CPU, FSDP_TAG_PARAM, true);
+    if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, FSDP_DEVICE_CPU, FSDP_TAG_GRAD, true);
+    if (st == FSDP_OK) st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, FSDP_DEVICE_CPU, FSDP_TAG_PARAM, false);
+    if (st != FSDP_OK) {
+        unit_clear(u);
+        return st;
+    }
+    /* the full buffer starts resharded: keep the storage object, drop its data */
+    fsdp_storage *fs = u->full->storage;
+    fsdp_free(fs->device, fs->tag, fs->data, fs->nbytes);
+    fs->data = NULL;
+    *index = s->n_units++;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_unit_info(fsdp_sched *s, int k, int64_t *total, int64_t *padded, int64_t *shard_numel,
+                           int64_t *shard_offset) {
+    FSDP_TRY(check_unit("fsdp_unit_info", s, k));
+    unit *u = &s->units[k];
+    if (total) *total = u->total;
+    if (padded) *padded = u->padded;
+    if (shard_numel) *shard_numel = u->shard_n;
+    if (shard_offset) *shard_offset = u->shard_off;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_unit_shard(fsdp_sched *s, int k, fsdp_tensor **master, fsdp_tensor **grad) {
+    FSDP_TRY(check_unit("fsdp_unit_shard", s, k));
+    unit *u = &s->units[k];
+    if (master) {
+        tensor_retain(u->master);
+        *master = u->master;
+    }
+    if (grad) {
+        tensor_retain(u->grad);
+        *grad = u->grad;
+    }
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_unit_param(fsdp_sched *s, int k, int i, int ndim, const int64_t *shape, fsdp_tensor **out) {
+    FSDP_TRY(check_unit("fsdp_unit_param", s, k));
+    unit *u = &s->units[k];
+    char sb[160];
+    if (i < 0 || i >= u->n_params)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_param(%s): parameter %d out of range (%d)", u->name, i,
+                              u->n_params);
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    if (ndim < 0 || ndim > FSDP_MAX_DIMS || n != u->numels[i])
+        return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_unit_param(%s): shape %s for parameter %d of %lld elements",
+                              u->name, shape_str(ndim, shape, sb, sizeof sb), i, (long long)u->numels[i]);
+    if (!u->views) {
+        u->views = calloc((size_t)u->n_params, sizeof *u->views);
+        if (!u->views) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_unit_param: out of host memory");
+    }
+    if (!u->views[i]) {
+        int64_t strides[FSDP_MAX_DIMS];
+        contiguous_strides(ndim, shape, strides);
+        fsdp_tensor *v = tensor_view(u->full, ndim, shape, strides, u->offsets[i]);
+        if (!v) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_unit_param: out of host memory");
+        v->requires_grad = true;   /* a leaf: its .grad is pointed into the flat gradient */
+        u->views[i] = v;
+    }
+    tensor_retain(u->views[i]);
+    *out = u->views[i];
+    return FSDP_OK;
+}
+
+static int grad_is_enabled(void) {
+    int on = 0;
+    fsdp_grad_enabled(&on);
+    return on;
+}
+
+fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
+    FSDP_TRY(check_unit("fsdp_unit_pre_forward", s, k));
+    unit *u = &s->units[k];
+    if (k == 0) {   /* the root starts a new forward */
+        s->n_order = 0;
+        s->fwd_pos = 0;
+    }
+    bool grad = grad_is_enabled();
+    if (grad && k == 0 && !s->finish_registered) {
+        sched_retain(s);
+        FSDP_TRY(tape_on_finish(finish_backward, s, finish_release));
+        s->finish_registered = true;
+    }
+    FSDP_TRY(gather_now(s, u));
+    /* forward prefetch: the unit that came after this one last time */
+    if (s->forward_prefetch) {
+        int i = order_index(s->fwd_order, s->n_fwd_order, k);
+        if (i >= 0 && i + 1 < s->n_fwd_order) FSDP_TRY(prefetch(s, s->fwd_order[i + 1]));
+    }
+    if (s->fwd_pos < 4 * s->cap_units) {
+        s->fwd_order[s->fwd_pos++] = k;
+        if (s->fwd_pos > s->n_fwd_order) s->n_fwd_order = s->fwd_pos;
+    }
+    if (grad) FSDP_TRY(record_marker(s, k, false));
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
+    FSDP_TRY(check_unit("fsdp_unit_post_forward", s, k));
+    unit *u = &s->units[k];
+    if (s->n_order < 4 * s->cap_units) s->order[s->n_order++] = k;
+    if (grad_is_enabled()) FSDP_TRY(record_marker(s, k, true));
+    if (!u->keep) FSDP_TRY(reshard(s, u));
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_unit_unshard(fsdp_sched *s, int k) {
+    FSDP_TRY(check_unit("fsdp_unit_unshard", s, k));
+    return gather_now(s, &s->units[k]);
+}
+
+fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
+    FSDP_TRY(check_unit("fsdp_unit_reshard", s, k));
+    return reshard(s, &s->units[k]);
+}
+
+fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_sync: schedule is NULL");
+    s->sync = sync != 0;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_stats: schedule is NULL");
+    if (gathered_now) *gathered_now = s->n_gathered;
+    if (gathered_peak) *gathered_peak = s->peak_gathered;
+    if (reset) s->peak_gathered = s->n_gathered;
+    return FSDP_OK;
+}

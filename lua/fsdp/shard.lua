@@ -1,0 +1,463 @@
+-- fsdp.shard: Fully Sharded Data Parallel for nn modules.
+--
+--   local sharded = fsdp.shard(model, {
+--     policy = fsdp.policy.per_block(),          -- or by_type, by_size, any function(module, path)
+--     strategy = "full_shard",                   -- shard_grad_op, no_shard, hybrid_shard (+ group_size)
+--     mixed_precision = { compute = "bf16", reduce = "f32" },
+--     prefetch = "backward_pre", forward_prefetch = false, limit = 2, seed = 1,
+--   })
+--   local logits, loss = model(x, y)             -- the model is used as before
+--   loss:backward()                              -- gathers, reduce-scatters as it goes
+--   sharded:clip_grad_norm(1.0); opt:step(); sharded:zero_grad()
+--
+-- A wrap policy picks the modules that become units; the root unit (the
+-- model) takes every parameter no other unit claimed. Each unit's parameters
+-- live in the C schedule (engine/dist/sched.c): this rank holds 1/N of them,
+-- and the module fields become views of the unit's gathered buffer. The
+-- model should not be materialized: each rank initializes only its shard,
+-- from (seed, parameter path, element index), so the values equal the
+-- unsharded init. A materialized model is accepted too (its values are
+-- copied into the shards and its tensors dropped).
+local ffi = require "ffi"
+local fsdp = require "fsdp"
+local init = require("fsdp.nn.module").init
+local optim = require "fsdp.optim"
+
+local C = fsdp.C
+local core = fsdp.core
+local raise = core.raise
+
+local M = {}
+local policy = {}
+M.policy = policy
+
+-- ---- wrap policies: function(module, path, unclaimed_params) -> boolean ----
+
+--- Units at every module whose type name is in the list.
+function policy.by_type(...)
+  local names = {}
+  for _, n in ipairs({ ... }) do names[n] = true end
+  return function(m) return names[m.__name] == true end
+end
+
+--- One unit per transformer block.
+function policy.per_block() return policy.by_type("Block") end
+
+--- Units at modules holding at least min_params parameters that no unit
+-- below them has claimed (decided children first).
+function policy.by_size(min_params)
+  if type(min_params) ~= "number" or min_params < 1 then
+    error("fsdp.policy.by_size: expected a positive parameter count, got " .. tostring(min_params), 2)
+  end
+  return function(_, _, unclaimed) return unclaimed >= min_params end
+end
+
+--- No unit but the root (one flat buffer for the whole model).
+function policy.none() return function() return false end end
+
+local function numel_of(shape)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  return n
+end
+
+--- Splits model into units. Returns a list (root first) of
+-- { path=, module=, params = { {path, module, name, shape, init, tensor, numel}, ... }, numel= }.
+-- Shared modules are flattened once; sharing across units is an error.
+function M.assign_units(model, wrap)
+  wrap = wrap or policy.none()
+  if type(wrap) ~= "function" then
+    error("fsdp.shard: policy must be a function(module, path) -> boolean, got " .. type(wrap), 3)
+  end
+  local owner = {}      -- module -> unit
+  local seen_at = {}    -- module -> first path
+  local units = {}
+  local root = { path = "", module = model, params = {}, numel = 0 }
+
+  -- post-order: children decide first, so by_size sees what is left
+  local function visit(m, path)
+    if seen_at[m] then return 0, true end
+    seen_at[m] = path
+    local unclaimed = 0
+    for _, cn in ipairs(m._child_names) do
+      local child = m[cn]
+      local n = visit(child, path == "" and cn or path .. "." .. cn)
+      unclaimed = unclaimed + n
+    end
+    for _, pn in ipairs(m._param_names) do unclaimed = unclaimed + numel_of(m._param_specs[pn].shape) end
+    if m ~= model then
+      local decision = wrap(m, path, unclaimed)
+      if type(decision) ~= "boolean" then
+        error(string.format("fsdp.shard: the wrap policy returned %s (a %s) for '%s' (%s); expected true or false",
+          tostring(decision), type(decision), path, m.__name), 0)
+      end
+      -- a module whose parameters are used outside its own forward (GPT's
+      -- token embedding, tied to the LM head) stays with its parent: as a
+      -- unit of its own it would be resharded when the other use comes
+      if decision and not m._used_outside_forward then
+        local u = { path = path, module = m, params = {}, numel = 0 }
+        units[#units + 1] = u
+        owner[m] = u
+        return 0
+      end
+    end
+    return unclaimed
+  end
+  visit(model, "")
+
+  -- each parameter goes to its nearest enclosing unit (the root by default)
+  local placed = {}     -- "module/name" key -> { unit, path }
+  local function place(m, path, unit)
+    unit = owner[m] or unit
+    for _, pn in ipairs(m._param_names) do
+      local key = m
+      placed[key] = placed[key] or {}
+      local ppath = path == "" and pn or path .. "." .. pn
+      local prior = placed[key][pn]
+      if prior then
+        if prior.unit ~= unit then
+          error(string.format("fsdp.shard: parameter '%s' is shared with '%s', which belongs to another unit ('%s'); "
+            .. "shared parameters must live in one unit (wrap their common parent instead)", ppath, prior.path,
+            prior.unit.path == "" and "root" or prior.unit.path), 0)
+        end
+      else
+        local spec = m._param_specs[pn]
+        local p = { path = ppath, module = m, name = pn, shape = spec.shape, init = spec.init, tensor = m[pn],
+          numel = numel_of(spec.shape) }
+        unit.params[#unit.params + 1] = p
+        unit.numel = unit.numel + p.numel
+        placed[key][pn] = { unit = unit, path = ppath }
+      end
+    end
+    for _, cn in ipairs(m._child_names) do
+      place(m[cn], path == "" and cn or path .. "." .. cn, unit)
+    end
+  end
+  place(model, "", root)
+  table.sort(units, function(a, b) return a.path < b.path end)
+  table.insert(units, 1, root)
+  return units
+end
+
+-- ---- communicators for a strategy ----
+
+local comm_box = ffi.new("fsdp_comm *[1]")
+local int2 = ffi.new("int[2]")
+
+local function world_comm()
+  if C.fsdp_comm_world(comm_box) ~= 0 then raise() end
+  return ffi.gc(comm_box[0], C.fsdp_comm_free)
+end
+
+local function split(parent, color, key)
+  if C.fsdp_comm_split(comm_box, parent, color, key) ~= 0 then raise() end
+  return ffi.gc(comm_box[0], C.fsdp_comm_free)
+end
+
+local function comm_info(c)
+  if C.fsdp_comm_info(c, int2, int2 + 1) ~= 0 then raise() end
+  return int2[0], int2[1]
+end
+
+M.strategies = { full_shard = true, shard_grad_op = true, no_shard = true, hybrid_shard = true }
+
+--- shard and replica communicators (replica nil when there is none).
+local function make_comms(strategy, group_size)
+  local world = world_comm()
+  local rank, size = comm_info(world)
+  if strategy == "full_shard" or strategy == "shard_grad_op" then return world, nil, world end
+  if strategy == "no_shard" then
+    return split(world, rank, 0), (size > 1 and world or nil), world
+  end
+  -- hybrid: shard inside consecutive groups of G ranks, replicate across them
+  local G = group_size
+  if type(G) ~= "number" or G < 1 or G ~= math.floor(G) then
+    error("fsdp.shard: hybrid_shard needs group_size, a positive integer (got " .. tostring(G) .. ")", 0)
+  end
+  if size % G ~= 0 then
+    error(string.format("fsdp.shard: hybrid_shard group_size %d does not divide the world size %d (rank %d)", G,
+      size, rank), 0)
+  end
+  local shard = split(world, math.floor(rank / G), rank)
+  local replica = split(world, rank % G, rank)
+  return shard, replica, world
+end
+
+-- A 52-bit hash of a string, exact as a double.
+local function hash52(s)
+  local h = 0
+  for i = 1, #s do h = (h * 31 + s:byte(i)) % 4503599627370449 end
+  return h
+end
+
+local dbl2 = ffi.new("double[2]")
+
+-- All ranks must build the same model: compare a fingerprint of the unit
+-- layout (paths and shapes) with a max and a -min all-reduce.
+local function check_same_model(world, units, rank)
+  local parts = {}
+  for _, u in ipairs(units) do
+    parts[#parts + 1] = "[" .. u.path .. "]"
+    for _, p in ipairs(u.params) do parts[#parts + 1] = p.path .. "(" .. table.concat(p.shape, "x") .. ")" end
+  end
+  local h = hash52(table.concat(parts, ";"))
+  dbl2[0], dbl2[1] = h, -h
+  if C.fsdp_all_reduce_doubles(world, dbl2, 2, 2) ~= 0 then raise() end
+  if dbl2[0] ~= h or -dbl2[1] ~= h then
+    error(string.format("fsdp.shard: ranks disagree on the model (rank %d's layout fingerprint is %.0f, others "
+      .. "differ: %d units, %d tensors here); every rank must build the same model and policy", rank, h, #units,
+      #parts - #units), 0)
+  end
+end
+
+-- ---- the sharded model ----
+
+local Sharded = {}
+Sharded.__index = Sharded
+
+local dtypes = { f32 = 0, bf16 = 1 }
+local prefetch_ids = { none = 0, backward_pre = 1, backward_post = 2 }
+
+local sched_box = ffi.new("fsdp_sched *[1]")
+local i64s = ffi.new("int64_t[4]")
+local out = core.out
+local wrap_t = core.wrap
+
+--- fsdp.shard(model, opts) -> Sharded (see the top of this file).
+function M.shard(model, opts)
+  opts = opts or {}
+  if type(model) ~= "table" or not model._param_names then error("fsdp.shard: expected an nn module", 2) end
+  local strategy = opts.strategy or "full_shard"
+  if not M.strategies[strategy] then
+    error("fsdp.shard: unknown strategy '" .. tostring(strategy) ..
+      "' (expected full_shard, shard_grad_op, no_shard or hybrid_shard)", 2)
+  end
+  local mp = opts.mixed_precision or {}
+  local compute, reduce = mp.compute or mp.param or "f32", mp.reduce or mp.compute or mp.param or "f32"
+  if not dtypes[compute] or not dtypes[reduce] then
+    error(string.format("fsdp.shard: mixed_precision compute '%s' / reduce '%s' must be f32 or bf16",
+      tostring(compute), tostring(reduce)), 2)
+  end
+  local prefetch = opts.prefetch == nil and "backward_pre" or (opts.prefetch or "none")
+  if prefetch_ids[prefetch] == nil then
+    error("fsdp.shard: prefetch must be backward_pre, backward_post or none, got " .. tostring(prefetch), 2)
+  end
+  local limit = opts.limit or 2
+  if M.plan_mode then   -- `fsdp-lua --plan`: print the plan for the asked world size and stop
+    local planner = require "fsdp.plan"
+    print(planner.format(planner.plan(model, opts, M.plan_mode.world)))
+    os.exit(0)
+  end
+  local units = M.assign_units(model, opts.policy)
+  local shard_comm, replica_comm, world = make_comms(strategy, opts.group_size)
+  local rank = comm_info(world)
+  check_same_model(world, units, rank)
+  if C.fsdp_sched_new(sched_box, shard_comm, replica_comm, dtypes[compute], dtypes[reduce], prefetch_ids[prefetch],
+        opts.forward_prefetch and 1 or 0, limit) ~= 0 then
+    raise()
+  end
+  local self = setmetatable({
+    model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
+    sched = ffi.gc(sched_box[0], C.fsdp_sched_free), shard_comm = shard_comm, replica_comm = replica_comm,
+    world = world, rank = rank, masters = {}, grads = {}, segments = {},
+  }, Sharded)
+  local seed = opts.seed or 0
+  local keep_all = strategy == "shard_grad_op"
+  for k, u in ipairs(units) do
+    local n = #u.params
+    local numels = ffi.new("int64_t[?]", math.max(n, 1))
+    for i, p in ipairs(u.params) do numels[i - 1] = p.numel end
+    local idx = ffi.new("int[1]")
+    local name = u.path == "" and "root" or u.path
+    if C.fsdp_sched_add_unit(self.sched, name, n, numels, (k == 1 or keep_all) and 1 or 0, idx) ~= 0 then raise() end
+    u.index = idx[0]
+    u.name = name
+    if C.fsdp_unit_info(self.sched, u.index, i64s, i64s + 1, i64s + 2, i64s + 3) ~= 0 then raise() end
+    u.padded, u.shard_numel, u.shard_offset = tonumber(i64s[1]), tonumber(i64s[2]), tonumber(i64s[3])
+    local mbox, gbox = ffi.new("fsdp_tensor *[1]"), ffi.new("fsdp_tensor *[1]")
+    if C.fsdp_unit_shard(self.sched, u.index, mbox, gbox) ~= 0 then raise() end
+    u.master = ffi.gc(mbox[0], C.fsdp_tensor_release)
+    u.grad = ffi.gc(gbox[0], C.fsdp_tensor_release)
+    self.masters[#self.masters + 1] = u.master
+    self.grads[#self.grads + 1] = u.grad
+    self:_init_unit(u, seed)
+    self:_bind_views(u)
+    if k > 1 then self:_wrap_forward(u) end
+  end
+  self:_wrap_forward(units[1])
+  return self
+end
+
+-- Fills this rank's slice of every parameter of unit u: from the model's
+-- own tensors when it was materialized, else from the init rule.
+function Sharded:_init_unit(u, seed)
+  local lo, hi = u.shard_offset, u.shard_offset + u.shard_numel
+  local off = 0
+  u.offsets = {}
+  for _, p in ipairs(u.params) do
+    u.offsets[#u.offsets + 1] = off
+    local a, b = math.max(lo, off), math.min(hi, off + p.numel)
+    if a < b then
+      local dst = u.master:narrow(1, a - lo + 1, b - a)
+      if p.tensor then
+        dst:copy(p.tensor:detach():contiguous():view(-1):narrow(1, a - off + 1, b - a))
+      else
+        init.fill(dst, p.init, seed, p.path, a - off)
+      end
+      -- the optimizer's view of this slice, with its gradient slice
+      local g = u.grad:narrow(1, a - lo + 1, b - a)
+      dst:set_grad(g)
+      optim.persistent_grad[dst] = true
+      self.segments[#self.segments + 1] = { tensor = dst, grad = g, dims = #p.shape, path = p.path }
+    end
+    off = off + p.numel
+  end
+end
+
+-- Module fields become views of the unit's gathered buffer.
+function Sharded:_bind_views(u)
+  for i, p in ipairs(u.params) do
+    local nd = #p.shape
+    local shape = ffi.new("int64_t[?]", math.max(nd, 1))
+    for d = 1, nd do shape[d - 1] = p.shape[d] end
+    if C.fsdp_unit_param(self.sched, u.index, i - 1, nd, shape, out) ~= 0 then raise() end
+    p.module[p.name] = wrap_t()
+    p.tensor = nil
+  end
+end
+
+-- The unit's forward runs between its pre- and post-forward hooks.
+function Sharded:_wrap_forward(u)
+  local m, sched, index = u.module, self.sched, u.index
+  local inner = m.forward
+  m.forward = function(mod, ...)
+    if C.fsdp_unit_pre_forward(sched, index) ~= 0 then raise() end
+    local res = { pcall(inner, mod, ...) }
+    if not res[1] then error(res[2], 0) end
+    if C.fsdp_unit_post_forward(sched, index) ~= 0 then raise() end
+    return unpack(res, 2)
+  end
+end
+
+function Sharded:__call(...) return self.model(...) end
+
+--- Parameter groups for an optimizer over this rank's shard slices, with
+-- weight decay on matrices and embeddings only.
+function Sharded:param_groups(weight_decay)
+  local decay, other = {}, {}
+  for _, s in ipairs(self.segments) do
+    if s.dims >= 2 then decay[#decay + 1] = s.tensor else other[#other + 1] = s.tensor end
+  end
+  local groups = {}
+  if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = weight_decay or 0 } end
+  if #other > 0 then groups[#groups + 1] = { params = other, weight_decay = 0 } end
+  return groups
+end
+
+--- Every shard slice (for an optimizer without groups).
+function Sharded:parameters()
+  local ps = {}
+  for _, s in ipairs(self.segments) do ps[#ps + 1] = s.tensor end
+  return ps
+end
+
+function Sharded:zero_grad()
+  for _, g in ipairs(self.grads) do g:fill(0) end
+end
+
+--- Global gradient norm over all shards (an all-reduce over the shard group).
+function Sharded:grad_norm()
+  local box = ffi.new("double[1]")
+  local total = 0
+  for _, g in ipairs(self.grads) do
+    if C.fsdp_sumsq(g, box) ~= 0 then raise() end
+    total = total + box[0]
+  end
+  box[0] = total
+  if C.fsdp_all_reduce_doubles(self.shard_comm, box, 1, 0) ~= 0 then raise() end
+  return math.sqrt(box[0])
+end
+
+function Sharded:clip_grad_norm(max_norm)
+  local norm = self:grad_norm()
+  local coef = max_norm / (norm + 1e-6)
+  if coef < 1 then
+    for _, g in ipairs(self.grads) do
+      if C.fsdp_scale_(g, coef) ~= 0 then raise() end
+    end
+  end
+  return norm
+end
+
+--- Gradient accumulation without communication: fn runs forward and
+-- backward(s) whose gradients stay local until a backward outside no_sync.
+function Sharded:no_sync(fn, ...)
+  if C.fsdp_sched_set_sync(self.sched, 0) ~= 0 then raise() end
+  local res = { pcall(fn, ...) }
+  C.fsdp_sched_set_sync(self.sched, 1)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2)
+end
+
+--- Runs fn with every unit gathered (parameters readable as full tensors),
+-- then reshards. Collective: every rank must call it.
+function Sharded:summon_full_params(fn, ...)
+  for _, u in ipairs(self.units) do
+    if C.fsdp_unit_unshard(self.sched, u.index) ~= 0 then raise() end
+  end
+  local res = { pcall(fn, ...) }
+  for k, u in ipairs(self.units) do
+    if k > 1 or self.strategy == "shard_grad_op" then C.fsdp_unit_reshard(self.sched, u.index) end
+  end
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2)
+end
+
+--- {path = full tensor (f32 copy)} gathered unit by unit: every rank gets
+-- them, for evaluation or export of small models.
+function Sharded:full_state_dict()
+  local sd = {}
+  for k, u in ipairs(self.units) do
+    if C.fsdp_unit_unshard(self.sched, u.index) ~= 0 then raise() end
+    for _, p in ipairs(u.params) do sd[p.path] = p.module[p.name]:float():clone() end
+    if k > 1 or self.strategy == "shard_grad_op" then C.fsdp_unit_reshard(self.sched, u.index) end
+  end
+  return sd
+end
+
+--- Traffic and memory of this rank since the last call (reset after).
+local stat_i64, stat_dbl = ffi.new("int64_t[2]"), ffi.new("double[1]")
+function Sharded:step_stats()
+  if C.fsdp_comm_stats(stat_i64, stat_i64 + 1, stat_dbl) ~= 0 then raise() end
+  local s = { gathered_bytes = tonumber(stat_i64[0]), reduced_bytes = tonumber(stat_i64[1]),
+    wait_seconds = stat_dbl[0] }
+  C.fsdp_comm_reset_stats()
+  return s
+end
+
+--- The same statistics combined over ranks: the maximum of each, and the
+-- peak memory per tag as the maximum over ranks.
+function Sharded:global_stats()
+  local s = self:step_stats()
+  local mem = fsdp.memory.all()
+  local names = { "param", "grad", "optimizer", "activation", "comm", "other" }
+  local vals = ffi.new("double[?]", 3 + #names)
+  vals[0], vals[1], vals[2] = s.gathered_bytes, s.reduced_bytes, s.wait_seconds
+  for i, n in ipairs(names) do vals[2 + i] = mem[n].peak end
+  if C.fsdp_all_reduce_doubles(self.world, vals, 3 + #names, 2) ~= 0 then raise() end
+  local g = { gathered_bytes = vals[0], reduced_bytes = vals[1], wait_seconds = vals[2], peak = {} }
+  for i, n in ipairs(names) do g.peak[n] = vals[2 + i] end
+  return g
+end
+
+--- A one-line description of the units.
+function Sharded:describe()
+  local lines = {}
+  for _, u in ipairs(self.units) do
+    lines[#lines + 1] = string.format("  unit %-12s %3d tensors %10d params, shard %d", u.name, #u.params, u.numel,
+      u.shard_numel)
+  end
+  return table.concat(lines, "\n")
+end
+
+return M

@@ -1,0 +1,135 @@
+-- N ranks train the tiny GPT exactly as 1 rank does on the same global
+-- batch: 20 AdamW steps with clipping and 2 micro-batches per step, for a
+-- strategy and a wrap policy given on the command line. Every rank also
+-- trains an unsharded reference (the model is tiny) and compares losses
+-- each step and all parameters at the end: within 1e-5 relative for the
+-- losses and for all parameters together (||a - b|| / ||b||), 5e-4 for each
+-- tensor alone. Why not 1e-5 per tensor: the attention key bias gets a
+-- gradient that is zero in exact arithmetic (softmax ignores a constant
+-- added to every score of a row), so what it gets is rounding noise, which
+-- AdamW normalizes into full-size updates; any change of summation order,
+-- even the gradient norm's, moves that one tensor by a few 1e-5.
+--   mpirun -np 3 fsdp-lua tests/dist/test_fsdp_equiv.lua --strategy=full_shard --policy=block
+package.path = "tests/lua/?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local nn = require "fsdp.nn"
+local optim = require "fsdp.optim"
+
+local opts = ... or {}
+local strategy = opts.strategy or "full_shard"
+local policy_name = opts.policy or "block"
+local accum_sync = opts.accum_sync ~= false      -- communicate on every micro-batch
+local dtype = opts.compute or "f32"
+local TOL = dtype == "f32" and 1e-5 or 2e-2
+local rank, world = fsdp.rank(), fsdp.world()
+
+local cfg = { vocab_size = 96, n_layer = 2, n_head = 2, n_embd = 16, block_size = 8 }
+local B, T, STEPS, MICRO, SEED = 24, 8, 20, 2, 7
+
+local policies = {
+  block = fsdp.policy.per_block(),
+  size = fsdp.policy.by_size(1000),
+  custom = function(m, path) return path == "h.1" or m.__name == "MLP" end,
+  none = fsdp.policy.none(),
+}
+
+-- the global batch of step s: the same on every rank
+local function batch(step)
+  local rows, targets = {}, {}
+  local x = (step * 7919 + 17) % 2147483647
+  for b = 1, B do
+    rows[b], targets[b] = {}, {}
+    for i = 1, T + 1 do
+      x = (x * 48271) % 2147483647
+      local tok = x % cfg.vocab_size
+      if i <= T then rows[b][i] = tok end
+      if i > 1 then targets[b][i - 1] = tok end
+    end
+  end
+  return fsdp.tensor(rows, { dtype = "i64" }), fsdp.tensor(targets, { dtype = "i64" })
+end
+
+local function adamw(groups) return optim.AdamW(groups, { lr = 3e-3, betas = { 0.9, 0.95 }, eps = 1e-8 }) end
+
+-- reference: one process, the whole global batch
+local ref = nn.GPT(cfg):materialize { seed = SEED }
+local ref_opt = adamw(optim.decay_groups(ref:named_parameters(), 0.1))
+local ref_params = ref:parameters()
+
+-- sharded: this rank's rows of each micro-batch
+local model = nn.GPT(cfg)
+local sharded = fsdp.shard(model, {
+  policy = policies[policy_name], strategy = strategy, group_size = opts.group_size, seed = SEED,
+  mixed_precision = { compute = dtype, reduce = "f32" },
+})
+local opt = adamw(sharded:param_groups(0.1))
+
+local per_micro = B / MICRO               -- global rows per micro-batch
+local mine = per_micro / world            -- this rank's rows of one
+assert(mine == math.floor(mine), "batch not divisible")
+
+local worst_loss = 0
+for step = 1, STEPS do
+  local x, y = batch(step)
+  -- reference
+  local ref_loss = 0
+  for m = 1, MICRO do
+    local xs, ys = x:narrow(1, (m - 1) * per_micro + 1, per_micro), y:narrow(1, (m - 1) * per_micro + 1, per_micro)
+    local _, l = ref(xs:contiguous(), ys:contiguous())
+    ref_loss = ref_loss + l:item() / MICRO
+    local scaled = l * (1 / MICRO)
+    scaled:backward()
+  end
+  optim.clip_grad_norm(ref_params, 0.5)
+  ref_opt:step()
+  ref_opt:zero_grad()
+  -- sharded
+  local loss = 0
+  for m = 1, MICRO do
+    local first = (m - 1) * per_micro + rank * mine + 1
+    local xs, ys = x:narrow(1, first, mine):contiguous(), y:narrow(1, first, mine):contiguous()
+    local function run()
+      local _, l = model(xs, ys)
+      loss = loss + l:item() / MICRO
+      local scaled = l * (1 / MICRO)
+      scaled:backward()
+    end
+    if m < MICRO and not accum_sync then sharded:no_sync(run) else run() end
+  end
+  -- the loss of the global batch is the mean of the ranks' losses
+  local box = require("ffi").new("double[1]", loss)
+  fsdp.C.fsdp_all_reduce_doubles(sharded.world, box, 1, 1)
+  loss = box[0]
+  sharded:clip_grad_norm(0.5)
+  opt:step()
+  sharded:zero_grad()
+  local rel = math.abs(loss - ref_loss) / math.abs(ref_loss)
+  worst_loss = math.max(worst_loss, rel)
+  t.ok(rel <= TOL, string.format("step %d: loss %.8f vs unsharded %.8f (rel %.2g)", step, loss, ref_loss, rel))
+end
+
+-- final parameters, gathered unit by unit
+local full = sharded:full_state_dict()
+local worst, all_num, all_den = 0, 0, 0
+for _, p in ipairs(ref:named_parameters()) do
+  local a, b = full[p.path]:view(-1):tolist(), p.tensor:view(-1):tolist()
+  local num, den = 0, 0
+  for i = 1, #b do
+    num = num + (a[i] - b[i]) ^ 2
+    den = den + b[i] ^ 2
+  end
+  all_num, all_den = all_num + num, all_den + den
+  local rel = math.sqrt(num / math.max(den, 1e-30))
+  worst = math.max(worst, rel)
+  t.ok(rel <= 50 * TOL, string.format("%s after %d steps: relative error %.2g", p.path, STEPS, rel))
+end
+local global = math.sqrt(all_num / all_den)
+t.ok(global <= TOL, string.format("all parameters after %d steps: relative error %.2g", STEPS, global))
+if rank == 0 then
+  print(string.format("%s policy=%s ranks=%d compute=%s accum_sync=%s: worst loss rel %.2g, "
+    .. "all params rel %.2g, worst tensor rel %.2g", strategy, policy_name, world, dtype, tostring(accum_sync),
+    worst_loss, global, worst))
+  print(sharded:describe())
+end
+t.done()
