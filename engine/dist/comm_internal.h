@@ -1,0 +1,20 @@
+/* comm_internal.h: what the rest of the engine may ask of a communicator
+ * beyond the public calls in fsdp.h (comm.c). */
+#ifndef FSDP_COMM_INTERNAL_H
+#define FSDP_COMM_INTERNAL_H
+
+#include "fsdp.h"
+
+/* This process's rank in c, and c's number of ranks (cached at creation: no
+ * MPI call, callable from any thread). -1 when c is NULL. */
+int comm_rank_of(fsdp_comm *c);
+int comm_size_of(fsdp_comm *c);
+/* A short name for messages, e.g. "world" or "world.split3.color1"
+ * ("?" for NULL). */
+const char *comm_name_of(fsdp_comm *c);
+/* Drains the collective queue and stops the comm thread (a later collective
+ * starts it again). fsdp_runtime_finalize calls it before MPI_Finalize. A
+ * queue that does not drain within the watchdog time ends the job. */
+void comm_shutdown(void);
+
+#endif
