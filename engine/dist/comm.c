@@ -405,16 +405,22 @@ static int q_current_size;
 
 /* Copies this thread's last error into the work, without the " [rank N]"
  * fsdp_set_error appended: the waiting thread's fsdp_set_error adds it back. */
-static void work_take_error(fsdp_work *w, fsdp_status st) {
+static int last_error_len(const char **e) {
     char suffix[32];
     snprintf(suffix, sizeof suffix, " [rank %d]", fsdp_current_rank());
-    const char *e = fsdp_last_error();
-    size_t n = strlen(e), k = strlen(suffix);
-    if (n >= k && strcmp(e + n - k, suffix) == 0) n -= k;
+    *e = fsdp_last_error();
+    size_t n = strlen(*e), k = strlen(suffix);
+    if (n >= k && strcmp(*e + n - k, suffix) == 0) n -= k;
+    return (int)n;
+}
+
+static void work_take_error(fsdp_work *w, fsdp_status st) {
+    const char *e;
+    int n = last_error_len(&e);
     char what[160];
     fp_describe(&w->fp, false, what, sizeof what);
     snprintf(w->msg, sizeof w->msg, "%s (collective #%llu on comm %s(%d)): %.*s", what,
-             (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, (int)n, e);
+             (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, n, e);
     w->status = st;
 }
 
@@ -440,12 +446,9 @@ static fsdp_status check_fingerprints(fsdp_work *w) {
                             (unsigned long long)w->fp.seq, c->name, c->size, a, r, b);
         /* Already complete: do not let run_work() wrap it in a second
          * description of the same collective. */
-        char suffix[32];
-        snprintf(suffix, sizeof suffix, " [rank %d]", fsdp_current_rank());
-        const char *e = fsdp_last_error();
-        size_t n = strlen(e), k = strlen(suffix);
-        if (n >= k && strcmp(e + n - k, suffix) == 0) n -= k;
-        snprintf(w->msg, sizeof w->msg, "%.*s", (int)n, e);
+        const char *e;
+        int n = last_error_len(&e);
+        snprintf(w->msg, sizeof w->msg, "%.*s", n, e);
         w->status = st;
     }
     free(all);
@@ -791,10 +794,16 @@ static fsdp_status comm_check(fsdp_comm *c, const char *opname) {
 fsdp_status fsdp_comm_world(fsdp_comm **out) {
     if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_world: out is NULL");
     *out = NULL;
-    FSDP_TRY(fsdp_runtime_init(NULL, NULL));   /* MPI under mpirun, else a world of one */
     pthread_mutex_lock(&world_mu);
     fsdp_comm *c = &g_world_comm;
     if (c->magic != COMM_MAGIC) {
+        /* MPI under mpirun, else a world of one. Only here, before any
+         * collective: later the comm thread alone talks to MPI. */
+        fsdp_status st = fsdp_runtime_init(NULL, NULL);
+        if (st != FSDP_OK) {
+            pthread_mutex_unlock(&world_mu);
+            return st;
+        }
         int inited = 0, fin = 0;
         MPI_Initialized(&inited);
         MPI_Finalized(&fin);

@@ -147,14 +147,14 @@ static void t_all_gather(const char *cn, fsdp_comm *c, int r, int s, int dt, int
 
 static void t_all_gather_int(const char *cn, fsdp_comm *c, int r, int s, int dt, int64_t n) {
     int64_t *v = malloc((size_t)n * 8), *got = malloc((size_t)(n * s) * 8);
-    for (int64_t i = 0; i < n; i++) v[i] = dt == FSDP_U16 ? ival(1, r, i) + 15000 : ival(1, r, i) << (dt == FSDP_I64 ? 20 : 0);
+    for (int64_t i = 0; i < n; i++) v[i] = dt == FSDP_U16 ? ival(1, r, i) + 15000 : ival(1, r, i) * (dt == FSDP_I64 ? (int64_t)1 << 20 : 1);
     fsdp_tensor *src = make_int(dt, n, v), *dst = zeros(dt, n * s);
     OK(fsdp_all_gather(NULL, c, dst, src, "ag.int"));
     read_int(dst, dt, got, n * s);
     int64_t wrong = 0;
     for (int q = 0; q < s; q++)
         for (int64_t i = 0; i < n; i++) {
-            int64_t w = dt == FSDP_U16 ? ival(1, q, i) + 15000 : ival(1, q, i) << (dt == FSDP_I64 ? 20 : 0);
+            int64_t w = dt == FSDP_U16 ? ival(1, q, i) + 15000 : ival(1, q, i) * (dt == FSDP_I64 ? (int64_t)1 << 20 : 1);
             wrong += got[q * n + i] != w;
         }
     g_wrong_values += wrong;
