@@ -163,11 +163,16 @@ static fsdp_status reshard(fsdp_sched *s, unit *u) {
     return FSDP_OK;
 }
 
-/* Prefetch: gather unit k early when the limit allows. */
+/* Prefetch: gather unit k early when the limit allows; the limit counts
+ * the gathered units that are not kept (the root stays gathered anyway). */
 static fsdp_status prefetch(fsdp_sched *s, int k) {
     if (k < 0 || k >= s->n_units) return FSDP_OK;
     unit *u = &s->units[k];
-    if (u->gathered || s->n_gathered >= s->limit) return FSDP_OK;
+    if (u->gathered) return FSDP_OK;
+    int transient = 0;
+    for (int i = 0; i < s->n_units; i++)
+        if (s->units[i].gathered && !s->units[i].keep) transient++;
+    if (transient >= s->limit) return FSDP_OK;
     return issue_gather(s, u);
 }
 
@@ -214,6 +219,9 @@ static fsdp_status before_backward(void *p) {
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
     FSDP_TRY(gather_now(s, u));
+    /* each reduce-scatter in flight holds a full flat gradient: let at most
+     * one still run while this unit's backward starts */
+    for (int k = 0; k + 1 < s->n_pend; k++) FSDP_TRY(fsdp_work_wait(s->pend[k].work));
     if (!u->flat_grad) {   /* kept across micro-batches without sync */
         FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, FSDP_DEVICE_CPU, FSDP_TAG_GRAD, true));
         FSDP_TRY(link_grads(u));

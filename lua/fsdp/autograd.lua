@@ -193,7 +193,7 @@ function M.backward(root, grad)
   end
   free_depth(my_depth)   -- the tape is consumed
   -- the forward's activations are unreachable now: free them before the next step
-  if my_depth == 1 then collectgarbage() end
+  if my_depth == 1 then core.collect() end
 end
 
 -- ---- Lua-defined ops ----

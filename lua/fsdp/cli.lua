@@ -18,6 +18,13 @@ options:
   -l MODULE      require MODULE into the global of the same name
                  (the last part of a dotted name: -l fsdp.nn sets nn)
   -i             enter the REPL after running the script or -e code
+  --plan         plan instead of training: when the recipe calls fsdp.shard,
+                 print the units, the memory per rank and tag, and the
+                 traffic per step (fsdp.plan), then exit 0; nothing is
+                 sharded or communicated
+  --world=N      the number of ranks --plan plans for (default: the ranks
+                 this process runs with, 1 without mpirun); the recipe sees
+                 fsdp.world() = N until it calls fsdp.shard
   -v, --version  print the fsdp-lua, engine and LuaJIT versions
   -h, --help     print this help
   --             stop handling options
@@ -37,6 +44,7 @@ examples:
   fsdp-lua                                   # REPL, `fsdp` preloaded
   fsdp-lua recipes/mlp.lua --steps=500 --lr=0.1
   mpirun -np 4 fsdp-lua recipes/gpt2.lua --preset=small
+  fsdp-lua --plan --world=8 recipes/gpt2.lua --preset=small --wrap=block
   fsdp-lua -e 'print(fsdp.randn(2, 3))'
   fsdp-lua -l fsdp -i recipes/mlp.lua --steps=10
   echo 'print(1 + 2)' | fsdp-lua -
@@ -83,10 +91,11 @@ end
 -- mpirun neither leaves MPI unfinalized nor leaves other ranks waiting.
 local function guard_exit(fsdp)
   local raw_exit = os.exit
+  local world = fsdp.world   -- the real one (--plan makes fsdp.world answer N)
   os.exit = function(code, close)
     local n = (code == nil or code == true) and 0 or code == false and 1 or tonumber(code) or 1
     io.stdout:flush()
-    if n ~= 0 and fsdp.world() > 1 then
+    if n ~= 0 and world() > 1 then
       fsdp.C.fsdp_runtime_abort(string.format("fsdp-lua: rank %d: os.exit(%d)", fsdp.rank(), n), n)
     end
     fsdp.C.fsdp_runtime_finalize()
@@ -97,6 +106,7 @@ end
 function M.main(argv)
   argv = argv or {}
   local actions, interactive, show_version, script = {}, false, false, nil
+  local plan, plan_world = false, nil
   local i = 1
   while i <= #argv do
     local a = argv[i]
@@ -108,6 +118,15 @@ function M.main(argv)
       interactive, i = true, i + 1
     elseif a == "-v" or a == "--version" then
       show_version, i = true, i + 1
+    elseif a == "--plan" then
+      plan, i = true, i + 1
+    elseif a:match("^%-%-world=") or a == "--world" then
+      local v = a:match("^%-%-world=(.*)$")
+      local n = tonumber(v)
+      if not n or n < 1 or n ~= math.floor(n) then
+        return fail("--world expects a positive whole number of ranks, as --world=8 (got '" .. tostring(v) .. "')")
+      end
+      plan_world, i = n, i + 1
     elseif a == "-h" or a == "--help" then
       io.stdout:write(M.usage)
       return 0
@@ -122,6 +141,9 @@ function M.main(argv)
       break
     end
   end
+
+  if plan_world and not plan then return fail("--world=N only applies with --plan (see --help)") end
+  if plan and not script then return fail("--plan needs a recipe that calls fsdp.shard (see --help)") end
 
   local fsdp = require "fsdp"
   _G.fsdp = fsdp   -- for -e code and the REPL; recipes require it themselves
@@ -152,7 +174,18 @@ function M.main(argv)
       chunk, err = loadfile(script)
     end
     if not chunk then error(err, 0) end
+    if plan then
+      -- fsdp.shard prints the plan and exits 0 (lua/fsdp/shard.lua). Until
+      -- then the recipe runs as on N ranks: fsdp.world() answers N, so that
+      -- a recipe which shards only under mpirun reaches fsdp.shard.
+      local n = plan_world or fsdp.world()
+      require("fsdp.shard").plan_mode = { world = n }
+      fsdp.world = function() return n end
+    end
     chunk(M.parse_script_args(argv, i + 1))
+    if plan then
+      return fail(string.format("--plan: '%s' ended without calling fsdp.shard, so there was nothing to plan", script))
+    end
   end
 
   if interactive or (not script and #actions == 0 and not show_version) then

@@ -101,21 +101,39 @@ M.out = out
 
 -- Engine memory is invisible to Lua's collector, which counts only the few
 -- bytes of each handle: left alone it would let dead tensors pile up for
--- gigabytes. A full collection every so many new handles (cheap: the Lua
--- heap is small) keeps dead tensors from outliving a training step.
+-- gigabytes. So every 64 new handles we look at the engine's bytes in use,
+-- and collect when they have grown by half (and 16 MiB) since the last
+-- collection, or after 4096 handles regardless. A collection is cheap: the
+-- Lua heap is small.
 local collectgarbage = collectgarbage
-local made, COLLECT_EVERY = 0, 2048
-M.collect_every = function(n) COLLECT_EVERY = n end
+local made, since_check = 0, 0
+local in_use = ffi.new("int64_t[1]")
+local after_gc = 0
+local function engine_bytes()
+  C.fsdp_mem_stats(0, -1, in_use, nil, nil)
+  return tonumber(in_use[0])
+end
+local function maybe_collect()
+  since_check = 0
+  local now = engine_bytes()
+  if made >= 4096 or now > after_gc * 1.5 + 16 * 2 ^ 20 then
+    made = 0
+    collectgarbage()
+    after_gc = engine_bytes()
+  end
+end
+M.collect = function()
+  made = 0
+  collectgarbage()
+  after_gc = engine_bytes()
+end
 
 -- The new reference in out[0], owned by the Lua GC from now on.
 function M.wrap()
   local p = out[0]
   out[0] = nil
-  made = made + 1
-  if made >= COLLECT_EVERY then
-    made = 0
-    collectgarbage()
-  end
+  made, since_check = made + 1, since_check + 1
+  if since_check >= 64 then maybe_collect() end
   return ffi_gc(p, release)
 end
 

@@ -20,7 +20,8 @@
 -- copied into the shards and its tensors dropped).
 local ffi = require "ffi"
 local fsdp = require "fsdp"
-local init = require("fsdp.nn.module").init
+local Module = require "fsdp.nn.module"
+local init = Module.init
 local optim = require "fsdp.optim"
 
 local C = fsdp.C
@@ -94,7 +95,9 @@ function M.assign_units(model, wrap)
       -- a module whose parameters are used outside its own forward (GPT's
       -- token embedding, tied to the LM head) stays with its parent: as a
       -- unit of its own it would be resharded when the other use comes
-      if decision and not m._used_outside_forward then
+      -- and a module without a forward of its own (a ModuleList) cannot be
+      -- one: nothing would call the hooks that gather it
+      if decision and not m._used_outside_forward and m.forward ~= Module.forward then
         local u = { path = path, module = m, params = {}, numel = 0 }
         units[#units + 1] = u
         owner[m] = u

@@ -11,7 +11,11 @@ local M = {}
 local Recompute = fsdp.Function {
   forward = function(ctx, module, x)
     ctx.module, ctx.x, ctx.rng_offset = module, x, layers.dropout_rng.offset
-    return module:forward(x)
+    local y = module:forward(x)
+    -- nothing recorded holds the module's intermediates: free them now,
+    -- not whenever Lua's collector would get to them
+    collectgarbage()
+    return y
   end,
   backward = function(ctx, gy)
     local rng = layers.dropout_rng
@@ -29,6 +33,7 @@ local Recompute = fsdp.Function {
       end)
     end)
     fsdp.tape_pop()
+    collectgarbage()   -- the recomputed activations are dead now
     rng.offset = resume
     if not ok then error(gx, 0) end
     return nil, gx

@@ -28,16 +28,21 @@ local function check_config(name, cfg, keys)
   end
 end
 
-local GPT = Module:extend("GPT")
---- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128}
-function GPT:__init(cfg)
-  check_config("GPT", cfg, { "vocab_size", "n_layer", "n_head", "n_embd", "block_size" })
+-- What both models share: the checked config, the padded vocabulary, the
+-- token embedding; returns the width and the residual projections' init std.
+local function common_init(self, name, cfg)
+  check_config(name, cfg, { "vocab_size", "n_layer", "n_head", "n_embd", "block_size" })
   self.config = cfg
   self.vocab_size = cfg.vocab_size
   self.padded_vocab = padded(cfg.vocab_size, cfg.pad_to)
-  local C = cfg.n_embd
-  local proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-  self:add("wte", layers.Embedding(self.padded_vocab, C))
+  self:add("wte", layers.Embedding(self.padded_vocab, cfg.n_embd))
+  return cfg.n_embd, 0.02 / math.sqrt(2 * cfg.n_layer)
+end
+
+local GPT = Module:extend("GPT")
+--- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128}
+function GPT:__init(cfg)
+  local C, proj_std = common_init(self, "GPT", cfg)
   self.wte._used_outside_forward = true   -- the LM head reads wte.weight (sharding keeps it with the root)
   self:add("wpe", layers.Embedding(cfg.block_size, C))
   local h = self:add("h", tr.ModuleList())
@@ -187,13 +192,7 @@ M.GPT = GPT
 -- RMSNorm, SwiGLU, rotary positions, no biases, untied head.
 local Llama = Module:extend("Llama")
 function Llama:__init(cfg)
-  check_config("Llama", cfg, { "vocab_size", "n_layer", "n_head", "n_embd", "block_size" })
-  self.config = cfg
-  self.vocab_size = cfg.vocab_size
-  self.padded_vocab = padded(cfg.vocab_size, cfg.pad_to)
-  local C = cfg.n_embd
-  local proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-  self:add("wte", layers.Embedding(self.padded_vocab, C))
+  local C, proj_std = common_init(self, "Llama", cfg)
   local h = self:add("h", tr.ModuleList())
   local hidden = cfg.hidden or 4 * math.floor(2 * 4 * C / 3 / 4 + 0.5)   -- 2/3 of 4C, as Llama sizes it
   for _ = 1, cfg.n_layer do
