@@ -61,7 +61,7 @@ if o.ctx > cfg.block_size then
 end
 
 local rank, world = fsdp.rank(), fsdp.world()
-local sharding = o.strategy ~= nil or world > 1
+local sharding = o.strategy ~= nil or world > 1 or require("fsdp.shard").plan_mode ~= nil
 local strategy = o.strategy or "full_shard"
 local function log(...) if rank == 0 then print(string.format(...)) end end
 if o.batch % (world * o.accum) ~= 0 then

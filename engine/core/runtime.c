@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "cpu_kernels.h"
 #include "comm_internal.h"
+#include <malloc.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,15 @@ static int launched_by_mpi(void) {
 }
 
 fsdp_status fsdp_runtime_init(int *rank, int *world) {
+    /* Large temporary buffers (MPI's, inside collectives) would otherwise be
+     * mmap'd and unmapped on every call, and each fresh page costs a fault
+     * and a clear: keep them in the heap and let the heap keep them. */
+    static int malloc_tuned = 0;
+    if (!malloc_tuned) {
+        mallopt(M_MMAP_THRESHOLD, 1 << 30);
+        mallopt(M_TRIM_THRESHOLD, 1 << 30);
+        malloc_tuned = 1;
+    }
     int inited = 0;
     MPI_Initialized(&inited);
     if (!inited && launched_by_mpi()) {

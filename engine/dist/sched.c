@@ -77,7 +77,7 @@ static void unit_clear(unit *u);
 static void sched_release(fsdp_sched *s) {
     if (!s || atomic_fetch_sub(&s->refcount, 1) != 1) return;
     for (int k = 0; k < s->n_pend; k++) {
-        fsdp_work_free(s->pend[k].work);
+        if (s->pend[k].work) fsdp_work_free(s->pend[k].work);
         tensor_release(s->pend[k].reduced);
     }
     for (int k = 0; k < s->n_units; k++) unit_clear(&s->units[k]);
@@ -221,7 +221,13 @@ static fsdp_status before_backward(void *p) {
     FSDP_TRY(gather_now(s, u));
     /* each reduce-scatter in flight holds a full flat gradient: let at most
      * one still run while this unit's backward starts */
-    for (int k = 0; k + 1 < s->n_pend; k++) FSDP_TRY(fsdp_work_wait(s->pend[k].work));
+    for (int k = 0; k + 1 < s->n_pend; k++) {
+        if (!s->pend[k].work) continue;
+        fsdp_status r = fsdp_work_wait(s->pend[k].work);
+        fsdp_work_free(s->pend[k].work);   /* frees the flat gradient it held */
+        s->pend[k].work = NULL;
+        FSDP_TRY(r);
+    }
     if (!u->flat_grad) {   /* kept across micro-batches without sync */
         FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, FSDP_DEVICE_CPU, FSDP_TAG_GRAD, true));
         FSDP_TRY(link_grads(u));
@@ -298,7 +304,7 @@ static fsdp_status finish_backward(void *p) {
     for (int k = 0; k < s->n_pend; k++) {
         pending *q = &s->pend[k];
         unit *u = &s->units[q->unit];
-        fsdp_status r = fsdp_work_wait(q->work);
+        fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
         if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
             r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
         if (r == FSDP_OK) {
@@ -310,7 +316,7 @@ static fsdp_status finish_backward(void *p) {
             }
         }
         if (r != FSDP_OK && st == FSDP_OK) st = r;
-        fsdp_work_free(q->work);
+        if (q->work) fsdp_work_free(q->work);
         tensor_release(q->reduced);
     }
     s->n_pend = 0;

@@ -241,8 +241,14 @@ local function simulate(cfg, us, events, lazy)
     gathered[k] = false
     n_gathered = n_gathered - 1
   end
+  -- the limit counts gathered units that are not kept (the root always is)
   local function prefetch(k)
-    if not k or gathered[k] or n_gathered >= cfg.limit then return end
+    if not k or gathered[k] then return end
+    local transient = 0
+    for j, u in ipairs(us) do
+      if gathered[j] and not u.keep then transient = transient + 1 end
+    end
+    if transient >= cfg.limit then return end
     issue(k)
   end
   local function last_index(list, n, k)
@@ -286,6 +292,8 @@ local function simulate(cfg, us, events, lazy)
       local kind, k = tape[i][1], tape[i][2]
       if kind == "end" then            -- before the unit's backward
         gather_now(k)
+        -- at most one earlier reduce-scatter still in flight
+        if #pending > 1 then complete_upto(pending[#pending - 1]) end
         if not flat[k] then
           alloc("grad", us[k].flat_bytes)
           flat[k] = true

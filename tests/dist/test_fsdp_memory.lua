@@ -76,9 +76,12 @@ for _, tag in ipairs(tags) do
   local want = mine[tag].peak
   lines[#lines + 1] = string.format("  %-10s %9.3f %9.3f  (%+.2f%%)", tag, mib(measured[tag]), mib(want),
     100 * (measured[tag] - want) / want)
-  -- each tag's peak on its own: within 10% too
-  t.ok(math.abs(measured[tag] - want) <= 0.10 * want, string.format("rank %d: %s peak %d B vs predicted %d B",
-    rank, tag, measured[tag], want))
+  -- each tag's peak on its own: within 10% too. The gradient peak depends
+  -- on how fast reduce-scatters finish: anywhere from the planner's "comm
+  -- keeps up" figure to its worst case is right.
+  local low = tag == "grad" and mine.grad.peak_if_comm_keeps_up or want
+  t.ok(measured[tag] >= 0.9 * low and measured[tag] <= 1.1 * want,
+    string.format("rank %d: %s peak %d B vs predicted %d B (at least %d B)", rank, tag, measured[tag], want, low))
 end
 lines[#lines + 1] = string.format("  %-10s %9.3f %9.3f  (%+.2f%%)", "sum", mib(total), mib(mine.peak),
   100 * (total - mine.peak) / mine.peak)

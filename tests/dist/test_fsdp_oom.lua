@@ -27,7 +27,7 @@ local p1 = planner.plan(nn.GPT(cfg), shard_opts, 1)
 local p4 = planner.plan(nn.GPT(cfg), shard_opts, 4)
 local unsharded = p1.unsharded.total
 local need4 = p4.max.peak + p4.max.comm.peak      -- param + grad + optimizer + comm on each of 4 ranks
-local cap = math.floor(0.8 * unsharded / 4096) * 4096
+local cap = math.floor(0.9 * unsharded / 4096) * 4096
 t.ok(cap < unsharded, string.format("cap %.2f MiB is below the unsharded %.2f MiB", mib(cap), mib(unsharded)))
 t.ok(cap >= 1.3 * need4, string.format("cap %.2f MiB leaves room above the 4-rank need of %.2f MiB (+ activations)",
   mib(cap), mib(need4)))
