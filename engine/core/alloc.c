@@ -23,26 +23,17 @@ typedef struct free_block {
 } free_block;
 
 typedef struct {
-    void *(*raw_alloc)(size_t nbytes);
-    void (*raw_free)(void *ptr);
-} device_backend;
-
-typedef struct {
     pthread_mutex_t lock;
-    const device_backend *backend;
+    const fsdp_device_kernels *backend;   /* raw alloc/free of the device, looked up on first use */
     int64_t current[FSDP_TAG_COUNT], peak[FSDP_TAG_COUNT], reserved[FSDP_TAG_COUNT];
     int64_t total_current, total_peak, total_reserved;
     int64_t cap;                /* 0 = none */
     free_block *free_lists[N_CLASSES];
 } device_allocator;
 
-static void *cpu_raw_alloc(size_t nbytes) { return aligned_alloc(64, nbytes); }
-static void cpu_raw_free(void *ptr) { free(ptr); }
-static const device_backend cpu_backend = {cpu_raw_alloc, cpu_raw_free};
-
 static device_allocator allocators[FSDP_DEVICE_COUNT] = {
-    [FSDP_DEVICE_CPU] = {.lock = PTHREAD_MUTEX_INITIALIZER, .backend = &cpu_backend},
-    [FSDP_DEVICE_CUDA] = {.lock = PTHREAD_MUTEX_INITIALIZER, .backend = NULL},
+    [FSDP_DEVICE_CPU] = {.lock = PTHREAD_MUTEX_INITIALIZER},
+    [FSDP_DEVICE_CUDA] = {.lock = PTHREAD_MUTEX_INITIALIZER},
 };
 
 static _Thread_local int default_tag = FSDP_TAG_ACTIVATION;
@@ -95,8 +86,9 @@ fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "alloc: no device %d", device);
     if (tag < 0 || tag >= FSDP_TAG_COUNT) return fsdp_set_error(FSDP_ERR_INVALID, "alloc: unknown tag %d", tag);
     device_allocator *a = &allocators[device];
+    if (!a->backend) a->backend = device_kernels(device);
     if (!a->backend)
-        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "alloc: device %s is not built into this engine",
+        return fsdp_set_error(FSDP_ERR_DEVICE, "alloc: device %s is not built into this engine, or has no hardware",
                               fsdp_device_name(device));
     size_t rounded;
     int c = size_class(nbytes, &rounded);

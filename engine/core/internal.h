@@ -3,6 +3,7 @@
 #define FSDP_INTERNAL_H
 
 #include "fsdp.h"
+#include "device.h"
 #include <stdatomic.h>
 #include <stdbool.h>
 
@@ -75,6 +76,8 @@ static inline void *tensor_data(const fsdp_tensor *t) {
     return (char *)t->storage->data + t->offset * (int64_t)fsdp_dtype_size(t->dtype);
 }
 static inline int tensor_device(const fsdp_tensor *t) { return t->storage->device; }
+/* The kernel table of t's device (callers have checked that it exists). */
+#define KERNELS(t) device_kernels(tensor_device(t))
 void contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
 /* "f32[3,4] cpu" */
 const char *tensor_desc(const fsdp_tensor *t, char *buf, size_t size);
@@ -128,6 +131,10 @@ bool tape_wants(int n_in, fsdp_tensor *const *in);
  * grad). Returns NULL only when out of memory (error set). */
 fsdp_node *tape_record(const char *op, fsdp_backward_fn fn, int n_in, fsdp_tensor *const *in,
                        int n_out, fsdp_tensor *const *out);
+/* The device the current op runs on (this thread): op_check sets it from
+ * the op's tensors, the tape from a node's before its backward. */
+int fsdp_op_device(void);
+void fsdp_set_op_device(int device);
 /* Gradient of output i, or NULL when nothing flowed into it (zero). */
 fsdp_tensor *node_grad_out(fsdp_node *node, int i);
 /* Whether input i needs a gradient. */

@@ -32,6 +32,17 @@ typedef struct tape {
 
 static _Thread_local tape *top;
 static _Thread_local bool grad_enabled = true;
+static _Thread_local int op_device = FSDP_DEVICE_CPU;
+
+int fsdp_op_device(void) { return op_device; }
+void fsdp_set_op_device(int device) { op_device = device; }
+
+/* A node's device: that of its first tensor. */
+static int node_device(const fsdp_node *node) {
+    for (int i = 0; i < node->n_in; i++)
+        if (node->in[i]) return tensor_device(node->in[i]);
+    return node->n_out ? tensor_device(node->out[0]) : FSDP_DEVICE_CPU;
+}
 
 static tape *current_tape(void) {
     if (!top) top = calloc(1, sizeof(tape));
@@ -171,14 +182,14 @@ bool node_needs_grad(fsdp_node *node, int i) { return node->in[i] && node->in[i]
 static fsdp_status add_into(fsdp_tensor *acc, fsdp_tensor *g) {
     int64_t n = tensor_numel(acc);
     if (acc->dtype == FSDP_F32 && g->dtype == FSDP_F32 && tensor_is_contiguous(g)) {
-        cpu_axpy_f32(tensor_data(acc), tensor_data(g), 1.0f, n);
+        KERNELS(acc)->axpy_f32(tensor_data(acc), tensor_data(g), 1.0f, n);
         return FSDP_OK;
     }
     fsdp_tensor *a32, *g32;
     FSDP_TRY(tensor_as_f32(&a32, acc));
     fsdp_status st = tensor_as_f32(&g32, g);
     if (st == FSDP_OK) {
-        cpu_axpy_f32(tensor_data(a32), tensor_data(g32), 1.0f, n);
+        KERNELS(a32)->axpy_f32(tensor_data(a32), tensor_data(g32), 1.0f, n);
         st = fsdp_copy(acc, a32);
         tensor_release(g32);
     }
@@ -397,6 +408,7 @@ fsdp_status fsdp_backward_step(int *custom_id) {
             /* backward math is never itself recorded */
             bool was = grad_enabled;
             grad_enabled = false;
+            op_device = node_device(node);
             fsdp_status st = node->backward(node);
             grad_enabled = was;
             if (st != FSDP_OK) {

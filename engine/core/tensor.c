@@ -78,9 +78,9 @@ fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *sh
                                   shape_str(ndim, shape, sb, sizeof sb));
         numel *= shape[d];
     }
-    if (device != FSDP_DEVICE_CPU)
-        return fsdp_set_error(FSDP_ERR_DEVICE, "tensor_new: device %s is not built into this engine",
-                              fsdp_device_name(device));
+    if (!device_kernels(device))
+        return fsdp_set_error(FSDP_ERR_DEVICE, "tensor_new: device %s is not built into this engine, or has no "
+                              "hardware", fsdp_device_name(device));
     size_t nbytes = (size_t)numel * fsdp_dtype_size(dtype);
     fsdp_storage *s = calloc(1, sizeof *s);
     fsdp_tensor *t = calloc(1, sizeof *t);
@@ -95,7 +95,7 @@ fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *sh
         free(t);
         return st;
     }
-    if (zero) memset(s->data, 0, nbytes);
+    if (zero) device_kernels(device)->zero(s->data, nbytes);
     atomic_init(&s->refcount, 1);
     s->nbytes = nbytes;
     s->device = device;
@@ -152,7 +152,7 @@ fsdp_status tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t) {
     }
     fsdp_tensor *c;
     FSDP_TRY(tensor_new(&c, t->dtype, t->ndim, t->shape, tensor_device(t), fsdp_default_tag(), false));
-    cpu_copy_strided(tensor_data(c), c->strides, tensor_data(t), t->strides, t->ndim, t->shape,
+    KERNELS(c)->copy_strided(tensor_data(c), c->strides, tensor_data(t), t->strides, t->ndim, t->shape,
                      fsdp_dtype_size(t->dtype));
     *out = c;
     return FSDP_OK;
@@ -163,7 +163,7 @@ static fsdp_status tensor_convert(fsdp_tensor **out, fsdp_tensor *t, int dtype) 
     fsdp_tensor *c, *r;
     FSDP_TRY(tensor_contiguous(&c, t));
     fsdp_status st = tensor_new(&r, dtype, t->ndim, t->shape, tensor_device(t), fsdp_default_tag(), false);
-    if (st == FSDP_OK) cpu_cast_any(tensor_data(r), dtype, tensor_data(c), c->dtype, tensor_numel(c));
+    if (st == FSDP_OK) KERNELS(r)->cast_any(tensor_data(r), dtype, tensor_data(c), c->dtype, tensor_numel(c));
     tensor_release(c);
     if (st == FSDP_OK) *out = r;
     return st;
@@ -220,7 +220,7 @@ fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, int dtype, int ndim, const 
         tensor_release(t);
         return st;
     }
-    if (nbytes) memcpy(t->storage->data, data, (size_t)nbytes);
+    if (nbytes) KERNELS(t)->copy_from_host(t->storage->data, data, (size_t)nbytes);
     *out = t;
     return FSDP_OK;
 }
@@ -236,7 +236,15 @@ fsdp_status fsdp_tensor_to_data(fsdp_tensor *t, void *dst, int64_t nbytes) {
     }
     int64_t strides[FSDP_MAX_DIMS];
     contiguous_strides(t->ndim, t->shape, strides);
-    cpu_copy_strided(dst, strides, tensor_data(t), t->strides, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
+    if (tensor_device(t) == FSDP_DEVICE_CPU) {
+        cpu_copy_strided(dst, strides, tensor_data(t), t->strides, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
+        return FSDP_OK;
+    }
+    /* another device: make it contiguous there, then one copy to the host */
+    fsdp_tensor *c;
+    FSDP_TRY(tensor_contiguous(&c, t));
+    KERNELS(c)->copy_to_host(dst, tensor_data(c), (size_t)need);
+    tensor_release(c);
     return FSDP_OK;
 }
 
@@ -328,7 +336,9 @@ fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out) {
     if (tensor_numel(t) != 1)
         return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_tensor_item: %s has %lld elements, expected 1",
                               tensor_desc(t, d, sizeof d), (long long)tensor_numel(t));
-    const void *p = tensor_data(t);
+    union { float f; uint16_t h; int32_t i; int64_t l; } v;
+    KERNELS(t)->copy_to_host(&v, tensor_data(t), fsdp_dtype_size(t->dtype));
+    const void *p = &v;
     switch (t->dtype) {
     case FSDP_F32: *out = *(const float *)p; break;
     case FSDP_BF16: *out = bf16_to_f32(*(const uint16_t *)p); break;
@@ -379,8 +389,18 @@ fsdp_status fsdp_fill(fsdp_tensor *t, double value) {
     default: v.h = (uint16_t)value; break;
     }
     int64_t zero[FSDP_MAX_DIMS] = {0};
-    if (t->dtype == FSDP_F32 && tensor_is_contiguous(t)) cpu_fill_f32(tensor_data(t), v.f, n);
-    else cpu_copy_strided(tensor_data(t), t->strides, &v, zero, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
+    if (t->dtype == FSDP_F32 && tensor_is_contiguous(t)) {
+        KERNELS(t)->fill_f32(tensor_data(t), v.f, n);
+    } else if (tensor_device(t) == FSDP_DEVICE_CPU) {   /* the value read in place with stride 0 */
+        cpu_copy_strided(tensor_data(t), t->strides, &v, zero, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
+    } else {   /* elsewhere the value must live on the device first: an f32 fill, then a converting copy */
+        fsdp_tensor *f;
+        FSDP_TRY(tensor_new(&f, FSDP_F32, t->ndim, t->shape, tensor_device(t), FSDP_TAG_OTHER, false));
+        KERNELS(f)->fill_f32(tensor_data(f), (float)value, n);
+        fsdp_status st = fsdp_copy(t, f);
+        tensor_release(f);
+        return st;
+    }
     return FSDP_OK;
 }
 
@@ -414,7 +434,7 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
         return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_copy: src %s does not broadcast to dst %s",
                               tensor_desc(src, b, sizeof b), tensor_desc(dst, a, sizeof a));
     if (src->dtype == dst->dtype) {
-        cpu_copy_strided(tensor_data(dst), dst->strides, tensor_data(src), strides, dst->ndim, dst->shape,
+        KERNELS(dst)->copy_strided(tensor_data(dst), dst->strides, tensor_data(src), strides, dst->ndim, dst->shape,
                          fsdp_dtype_size(dst->dtype));
         return FSDP_OK;
     }
@@ -422,7 +442,7 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
     fsdp_tensor *c;
     FSDP_TRY(tensor_convert(&c, src, dst->dtype));
     broadcast_strides(c, dst->ndim, dst->shape, strides);
-    cpu_copy_strided(tensor_data(dst), dst->strides, tensor_data(c), strides, dst->ndim, dst->shape,
+    KERNELS(dst)->copy_strided(tensor_data(dst), dst->strides, tensor_data(c), strides, dst->ndim, dst->shape,
                      fsdp_dtype_size(dst->dtype));
     tensor_release(c);
     return FSDP_OK;
@@ -438,14 +458,14 @@ static fsdp_status init_random(const char *op, fsdp_tensor *t, int uniform, doub
     FSDP_TRY(check_writable(op, t));
     int64_t n = tensor_numel(t);
     if (t->dtype == FSDP_F32 && tensor_is_contiguous(t)) {
-        if (uniform) cpu_init_uniform_f32(tensor_data(t), n, (float)a, (float)b, seed, stream, offset);
-        else cpu_init_normal_f32(tensor_data(t), n, (float)a, (float)b, seed, stream, offset);
+        if (uniform) KERNELS(t)->init_uniform_f32(tensor_data(t), n, (float)a, (float)b, seed, stream, offset);
+        else KERNELS(t)->init_normal_f32(tensor_data(t), n, (float)a, (float)b, seed, stream, offset);
         return FSDP_OK;
     }
     fsdp_tensor *tmp;
     FSDP_TRY(tensor_new(&tmp, FSDP_F32, t->ndim, t->shape, tensor_device(t), FSDP_TAG_OTHER, false));
-    if (uniform) cpu_init_uniform_f32(tensor_data(tmp), n, (float)a, (float)b, seed, stream, offset);
-    else cpu_init_normal_f32(tensor_data(tmp), n, (float)a, (float)b, seed, stream, offset);
+    if (uniform) KERNELS(tmp)->init_uniform_f32(tensor_data(tmp), n, (float)a, (float)b, seed, stream, offset);
+    else KERNELS(tmp)->init_normal_f32(tensor_data(tmp), n, (float)a, (float)b, seed, stream, offset);
     fsdp_status st = fsdp_copy(t, tmp);
     tensor_release(tmp);
     return st;

@@ -125,4 +125,13 @@ void cpu_init_uniform_f32(float *out, int64_t n, float low, float high, uint64_t
 /* out = x * keep / (1 - p), keep drawn from (seed, stream 0xd50, offset + i). */
 void cpu_dropout_f32(float *out, const float *x, int64_t n, float p, uint64_t seed, int64_t offset);
 
+/* ---- optimizers (optim_kernels.c) ---- */
+/* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),
+ * with decay = 1 - lr*wd, step_size = lr / (1 - beta1^t), inv_sqrt_bc2 = 1/sqrt(1 - beta2^t). */
+void cpu_adamw_f32(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
+                   float decay, float step_size, float inv_sqrt_bc2);
+/* SGD, PyTorch's update; buf NULL when momentum is 0; first initializes buf with d. */
+void cpu_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
+                 float weight_decay, int nesterov, int first);
+
 #endif

@@ -49,6 +49,7 @@ struct fsdp_sched {
     atomic_int refcount;
     fsdp_comm *shard_comm, *replica_comm;
     int shard_rank, shard_size, replica_size;
+    int device;                    /* where shards and gathered buffers live */
     int compute_dtype, reduce_dtype;
     int backward_prefetch, forward_prefetch, limit;
     bool sync;
@@ -229,7 +230,7 @@ static fsdp_status before_backward(void *p) {
         FSDP_TRY(r);
     }
     if (!u->flat_grad) {   /* kept across micro-batches without sync */
-        FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, FSDP_DEVICE_CPU, FSDP_TAG_GRAD, true));
+        FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_GRAD, true));
         FSDP_TRY(link_grads(u));
     }
     if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_PRE) {
@@ -260,7 +261,7 @@ static fsdp_status after_backward(void *p) {
                 src = c;
             }
         }
-        fsdp_status r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, FSDP_DEVICE_CPU, FSDP_TAG_COMM, false);
+        fsdp_status r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, s->device, FSDP_TAG_COMM, false);
         if (r != FSDP_OK) {
             tensor_release(src);
             return r;
@@ -311,7 +312,7 @@ static fsdp_status finish_backward(void *p) {
             fsdp_tensor *g32;
             r = tensor_as_f32(&g32, q->reduced);
             if (r == FSDP_OK) {
-                cpu_axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+                KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
                 tensor_release(g32);
             }
         }
@@ -365,6 +366,7 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     fsdp_comm_info(s->shard_comm, &s->shard_rank, &s->shard_size);
     s->replica_size = 1;
     if (s->replica_comm) fsdp_comm_info(s->replica_comm, NULL, &s->replica_size);
+    fsdp_default_device(&s->device);
     s->compute_dtype = compute_dtype;
     s->reduce_dtype = reduce_dtype;
     s->backward_prefetch = backward_prefetch;
@@ -423,9 +425,9 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
     u->shard_n = u->padded / N;
     u->shard_off = s->shard_rank * u->shard_n;
     u->keep = keep != 0;
-    fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, FSDP_DEVICE_CPU, FSDP_TAG_PARAM, true);
-    if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, FSDP_DEVICE_CPU, FSDP_TAG_GRAD, true);
-    if (st == FSDP_OK) st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, FSDP_DEVICE_CPU, FSDP_TAG_PARAM, false);
+    fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, s->device, FSDP_TAG_PARAM, true);
+    if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->device, FSDP_TAG_GRAD, true);
+    if (st == FSDP_OK) st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_PARAM, false);
     if (st != FSDP_OK) {
         unit_clear(u);
         return st;

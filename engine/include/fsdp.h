@@ -93,6 +93,11 @@ const char *fsdp_last_error(void);           /* message of the last failure on t
 fsdp_status fsdp_version(const char **out);
 fsdp_status fsdp_set_num_threads(int n);     /* CPU kernel threads, OpenBLAS included */
 fsdp_status fsdp_get_num_threads(int *out);
+/* The device new tensors and sharded models use by default: CUDA (this
+ * rank's GPU, by local rank) when the CUDA backend is built and a GPU is
+ * there, else the CPU. */
+fsdp_status fsdp_default_device(int *out);
+fsdp_status fsdp_set_default_device(int device);
 /* Initializes MPI when the process was started by mpirun, else a world of one. */
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);

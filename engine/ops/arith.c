@@ -29,7 +29,7 @@ fsdp_status sum_dims_keep(fsdp_tensor **out, fsdp_tensor *t, const bool *reduce)
             tensor_release(cur);
             return st;
         }
-        cpu_sum_dim_f32(tensor_data(next), tensor_data(cur), outer, red, inner);
+        KERNELS(next)->sum_dim_f32(tensor_data(next), tensor_data(cur), outer, red, inner);
         tensor_release(cur);
         cur = next;
         d = e + 1;
@@ -81,7 +81,7 @@ static fsdp_status binary_like(fsdp_tensor **out, int op, fsdp_tensor *x, fsdp_t
     int nd2;
     broadcast2(x, y, &nd2, s2, sx, sy);
     FSDP_TRY(op_new_f32(out, nd, shape));
-    cpu_binary_f32(op, tensor_data(*out), tensor_data(x), sx, tensor_data(y), sy, nd, shape);
+    KERNELS(*out)->binary_f32(op, tensor_data(*out), tensor_data(x), sx, tensor_data(y), sy, nd, shape);
     return FSDP_OK;
 }
 
@@ -110,7 +110,7 @@ static fsdp_status binary_backward(fsdp_node *node) {
         if (op == FSDP_ADD) { t1 = g; tensor_retain(g); }
         else if (op == FSDP_SUB) {
             if ((st = op_new_f32(&t1, nd, shape)) != FSDP_OK) goto done;
-            cpu_scale_f32(tensor_data(t1), tensor_data(g), -1.0f, tensor_numel(g));
+            KERNELS(t1)->scale_f32(tensor_data(t1), tensor_data(g), -1.0f, tensor_numel(g));
         } else if (op == FSDP_MUL) {
             if ((st = binary_like(&t1, FSDP_MUL, g, a, nd, shape)) != FSDP_OK) goto done;
         } else { /* d(a/b)/db = -g a / b^2 */
@@ -119,7 +119,7 @@ static fsdp_status binary_backward(fsdp_node *node) {
             tensor_release(t2);
             t2 = NULL;
             if ((st = binary_like(&t2, FSDP_DIV, t1, b, nd, shape)) != FSDP_OK) goto done;
-            cpu_scale_f32(tensor_data(t2), tensor_data(t2), -1.0f, tensor_numel(t2));
+            KERNELS(t2)->scale_f32(tensor_data(t2), tensor_data(t2), -1.0f, tensor_numel(t2));
             tensor_release(t1);
             t1 = t2;
             t2 = NULL;
@@ -157,7 +157,7 @@ fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *
     fsdp_tensor *r;
     if (a->dtype == FSDP_F32) {   /* read straight through the operands' strides */
         FSDP_TRY(op_new_f32(&r, nd, shape));
-        cpu_binary_f32(op, tensor_data(r), tensor_data(a), sa, tensor_data(b), sb, nd, shape);
+        KERNELS(r)->binary_f32(op, tensor_data(r), tensor_data(a), sa, tensor_data(b), sb, nd, shape);
     } else {
         fsdp_tensor *a32, *b32;
         FSDP_TRY(tensor_as_f32(&a32, a));
@@ -194,7 +194,7 @@ static fsdp_status scale_backward(fsdp_node *node) {
     FSDP_TRY(op_grad_out_f32(node, 0, &g));
     if (!g) return FSDP_OK;
     fsdp_status st = op_new_f32(&r, g->ndim, g->shape);
-    if (st == FSDP_OK) cpu_scale_f32(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
+    if (st == FSDP_OK) KERNELS(r)->scale_f32(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
     tensor_release(g);
     FSDP_TRY(st);
     return op_give_grad(node, 0, r);
@@ -209,8 +209,8 @@ static fsdp_status scalar_op(const char *name, fsdp_tensor **out, fsdp_tensor *a
     FSDP_TRY(tensor_as_f32(&a32, a));
     fsdp_status st = op_new_f32(&r, a->ndim, a->shape);
     if (st == FSDP_OK) {
-        if (add) cpu_add_scalar_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
-        else cpu_scale_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
+        if (add) KERNELS(r)->add_scalar_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
+        else KERNELS(r)->scale_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
     }
     tensor_release(a32);
     FSDP_TRY(st);
@@ -246,8 +246,8 @@ static fsdp_status reduce_backward(fsdp_node *node) {
         if (node->i[k]) strides[k] = 0;
     fsdp_status st = op_new_f32(&r, nd, in->shape);
     if (st == FSDP_OK) {
-        cpu_copy_strided(tensor_data(r), r->strides, tensor_data(g), strides, nd, in->shape, sizeof(float));
-        if (node->f[0] != 1.0) cpu_scale_f32(tensor_data(r), tensor_data(r), (float)node->f[0], tensor_numel(r));
+        KERNELS(r)->copy_strided(tensor_data(r), r->strides, tensor_data(g), strides, nd, in->shape, sizeof(float));
+        if (node->f[0] != 1.0) KERNELS(r)->scale_f32(tensor_data(r), tensor_data(r), (float)node->f[0], tensor_numel(r));
     }
     tensor_release(g);
     FSDP_TRY(st);
@@ -283,7 +283,7 @@ static fsdp_status reduce_op(const char *name, fsdp_tensor **out, fsdp_tensor *t
     tensor_release(t32);
     FSDP_TRY(st);
     double factor = mean ? (count ? 1.0 / (double)count : NAN) : 1.0;
-    if (mean) cpu_scale_f32(tensor_data(r), tensor_data(r), (float)factor, tensor_numel(r));
+    if (mean) KERNELS(r)->scale_f32(tensor_data(r), tensor_data(r), (float)factor, tensor_numel(r));
     /* the output shape: keep the reduced dims as 1, or drop them */
     int64_t shape[FSDP_MAX_DIMS], strides[FSDP_MAX_DIMS];
     int ond = 0;
@@ -335,9 +335,9 @@ static fsdp_status matmul_backward(fsdp_node *node) {
     if (node_needs_grad(node, 0)) {
         if ((st = op_new_f32(&ga, a->ndim, a->shape)) != FSDP_OK) goto done;
         if (!ta) /* dA (M,K) = dC (M,N) @ op(B)^T */
-            cpu_matmul_f32(tensor_data(ga), G, B, m.batch, m.M, m.K, m.N, 0, !tb, 1.0f, 0.0f, sc, sb, sa);
+            KERNELS(ga)->matmul_f32(tensor_data(ga), G, B, m.batch, m.M, m.K, m.N, 0, !tb, 1.0f, 0.0f, sc, sb, sa);
         else     /* dA stored (K,M) = op(B) (K,N) @ dC^T */
-            cpu_matmul_f32(tensor_data(ga), B, G, m.batch, m.K, m.M, m.N, tb, 1, 1.0f, 0.0f, sb, sc, sa);
+            KERNELS(ga)->matmul_f32(tensor_data(ga), B, G, m.batch, m.K, m.M, m.N, tb, 1, 1.0f, 0.0f, sb, sc, sa);
     }
     if (node_needs_grad(node, 1)) {
         if ((st = op_new_f32(&gb, b->ndim, b->shape)) != FSDP_OK) goto done;
@@ -347,9 +347,9 @@ static fsdp_status matmul_backward(fsdp_node *node) {
             const float *Ak = A + k * sa, *Gk = G + k * sc;
             float beta = k ? 1.0f : 0.0f;
             if (!tb) /* dB (K,N) = op(A)^T (K,M) @ dC (M,N) */
-                cpu_matmul_f32(tensor_data(gb), Ak, Gk, per, m.K, m.N, m.M, !ta, 0, 1.0f, beta, sa, sc, m.K * m.N);
+                KERNELS(gb)->matmul_f32(tensor_data(gb), Ak, Gk, per, m.K, m.N, m.M, !ta, 0, 1.0f, beta, sa, sc, m.K * m.N);
             else     /* dB stored (N,K) = dC^T (N,M) @ op(A) (M,K) */
-                cpu_matmul_f32(tensor_data(gb), Gk, Ak, per, m.N, m.K, m.M, 1, ta, 1.0f, beta, sc, sa, m.K * m.N);
+                KERNELS(gb)->matmul_f32(tensor_data(gb), Gk, Ak, per, m.N, m.K, m.M, 1, ta, 1.0f, beta, sc, sa, m.K * m.N);
         }
     }
     if (ga) { st = op_give_grad(node, 0, ga); ga = NULL; }
@@ -407,7 +407,7 @@ fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int t
     if (st == FSDP_OK) {
         st = op_new_f32(&r, nd, shape);
         if (st == FSDP_OK)
-            cpu_matmul_f32(tensor_data(r), tensor_data(a32), tensor_data(b32), m.batch, m.M, m.N, m.K, trans_a != 0,
+            KERNELS(r)->matmul_f32(tensor_data(r), tensor_data(a32), tensor_data(b32), m.batch, m.M, m.N, m.K, trans_a != 0,
                            trans_b != 0, 1.0f, 0.0f, m.M * m.K, m.shared_b ? 0 : m.K * m.N, m.M * m.N);
         tensor_release(b32);
     }

@@ -8,6 +8,8 @@
  * from node->in[] and the op's output from node->out[]; node->saved[] holds
  * only what the forward computed on the side (row statistics, lse). */
 #include "ops_util.h"
+#include <stddef.h>
+#include <stdlib.h>
 #include <math.h>
 #include <stdarg.h>
 
@@ -67,41 +69,45 @@ static fsdp_status op_done(fsdp_tensor **out, fsdp_node **node_out, fsdp_tensor 
 typedef void (*unary_fwd_fn)(float *out, const float *x, int64_t n);
 typedef void (*unary_bwd_fn)(float *dx, const float *x, const float *dout, int64_t n);
 
-static fsdp_status unary_backward(fsdp_node *node, unary_bwd_fn kernel) {
+/* The helpers below take the kernel as its slot in the device table (an
+ * offsetof), so that the device of the tensors picks the implementation. */
+#define KERNEL_AT(t, type, slot) (*(const type *)((const char *)KERNELS(t) + (slot)))
+
+static fsdp_status unary_backward(fsdp_node *node, size_t slot) {
     fsdp_tensor *dout, *x = NULL, *dx = NULL;
     FSDP_TRY(op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
     fsdp_status st = tensor_as_f32(&x, node->in[0]);
     if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
-    if (st == FSDP_OK) kernel(f32p(dx), f32p(x), f32p(dout), tensor_numel(x));
+    if (st == FSDP_OK) KERNEL_AT(x, unary_bwd_fn, slot)(f32p(dx), f32p(x), f32p(dout), tensor_numel(x));
     tensor_release(x);
     tensor_release(dout);
     return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
 }
 
 static fsdp_status unary_forward(fsdp_tensor **out, fsdp_tensor *x, const char *op, const char *name,
-                                 unary_fwd_fn kernel, fsdp_backward_fn bwd) {
+                                 size_t slot, fsdp_backward_fn bwd) {
     const char *names[] = {"x"};
     fsdp_tensor *ts[] = {x}, *x32, *r;
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
     FSDP_TRY(op_check_float(op, 1, names, ts));
     FSDP_TRY(tensor_as_f32(&x32, x));
     fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
-    if (st == FSDP_OK) kernel(f32p(r), f32p(x32), tensor_numel(x));
+    if (st == FSDP_OK) KERNEL_AT(x32, unary_fwd_fn, slot)(f32p(r), f32p(x32), tensor_numel(x));
     tensor_release(x32);
     if (st != FSDP_OK) return st;
     return op_done(out, NULL, r, x->dtype, name, bwd, 1, ts, 0, NULL);
 }
 
-static fsdp_status gelu_backward(fsdp_node *node) { return unary_backward(node, cpu_gelu_backward_f32); }
-static fsdp_status silu_backward(fsdp_node *node) { return unary_backward(node, cpu_silu_backward_f32); }
+static fsdp_status gelu_backward(fsdp_node *node) { return unary_backward(node, offsetof(fsdp_device_kernels, gelu_backward_f32)); }
+static fsdp_status silu_backward(fsdp_node *node) { return unary_backward(node, offsetof(fsdp_device_kernels, silu_backward_f32)); }
 
 fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x) {
-    return unary_forward(out, x, "fsdp_gelu", "gelu", cpu_gelu_forward_f32, gelu_backward);
+    return unary_forward(out, x, "fsdp_gelu", "gelu", offsetof(fsdp_device_kernels, gelu_forward_f32), gelu_backward);
 }
 
 fsdp_status fsdp_silu(fsdp_tensor **out, fsdp_tensor *x) {
-    return unary_forward(out, x, "fsdp_silu", "silu", cpu_silu_forward_f32, silu_backward);
+    return unary_forward(out, x, "fsdp_silu", "silu", offsetof(fsdp_device_kernels, silu_forward_f32), silu_backward);
 }
 
 /* ---- softmax and log-softmax over the last dim ---- */
@@ -110,7 +116,7 @@ typedef void (*row_fwd_fn)(float *out, const float *x, int64_t rows, int64_t col
 typedef void (*row_bwd_fn)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
 
 /* Both backwards need only the output y, which the node holds. */
-static fsdp_status softmax_like_backward(fsdp_node *node, row_bwd_fn kernel) {
+static fsdp_status softmax_like_backward(fsdp_node *node, size_t slot) {
     fsdp_tensor *dout, *y = NULL, *dx = NULL;
     FSDP_TRY(op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
@@ -118,14 +124,14 @@ static fsdp_status softmax_like_backward(fsdp_node *node, row_bwd_fn kernel) {
     rows_cols(node->in[0], &rows, &cols);
     fsdp_status st = tensor_as_f32(&y, node->out[0]);
     if (st == FSDP_OK) st = op_new_f32(&dx, y->ndim, y->shape);
-    if (st == FSDP_OK) kernel(f32p(dx), f32p(y), f32p(dout), rows, cols);
+    if (st == FSDP_OK) KERNEL_AT(y, row_bwd_fn, slot)(f32p(dx), f32p(y), f32p(dout), rows, cols);
     tensor_release(y);
     tensor_release(dout);
     return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
 }
 
 static fsdp_status softmax_like_forward(fsdp_tensor **out, fsdp_tensor *x, const char *op, const char *name,
-                                        row_fwd_fn kernel, fsdp_backward_fn bwd) {
+                                        size_t slot, fsdp_backward_fn bwd) {
     const char *names[] = {"x"};
     fsdp_tensor *ts[] = {x}, *x32, *r;
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
@@ -134,25 +140,25 @@ static fsdp_status softmax_like_forward(fsdp_tensor **out, fsdp_tensor *x, const
     rows_cols(x, &rows, &cols);
     FSDP_TRY(tensor_as_f32(&x32, x));
     fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
-    if (st == FSDP_OK) kernel(f32p(r), f32p(x32), rows, cols);
+    if (st == FSDP_OK) KERNEL_AT(x32, row_fwd_fn, slot)(f32p(r), f32p(x32), rows, cols);
     tensor_release(x32);
     if (st != FSDP_OK) return st;
     return op_done(out, NULL, r, x->dtype, name, bwd, 1, ts, 0, NULL);
 }
 
 static fsdp_status softmax_backward(fsdp_node *node) {
-    return softmax_like_backward(node, cpu_softmax_backward_f32);
+    return softmax_like_backward(node, offsetof(fsdp_device_kernels, softmax_backward_f32));
 }
 static fsdp_status log_softmax_backward(fsdp_node *node) {
-    return softmax_like_backward(node, cpu_log_softmax_backward_f32);
+    return softmax_like_backward(node, offsetof(fsdp_device_kernels, log_softmax_backward_f32));
 }
 
 fsdp_status fsdp_softmax(fsdp_tensor **out, fsdp_tensor *x) {
-    return softmax_like_forward(out, x, "fsdp_softmax", "softmax", cpu_softmax_forward_f32, softmax_backward);
+    return softmax_like_forward(out, x, "fsdp_softmax", "softmax", offsetof(fsdp_device_kernels, softmax_forward_f32), softmax_backward);
 }
 
 fsdp_status fsdp_log_softmax(fsdp_tensor **out, fsdp_tensor *x) {
-    return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", cpu_log_softmax_forward_f32,
+    return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", offsetof(fsdp_device_kernels, log_softmax_forward_f32),
                                 log_softmax_backward);
 }
 
@@ -197,7 +203,7 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
     if (st == FSDP_OK) st = param_grad_buf(node, 1, &dw);
     if (st == FSDP_OK) st = param_grad_buf(node, 2, &db);
     if (st == FSDP_OK)
-        cpu_layernorm_backward_f32(f32p(dx), f32p(dw), f32p(db), f32p(dout), f32p(x), f32p(w),
+        KERNELS(dx)->layernorm_backward_f32(f32p(dx), f32p(dw), f32p(db), f32p(dout), f32p(x), f32p(w),
                                    f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);
     tensor_release(x);
     tensor_release(w);
@@ -233,7 +239,7 @@ fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weigh
     if (st == FSDP_OK) st = op_new_f32(&mean, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&rstd, 1, rshape);
     if (st == FSDP_OK)
-        cpu_layernorm_forward_f32(f32p(r), f32p(mean), f32p(rstd), f32p(x32), f32p(w32), f32p(b32), rows, cols,
+        KERNELS(r)->layernorm_forward_f32(f32p(r), f32p(mean), f32p(rstd), f32p(x32), f32p(w32), f32p(b32), rows, cols,
                                   (float)eps);
     tensor_release(x32);
     tensor_release(w32);
@@ -260,7 +266,7 @@ static fsdp_status rmsnorm_backward(fsdp_node *node) {
     if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
     if (st == FSDP_OK) st = param_grad_buf(node, 1, &dw);
     if (st == FSDP_OK)
-        cpu_rmsnorm_backward_f32(f32p(dx), f32p(dw), f32p(dout), f32p(x), f32p(w), f32p(node->saved[0]), rows, cols);
+        KERNELS(dx)->rmsnorm_backward_f32(f32p(dx), f32p(dw), f32p(dout), f32p(x), f32p(w), f32p(node->saved[0]), rows, cols);
     tensor_release(x);
     tensor_release(w);
     tensor_release(dout);
@@ -289,7 +295,7 @@ fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
     if (st == FSDP_OK) st = stage_f32(&w32, weight);
     if (st == FSDP_OK) st = op_new_f32(&r, x->ndim, x->shape);
     if (st == FSDP_OK) st = op_new_f32(&rstd, 1, rshape);
-    if (st == FSDP_OK) cpu_rmsnorm_forward_f32(f32p(r), f32p(rstd), f32p(x32), f32p(w32), rows, cols, (float)eps);
+    if (st == FSDP_OK) KERNELS(r)->rmsnorm_forward_f32(f32p(r), f32p(rstd), f32p(x32), f32p(w32), rows, cols, (float)eps);
     tensor_release(x32);
     tensor_release(w32);
     if (st != FSDP_OK) {
@@ -313,14 +319,25 @@ static const char *index_str(int ndim, const int64_t *shape, int64_t pos, char *
     return shape_str(ndim, idx, buf, size);
 }
 
-/* First position of ids (i64, contiguous) outside [0, limit), or -1; with
- * has_skip, the value skip (an ignore_index) is allowed too. */
-static int64_t first_bad_index(const fsdp_tensor *ids, int64_t limit, bool has_skip, int64_t skip) {
-    const int64_t *p = tensor_data(ids);
+/* First position of ids (i64, contiguous) outside [0, limit), or -1, and
+ * its value in *value; with has_skip, the value skip (an ignore_index) is
+ * allowed too. Ids in device memory are checked from a host copy. */
+static int64_t first_bad_index(const fsdp_tensor *ids, int64_t limit, bool has_skip, int64_t skip, int64_t *value) {
     int64_t n = tensor_numel(ids);
-    for (int64_t i = 0; i < n; i++)
-        if ((p[i] < 0 || p[i] >= limit) && !(has_skip && p[i] == skip)) return i;
-    return -1;
+    const int64_t *p = tensor_data(ids);
+    int64_t *host = NULL;
+    if (tensor_device(ids) != FSDP_DEVICE_CPU) {
+        host = malloc((size_t)(n ? n : 1) * sizeof *host);
+        if (!host) return -1;
+        KERNELS(ids)->copy_to_host(host, p, (size_t)n * sizeof *host);
+        p = host;
+    }
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n && bad < 0; i++)
+        if ((p[i] < 0 || p[i] >= limit) && !(has_skip && p[i] == skip)) bad = i;
+    if (bad >= 0) *value = p[bad];
+    free(host);
+    return bad;
 }
 
 /* ---- embedding ---- */
@@ -334,7 +351,7 @@ static fsdp_status embedding_backward(fsdp_node *node) {
     int64_t V = table->shape[0], C = table->shape[1];
     fsdp_status st = tensor_as_i64(&ids, node->in[1]);
     if (st == FSDP_OK) st = op_new_f32(&dtable, 2, table->shape);
-    if (st == FSDP_OK) cpu_embedding_backward_f32(f32p(dtable), V, tensor_data(ids), tensor_numel(ids), f32p(dout), C);
+    if (st == FSDP_OK) KERNELS(dtable)->embedding_backward_f32(f32p(dtable), V, tensor_data(ids), tensor_numel(ids), f32p(dout), C);
     tensor_release(ids);
     tensor_release(dout);
     return st == FSDP_OK ? op_give_grad(node, 0, dtable) : st;
@@ -363,12 +380,11 @@ fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *i
     fsdp_tensor *ids64 = NULL, *tab = NULL, *res = NULL;
     FSDP_TRY(tensor_as_i64(&ids64, ids));
     fsdp_status st = FSDP_OK;
-    int64_t bad = first_bad_index(ids64, V, false, 0);
+    int64_t bad_value = 0, bad = first_bad_index(ids64, V, false, 0, &bad_value);
     if (bad >= 0) {
         char pos[160];
         st = op_fail(FSDP_ERR_INDEX, op, 2, names, ts, "ids%s is %lld, expected 0 <= id < %lld (the rows of table)",
-                     index_str(ids->ndim, ids->shape, bad, pos, sizeof pos),
-                     (long long)((const int64_t *)tensor_data(ids64))[bad], (long long)V);
+                     index_str(ids->ndim, ids->shape, bad, pos, sizeof pos), (long long)bad_value, (long long)V);
     }
     int64_t oshape[FSDP_MAX_DIMS];
     memcpy(oshape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
@@ -376,10 +392,24 @@ fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *i
     if (st == FSDP_OK) st = tensor_contiguous(&tab, table);
     /* the output is made in the table's dtype directly: nothing to convert */
     if (st == FSDP_OK)
-        st = tensor_new(&res, table->dtype, ids->ndim + 1, oshape, FSDP_DEVICE_CPU, fsdp_default_tag(), false);
+        st = tensor_new(&res, table->dtype, ids->ndim + 1, oshape, tensor_device(table), fsdp_default_tag(), false);
     if (st == FSDP_OK) {
-        if (table->dtype == FSDP_F32) cpu_embedding_forward_f32(f32p(res), tensor_data(ids64), n, f32p(tab), C);
-        else gather_rows(tensor_data(res), tensor_data(tab), tensor_data(ids64), n, (size_t)C * fsdp_dtype_size(table->dtype));
+        if (table->dtype == FSDP_F32)
+            KERNELS(res)->embedding_forward_f32(f32p(res), tensor_data(ids64), n, f32p(tab), C);
+        else if (tensor_device(table) == FSDP_DEVICE_CPU)
+            gather_rows(tensor_data(res), tensor_data(tab), tensor_data(ids64), n,
+                        (size_t)C * fsdp_dtype_size(table->dtype));
+        else {   /* another device: widen, gather, narrow */
+            fsdp_tensor *t32 = NULL, *r32 = NULL;
+            st = tensor_as_f32(&t32, tab);
+            if (st == FSDP_OK) st = op_new_f32(&r32, ids->ndim + 1, oshape);
+            if (st == FSDP_OK) {
+                KERNELS(r32)->embedding_forward_f32(f32p(r32), tensor_data(ids64), n, f32p(t32), C);
+                st = fsdp_copy(res, r32);
+            }
+            tensor_release(t32);
+            tensor_release(r32);
+        }
     }
     tensor_release(ids64);
     tensor_release(tab);
@@ -407,7 +437,7 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
     if (st == FSDP_OK) st = tensor_as_i64(&targets, node->in[1]);
     if (st == FSDP_OK) st = op_new_f32(&dx, 2, node->in[0]->shape);
     if (st == FSDP_OK)
-        cpu_cross_entropy_backward_f32(f32p(dx), f32p(logits), f32p(node->saved[0]), tensor_data(targets), N, V,
+        KERNELS(dx)->cross_entropy_backward_f32(f32p(dx), f32p(logits), f32p(node->saved[0]), tensor_data(targets), N, V,
                                        node->i[1], node->i[0], dloss);
     tensor_release(logits);
     tensor_release(targets);
@@ -434,22 +464,22 @@ fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tens
     fsdp_tensor *t64 = NULL, *x32 = NULL, *losses = NULL, *lse = NULL, *r = NULL;
     FSDP_TRY(tensor_as_i64(&t64, targets));
     fsdp_status st = FSDP_OK;
-    int64_t bad = first_bad_index(t64, valid_v, true, ignore_index);
+    int64_t bad_value = 0, bad = first_bad_index(t64, valid_v, true, ignore_index, &bad_value);
     if (bad >= 0)
         st = op_fail(FSDP_ERR_INDEX, op, 2, names, ts,
                      "targets[%lld] is %lld, expected 0 <= target < %lld (valid_vocab) or ignore_index %lld",
-                     (long long)bad, (long long)((const int64_t *)tensor_data(t64))[bad], (long long)valid_v,
-                     (long long)ignore_index);
+                     (long long)bad, (long long)bad_value, (long long)valid_v, (long long)ignore_index);
     if (st == FSDP_OK) st = tensor_as_f32(&x32, logits);
     if (st == FSDP_OK) st = op_new_f32(&losses, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&lse, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&r, 0, NULL);
     int64_t count = 0;
     if (st == FSDP_OK) {
-        count = cpu_cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N, V, valid_v,
+        count = KERNELS(losses)->cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N, V, valid_v,
                                               ignore_index);
         /* ignored rows hold 0, so the sum runs over all N; no rows: loss 0 */
-        f32p(r)[0] = count ? (float)(cpu_sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
+        float mean = count ? (float)(KERNELS(losses)->sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
+        KERNELS(r)->fill_f32(f32p(r), mean, 1);
     }
     tensor_release(t64);
     tensor_release(x32);
@@ -486,7 +516,7 @@ static fsdp_status attention_backward(fsdp_node *node) {
     if (st == FSDP_OK) st = op_new_f32(&dk, 4, s);
     if (st == FSDP_OK) st = op_new_f32(&dv, 4, s);
     if (st == FSDP_OK)
-        cpu_attention_backward_f32(f32p(dq), f32p(dk), f32p(dv), f32p(dout), f32p(q), f32p(k), f32p(v), f32p(o),
+        KERNELS(dq)->attention_backward_f32(f32p(dq), f32p(dk), f32p(dv), f32p(dout), f32p(q), f32p(k), f32p(v), f32p(o),
                                    f32p(node->saved[0]), s[0], s[1], s[2], s[3], (int)node->i[0],
                                    (float)node->f[0]);
     tensor_release(q);
@@ -527,7 +557,7 @@ fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fs
     if (st == FSDP_OK) st = op_new_f32(&r, 4, s);
     if (st == FSDP_OK) st = op_new_f32(&lse, 3, lshape);
     if (st == FSDP_OK)
-        cpu_attention_forward_f32(f32p(r), f32p(lse), f32p(q32), f32p(k32), f32p(v32), s[0], s[1], s[2], s[3],
+        KERNELS(r)->attention_forward_f32(f32p(r), f32p(lse), f32p(q32), f32p(k32), f32p(v32), s[0], s[1], s[2], s[3],
                                   causal != 0, (float)scale);
     tensor_release(q32);
     tensor_release(k32);
@@ -565,7 +595,7 @@ static fsdp_status dropout_backward(fsdp_node *node) {
     if (!dout) return FSDP_OK;
     fsdp_status st = op_new_f32(&dx, dout->ndim, dout->shape);
     if (st == FSDP_OK)
-        cpu_dropout_f32(f32p(dx), f32p(dout), tensor_numel(dout), (float)node->f[0], (uint64_t)node->i[0],
+        KERNELS(dx)->dropout_f32(f32p(dx), f32p(dout), tensor_numel(dout), (float)node->f[0], (uint64_t)node->i[0],
                         node->i[1]);
     tensor_release(dout);
     return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
@@ -582,7 +612,7 @@ fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t s
     if (offset < 0) return op_fail(FSDP_ERR_INVALID, op, 1, names, ts, "offset is %lld, expected >= 0", (long long)offset);
     FSDP_TRY(tensor_as_f32(&x32, x));
     fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
-    if (st == FSDP_OK) cpu_dropout_f32(f32p(r), f32p(x32), tensor_numel(x), (float)p, seed, offset);
+    if (st == FSDP_OK) KERNELS(r)->dropout_f32(f32p(r), f32p(x32), tensor_numel(x), (float)p, seed, offset);
     tensor_release(x32);
     if (st != FSDP_OK) return st;
     fsdp_node *node = NULL;

@@ -46,9 +46,10 @@ static inline fsdp_status op_check(const char *op, void *out, int n, const char 
                                   op_sig(sig, sizeof sig, op, n, names, ts));
         dev = tensor_device(ts[i]);
     }
-    if (dev > FSDP_DEVICE_CPU)
+    if (dev >= 0 && !device_kernels(dev))
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s: no %s kernels in this build",
                               op_sig(sig, sizeof sig, op, n, names, ts), fsdp_device_name(dev));
+    fsdp_set_op_device(dev >= 0 ? dev : FSDP_DEVICE_CPU);
     return FSDP_OK;
 }
 
@@ -72,9 +73,10 @@ static inline fsdp_status op_check_float(const char *op, int n, const char *cons
 /* Integer index tensors (i32, i64, u16). */
 static inline bool dtype_is_index(int dt) { return dt == FSDP_I32 || dt == FSDP_I64 || dt == FSDP_U16; }
 
-/* A new f32 contiguous tensor (activation tag) of the given shape. */
+/* A new f32 contiguous tensor (activation tag) of the given shape, on the
+ * device of the op being run (set by op_check, and by the tape for a backward). */
 static inline fsdp_status op_new_f32(fsdp_tensor **out, int ndim, const int64_t *shape) {
-    return tensor_new(out, FSDP_F32, ndim, shape, FSDP_DEVICE_CPU, fsdp_default_tag(), false);
+    return tensor_new(out, FSDP_F32, ndim, shape, fsdp_op_device(), fsdp_default_tag(), false);
 }
 
 /* Turns an f32 result into the op's output dtype; takes r. */

@@ -145,7 +145,7 @@ static fsdp_status narrow_backward(fsdp_node *node) {
     if (!g) return FSDP_OK;
     int dim = (int)node->i[0];
     fsdp_tensor *full;
-    FSDP_TRY(tensor_new(&full, g->dtype, in->ndim, in->shape, FSDP_DEVICE_CPU, fsdp_default_tag(), true));
+    FSDP_TRY(tensor_new(&full, g->dtype, in->ndim, in->shape, tensor_device(g), fsdp_default_tag(), true));
     fsdp_tensor *part = tensor_view(full, full->ndim, g->shape, full->strides, node->i[1] * full->strides[dim]);
     if (!part) {
         tensor_release(full);

@@ -12,7 +12,7 @@ static fsdp_status check_flat(const char *op, const char *name, fsdp_tensor *t, 
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s %s must be f32", op, name, tensor_desc(t, d, sizeof d));
     if (!fsdp_dtype_is_float(t->dtype))
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s %s must be a float tensor", op, name, tensor_desc(t, d, sizeof d));
-    if (tensor_device(t) != FSDP_DEVICE_CPU)
+    if (!KERNELS(t))
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s: %s %s: no %s kernels in this build", op, name,
                               tensor_desc(t, d, sizeof d), fsdp_device_name(tensor_device(t)));
     if (!tensor_is_contiguous(t))
@@ -28,12 +28,12 @@ static fsdp_status check_flat(const char *op, const char *name, fsdp_tensor *t, 
 fsdp_status fsdp_scale_(fsdp_tensor *t, double s) {
     FSDP_TRY(check_flat("fsdp_scale_", "t", t, -1, false));
     if (t->dtype == FSDP_F32) {
-        cpu_scale_f32(tensor_data(t), tensor_data(t), (float)s, tensor_numel(t));
+        KERNELS(t)->scale_f32(tensor_data(t), tensor_data(t), (float)s, tensor_numel(t));
         return FSDP_OK;
     }
     fsdp_tensor *f;
     FSDP_TRY(tensor_as_f32(&f, t));
-    cpu_scale_f32(tensor_data(f), tensor_data(f), (float)s, tensor_numel(f));
+    KERNELS(f)->scale_f32(tensor_data(f), tensor_data(f), (float)s, tensor_numel(f));
     fsdp_status st = fsdp_copy(t, f);
     tensor_release(f);
     return st;
@@ -46,7 +46,7 @@ fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha) {
     FSDP_TRY(tensor_as_f32(&x32, x));
     fsdp_status st = tensor_as_f32(&y32, y);
     if (st == FSDP_OK) {
-        cpu_axpy_f32(tensor_data(y32), tensor_data(x32), (float)alpha, tensor_numel(y));
+        KERNELS(y32)->axpy_f32(tensor_data(y32), tensor_data(x32), (float)alpha, tensor_numel(y));
         if (y32 != y) st = fsdp_copy(y, y32);
         tensor_release(y32);
     }
@@ -62,32 +62,12 @@ fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out) {
         return fsdp_set_error(FSDP_ERR_DTYPE, "fsdp_sumsq: t %s must be a float tensor", tensor_desc(t, d, sizeof d));
     fsdp_tensor *f;
     FSDP_TRY(tensor_as_f32(&f, t));
-    *out = cpu_sumsq_f32(tensor_data(f), tensor_numel(f));
+    *out = KERNELS(f)->sumsq_f32(tensor_data(f), tensor_numel(f));
     tensor_release(f);
     return FSDP_OK;
 }
 
 /* ---- AdamW ---- */
-
-typedef struct {
-    float *p, *m, *v;
-    const float *g;
-    float lr, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2;
-} adamw_args;
-
-static void adamw_range(void *ctx, int64_t begin, int64_t end) {
-    const adamw_args *a = ctx;
-    for (int64_t i = begin; i < end; i++) {
-        float g = a->g[i];
-        float p = a->p[i] * a->decay;                          /* decoupled weight decay */
-        float m = a->beta1 * a->m[i] + (1.0f - a->beta1) * g;
-        float v = a->beta2 * a->v[i] + (1.0f - a->beta2) * g * g;
-        float denom = sqrtf(v) * a->inv_sqrt_bc2 + a->eps;
-        a->m[i] = m;
-        a->v[i] = v;
-        a->p[i] = p - a->step_size * m / denom;
-    }
-}
 
 fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
                             double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
@@ -104,35 +84,14 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
     fsdp_tensor *g32;
     FSDP_TRY(tensor_as_f32(&g32, grad));
     double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
-    adamw_args a = {tensor_data(param), tensor_data(exp_avg), tensor_data(exp_avg_sq), tensor_data(g32),
-                    (float)lr, (float)beta1, (float)beta2, (float)eps, (float)(1.0 - lr * weight_decay),
-                    (float)(lr / bc1), (float)(1.0 / sqrt(bc2))};
-    cpu_parallel_for(n, 1 << 15, adamw_range, &a);
+    KERNELS(param)->adamw_f32(tensor_data(param), tensor_data(g32), tensor_data(exp_avg), tensor_data(exp_avg_sq), n,
+                              (float)beta1, (float)beta2, (float)eps, (float)(1.0 - lr * weight_decay),
+                              (float)(lr / bc1), (float)(1.0 / sqrt(bc2)));
     tensor_release(g32);
     return FSDP_OK;
 }
 
 /* ---- SGD ---- */
-
-typedef struct {
-    float *p, *buf;
-    const float *g;
-    float lr, momentum, dampening, wd;
-    int nesterov, first;
-} sgd_args;
-
-static void sgd_range(void *ctx, int64_t begin, int64_t end) {
-    const sgd_args *a = ctx;
-    for (int64_t i = begin; i < end; i++) {
-        float d = a->g[i] + a->wd * a->p[i];
-        if (a->buf) {
-            float b = a->first ? d : a->momentum * a->buf[i] + (1.0f - a->dampening) * d;
-            a->buf[i] = b;
-            d = a->nesterov ? d + a->momentum * b : b;
-        }
-        a->p[i] -= a->lr * d;
-    }
-}
 
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
                           double momentum, double dampening, double weight_decay, int nesterov, int first_step) {
@@ -149,9 +108,9 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
                               momentum, dampening);
     fsdp_tensor *g32;
     FSDP_TRY(tensor_as_f32(&g32, grad));
-    sgd_args a = {tensor_data(param), momentum != 0 ? tensor_data(momentum_buf) : NULL, tensor_data(g32),
-                  (float)lr, (float)momentum, (float)dampening, (float)weight_decay, nesterov != 0, first_step != 0};
-    cpu_parallel_for(n, 1 << 15, sgd_range, &a);
+    KERNELS(param)->sgd_f32(tensor_data(param), tensor_data(g32), momentum != 0 ? tensor_data(momentum_buf) : NULL, n,
+                            (float)lr, (float)momentum, (float)dampening, (float)weight_decay, nesterov != 0,
+                            first_step != 0);
     tensor_release(g32);
     return FSDP_OK;
 }

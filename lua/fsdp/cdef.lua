@@ -69,6 +69,9 @@ fsdp_status fsdp_version(const char **out);
 fsdp_status fsdp_set_num_threads(int n);
 fsdp_status fsdp_get_num_threads(int *out);
 
+fsdp_status fsdp_default_device(int *out);
+fsdp_status fsdp_set_default_device(int device);
+
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
 fsdp_status fsdp_runtime_finalize(void);

@@ -1,0 +1,31 @@
+/* device.c: which kernel table serves which device. */
+#include "device.h"
+#include "internal.h"
+
+extern const fsdp_device_kernels cpu_device_kernels;
+
+static const fsdp_device_kernels *tables[FSDP_DEVICE_COUNT] = {[FSDP_DEVICE_CPU] = &cpu_device_kernels};
+
+const fsdp_device_kernels *device_kernels(int device) {
+    return device >= 0 && device < FSDP_DEVICE_COUNT ? tables[device] : NULL;
+}
+
+void device_register(int device, const fsdp_device_kernels *k) {
+    if (device > FSDP_DEVICE_CPU && device < FSDP_DEVICE_COUNT) tables[device] = k;
+}
+
+static int default_device = FSDP_DEVICE_CPU;
+
+fsdp_status fsdp_default_device(int *out) {
+    if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_default_device: out is NULL");
+    *out = default_device;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_set_default_device(int device) {
+    if (!device_kernels(device))
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_set_default_device: %s is not built into this engine, or has "
+                              "no hardware", fsdp_device_name(device));
+    default_device = device;
+    return FSDP_OK;
+}

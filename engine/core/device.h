@@ -1,0 +1,92 @@
+/* device.h: the kernel table of a device.
+ *
+ * The op layer checks arguments and stages dtypes; the table does the work.
+ * Every entry has the signature of its CPU kernel in cpu_kernels.h, with
+ * pointers into the device's memory; a device's kernels run in order on its
+ * compute stream, and the entries that return a value (sums, counts) wait
+ * for it. The CPU table (engine/cpu/cpu_device.c) is always there; the CUDA
+ * table registers itself when the CUDA backend is built and a GPU exists. */
+#ifndef FSDP_DEVICE_H
+#define FSDP_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct fsdp_device_kernels {
+    const char *name;
+    /* memory */
+    void *(*raw_alloc)(size_t nbytes);
+    void (*raw_free)(void *ptr);
+    void (*zero)(void *dst, size_t nbytes);
+    void (*copy_from_host)(void *dst, const void *host_src, size_t nbytes);
+    void (*copy_to_host)(void *host_dst, const void *src, size_t nbytes);
+    void (*synchronize)(void);
+    /* cast.c, copy.c */
+    void (*cast_any)(void *out, int out_dtype, const void *in, int in_dtype, int64_t n);
+    void (*copy_strided)(void *dst, const int64_t *dst_strides, const void *src, const int64_t *src_strides, int ndim,
+                         const int64_t *shape, size_t elem_size);
+    void (*fill_f32)(float *out, float v, int64_t n);
+    /* matmul.c */
+    void (*matmul_f32)(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                       int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
+                       int64_t stride_c);
+    /* elementwise.c, reduce.c */
+    void (*binary_f32)(int op, float *out, const float *a, const int64_t *a_strides, const float *b,
+                       const int64_t *b_strides, int ndim, const int64_t *shape);
+    void (*scale_f32)(float *out, const float *a, float s, int64_t n);
+    void (*add_scalar_f32)(float *out, const float *a, float s, int64_t n);
+    void (*axpy_f32)(float *y, const float *x, float alpha, int64_t n);
+    void (*sum_dim_f32)(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
+    double (*sum_all_f32)(const float *in, int64_t n);
+    double (*sumsq_f32)(const float *in, int64_t n);
+    /* activation.c, softmax.c */
+    void (*gelu_forward_f32)(float *out, const float *x, int64_t n);
+    void (*gelu_backward_f32)(float *dx, const float *x, const float *dout, int64_t n);
+    void (*silu_forward_f32)(float *out, const float *x, int64_t n);
+    void (*silu_backward_f32)(float *dx, const float *x, const float *dout, int64_t n);
+    void (*softmax_forward_f32)(float *out, const float *x, int64_t rows, int64_t cols);
+    void (*softmax_backward_f32)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+    void (*log_softmax_forward_f32)(float *out, const float *x, int64_t rows, int64_t cols);
+    void (*log_softmax_backward_f32)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+    /* norm.c */
+    void (*layernorm_forward_f32)(float *out, float *mean, float *rstd, const float *x, const float *weight,
+                                  const float *bias, int64_t rows, int64_t cols, float eps);
+    void (*layernorm_backward_f32)(float *dx, float *dweight, float *dbias, const float *dout, const float *x,
+                                   const float *weight, const float *mean, const float *rstd, int64_t rows,
+                                   int64_t cols);
+    void (*rmsnorm_forward_f32)(float *out, float *rstd, const float *x, const float *weight, int64_t rows,
+                                int64_t cols, float eps);
+    void (*rmsnorm_backward_f32)(float *dx, float *dweight, const float *dout, const float *x, const float *weight,
+                                 const float *rstd, int64_t rows, int64_t cols);
+    /* embedding.c, loss.c, attention.c */
+    void (*embedding_forward_f32)(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
+    void (*embedding_backward_f32)(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
+                                   int64_t dim);
+    int64_t (*cross_entropy_forward_f32)(float *losses, float *lse, const float *logits, const int64_t *targets,
+                                         int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+    void (*cross_entropy_backward_f32)(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
+                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+    void (*attention_forward_f32)(float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
+                                  int64_t H, int64_t T, int64_t D, int causal, float scale);
+    void (*attention_backward_f32)(float *dq, float *dk, float *dv, const float *dout, const float *q,
+                                   const float *k, const float *v, const float *out, const float *lse, int64_t B,
+                                   int64_t H, int64_t T, int64_t D, int causal, float scale);
+    /* random.c */
+    void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
+                            int64_t offset);
+    void (*init_uniform_f32)(float *out, int64_t n, float low, float high, uint64_t seed, uint64_t stream,
+                             int64_t offset);
+    void (*dropout_f32)(float *out, const float *x, int64_t n, float p, uint64_t seed, int64_t offset);
+    /* optim_kernels.c */
+    void (*adamw_f32)(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
+                      float decay, float step_size, float inv_sqrt_bc2);
+    void (*sgd_f32)(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
+                    float weight_decay, int nesterov, int first);
+} fsdp_device_kernels;
+
+/* The table of a device, or NULL when it is not built or has no hardware. */
+const fsdp_device_kernels *device_kernels(int device);
+/* Makes a device's table available (called by a backend at start-up). */
+void device_register(int device, const fsdp_device_kernels *k);
+
+#endif
