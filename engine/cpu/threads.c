@@ -87,7 +87,12 @@ static int default_threads(void) {
         if (s && atoi(s) > 0) return atoi(s);
     }
     long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
+    if (n < 1) n = 1;
+    /* ranks sharing a host share its cores */
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (!local) local = getenv("MPI_LOCALNRANKS");
+    if (local && atoi(local) > 1) n = n / atoi(local) > 0 ? n / atoi(local) : 1;
+    return (int)n;
 }
 
 static void pool_init(void) {
