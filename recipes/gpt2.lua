@@ -4,6 +4,8 @@
 --   mpirun -np 2 fsdp-lua recipes/gpt2.lua --wrap=block --strategy=full_shard
 --   fsdp-lua recipes/gpt2.lua --preset=small --batch=4 --ctx=64 --steps=10 --threads=2
 --   fsdp-lua --plan --world=8 recipes/gpt2.lua --preset=small
+--   mpirun -np 2 fsdp-lua recipes/gpt2.lua --save-every=50 --keep=3      # checkpoints/step_00000050 ...
+--   mpirun -np 3 fsdp-lua recipes/gpt2.lua --save-every=50 --resume      # on from the newest, any rank count
 --   fsdp-lua recipes/gpt2.lua --help
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"
@@ -46,6 +48,11 @@ local o = options.parse(..., {
   { "top_k", "int", 1, "1 = greedy; >1 samples among the k most likely" },
   { "init", "string", nil, "a Hugging Face GPT-2 safetensors file to start from" },
   { "export", "string", nil, "write the trained weights (HF names) to this safetensors file" },
+  { "save_every", "int", 0, "save a sharded checkpoint every N steps (0 = never)" },
+  { "save_dir", "string", "checkpoints/", "where checkpoints go, one step_NNNNNNNN folder each" },
+  { "keep", "int", 0, "keep only the newest K checkpoints in --save-dir (0 = all)" },
+  { "resume", "path or flag", nil, "--resume: go on from the newest checkpoint in --save-dir (if any); "
+    .. "--resume=PATH: from that checkpoint, or the newest under PATH" },
 }, "gpt2.lua")
 
 if o.threads then fsdp.set_num_threads(o.threads) end
@@ -115,6 +122,45 @@ else
   zero_grad = function() opt:zero_grad() end
 end
 local lr_at = optim.schedule.cosine(o.lr, o.warmup, o.steps, o.min_lr)
+
+-- Checkpoints: sharded (each rank writes its own file; any rank count can
+-- load them), holding the parameters, the optimizer, the step (and so the
+-- LR schedule's position), both loaders' positions and the dropout RNG.
+local ckpt = require "fsdp.checkpoint"
+local dropout_rng = require("fsdp.nn.layers").dropout_rng
+local ckpt_model = sharding and sharded or model
+local first_step = 1
+if o.resume ~= nil and o.resume ~= false then
+  if o.resume ~= true and type(o.resume) ~= "string" then
+    error("gpt2.lua: --resume expects a checkpoint path or nothing, got '" .. tostring(o.resume) .. "'", 0)
+  end
+  local path = o.resume == true and o.save_dir or o.resume
+  local dir = path
+  local f = io.open(path .. "/index.json", "rb")
+  if f then f:close() else dir = ckpt.latest(path) end
+  if dir then
+    local info = ckpt.load(dir, { model = ckpt_model, optim = opt })
+    first_step = info.step + 1
+    train:set_state(info.data)
+    if info.extra and info.extra.val then val:set_state(info.extra.val) end
+    if info.rng then dropout_rng.seed, dropout_rng.offset = info.rng.dropout_seed, info.rng.dropout_offset end
+    log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", dir, info.world_size,
+      info.step, info.data.index, info.data.epoch)
+  elseif o.resume == true then
+    log("--resume: no checkpoint under %s yet; starting at step 1", path)
+  else
+    error("gpt2.lua: --resume=" .. path .. ": no checkpoint there (no index.json, no step_* folders)", 0)
+  end
+end
+local function save_checkpoint(step)
+  local dir = ckpt.save_step(o.save_dir, step, {
+    model = ckpt_model, optim = opt, step = step, data = train:state(),
+    schedule = { step = step, kind = "cosine", lr = o.lr, warmup = o.warmup, total = o.steps, min_lr = o.min_lr },
+    rng = { dropout_seed = dropout_rng.seed, dropout_offset = dropout_rng.offset },
+    extra = { val = val:state(), preset = o.preset, model = o.model, seed = o.seed },
+  }, { keep = o.keep > 0 and o.keep or nil })
+  log("step %5d | saved %s", step, dir)
+end
 local dtype = sharding and "f32" or o.dtype   -- sharded runs gather in the compute dtype already
 
 -- the mean of a value over ranks
@@ -143,7 +189,7 @@ end
 local tokens = o.batch * o.ctx
 local t_total = 0
 local now = require("fsdp.timer").now
-for step = 1, o.steps do
+for step = first_step, o.steps do
   local t0 = now()
   local lr = lr_at(step)
   opt:set_lr(lr)
@@ -180,10 +226,12 @@ for step = 1, o.steps do
   if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps) then
     log("step %5d | eval loss %.4f", step, evaluate())
   end
+  if o.save_every > 0 and step % o.save_every == 0 then save_checkpoint(step) end
 end
 local peak = fsdp.memory.stats().peak
+local ran = math.max(1, o.steps - first_step + 1)
 log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (rank 0)", o.steps,
-  t_total / o.steps * 1e3, peak / 2 ^ 20)
+  t_total / ran * 1e3, peak / 2 ^ 20)
 
 if o.sample > 0 then
   -- every rank runs the forwards (sharded units gather collectively)

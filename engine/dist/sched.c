@@ -508,6 +508,9 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
         s->fwd_pos = 0;
     }
     bool grad = grad_is_enabled();
+    /* a kept unit still gathered from an earlier forward that had no
+     * backward may hold values from before an optimizer step: regather */
+    if (u->keep && u->gathered && !u->flat_grad) FSDP_TRY(reshard(s, u));
     if (grad && k == 0 && !s->finish_registered) {
         sched_retain(s);
         FSDP_TRY(tape_on_finish(finish_backward, s, finish_release));
@@ -531,8 +534,10 @@ fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_post_forward", s, k));
     unit *u = &s->units[k];
     if (s->n_order < 4 * s->cap_units) s->order[s->n_order++] = k;
-    if (grad_is_enabled()) FSDP_TRY(record_marker(s, k, true));
-    if (!u->keep) FSDP_TRY(reshard(s, u));
+    bool grad = grad_is_enabled();
+    if (grad) FSDP_TRY(record_marker(s, k, true));
+    /* kept units stay gathered for the backward; without one coming, free them */
+    if (!u->keep || !grad) FSDP_TRY(reshard(s, u));
     return FSDP_OK;
 }
 

@@ -110,6 +110,8 @@ fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out);
 
 fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size);
 
+fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device);
+
 fsdp_status fsdp_reshape(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape);
 fsdp_status fsdp_permute(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int *perm);
 fsdp_status fsdp_transpose(fsdp_tensor **out, fsdp_tensor *t, int dim0, int dim1);

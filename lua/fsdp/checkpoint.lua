@@ -14,7 +14,7 @@
 -- Layout of a checkpoint directory (DESIGN.md, decision 7):
 --   rank_00000.bin ...  one file per shard rank of the first replica group,
 --                       written in parallel: this rank's slice of every
---                       parameter (f32, in model order), then its slices of
+--                       parameter (f32, unit by unit), then its slices of
 --                       each optimizer state tensor; every blob starts at a
 --                       multiple of 64 bytes.
 --   index.json          written by rank 0 last: format version, world size,
@@ -25,13 +25,16 @@
 --                       optimizer type, hyperparameters, step counts; the
 --                       step, schedule, data-loader and RNG state, extra;
 --                       per file its size and checksums.
--- Checksums ("fnv1a64x4"): a file is cut into chunks of chunk_bytes (1 MiB);
--- a chunk's 64-bit little-endian words are hashed FNV-1a style in 4 lanes
--- (word i into lane i % 4: h = (h xor w) * 0x100000001b3, lane j starting at
--- 0xcbf29ce484222325 xor j), then the chunk hash is FNV over (lanes, chunk
--- length); the file checksum is FNV over (chunk hashes, file length). A load
+-- Checksums ("fnv1a64x4"), computed as the bytes are written: a file is cut
+-- into chunks of chunk_bytes (1 MiB); a chunk's 64-bit little-endian words
+-- are hashed FNV-1a style in 4 lanes (word i into lane i % 4: h = (h xor w)
+-- * 0x100000001b3, lane j starting at 0xcbf29ce484222325 xor j), then the
+-- chunk hash is FNV over (the lanes, the chunk length); the file checksum is
+-- FNV over (its chunk hashes, its length). Each blob (one slice of one
+-- tensor) has its own hash too, the same way over its padded extent. A load
 -- that reads part of a file verifies every chunk it touches, so a flipped
--- byte is caught without reading whole files.
+-- byte is caught without reading whole files; the blob hashes then name the
+-- damaged parameter.
 --
 -- A save writes into dir .. ".tmp"; after every rank has written and synced
 -- its file, rank 0 writes index.json and renames the directory into place,
@@ -219,17 +222,23 @@ end
 
 local function hex(h) return bit.tohex(h, 16) end
 
--- The hash of one whole chunk of n bytes (n a multiple of 32) at ptr.
-local function chunk_hash(ptr, n)
-  local a, b, c, d = lanes(ffi.cast(u64p, ptr), n / 8, BASIS, bxor(BASIS, 1ULL), bxor(BASIS, 2ULL),
-    bxor(BASIS, 3ULL))
+local function lanes0() return BASIS, bxor(BASIS, 1ULL), bxor(BASIS, 2ULL), bxor(BASIS, 3ULL) end
+
+-- The hash of n bytes from four lane states.
+local function finish_lanes(a, b, c, d, n)
   local h = BASIS
   h = bxor(h, a) * PRIME
   h = bxor(h, b) * PRIME
   h = bxor(h, c) * PRIME
   h = bxor(h, d) * PRIME
-  h = bxor(h, ffi.cast("uint64_t", n)) * PRIME
-  return hex(h)
+  return hex(bxor(h, ffi.cast("uint64_t", n)) * PRIME)
+end
+
+-- The hash of one whole chunk of n bytes (n a multiple of 32) at ptr.
+local function chunk_hash(ptr, n)
+  local a, b, c, d = lanes0()
+  a, b, c, d = lanes(ffi.cast(u64p, ptr), n / 8, a, b, c, d)
+  return finish_lanes(a, b, c, d, n)
 end
 
 -- The file checksum from its chunk hashes (hex strings) and its length.
@@ -241,7 +250,6 @@ local function file_hash(chunks, nbytes)
   end
   return hex(bxor(h, ffi.cast("uint64_t", nbytes)) * PRIME)
 end
-M._chunk_hash, M._file_hash = chunk_hash, file_hash
 
 -- Incremental form, fed with the bytes as they are written (multiples of 32).
 local Hasher = {}
@@ -254,18 +262,12 @@ local function new_hasher(chunk)
 end
 
 function Hasher:_reset()
-  self.a, self.b, self.c, self.d = BASIS, bxor(BASIS, 1ULL), bxor(BASIS, 2ULL), bxor(BASIS, 3ULL)
+  self.a, self.b, self.c, self.d = lanes0()
   self.pos = 0
 end
 
 function Hasher:_close()
-  local h = BASIS
-  h = bxor(h, self.a) * PRIME
-  h = bxor(h, self.b) * PRIME
-  h = bxor(h, self.c) * PRIME
-  h = bxor(h, self.d) * PRIME
-  h = bxor(h, ffi.cast("uint64_t", self.pos)) * PRIME
-  self.chunks[#self.chunks + 1] = hex(h)
+  self.chunks[#self.chunks + 1] = finish_lanes(self.a, self.b, self.c, self.d, self.pos)
   self:_reset()
 end
 
@@ -287,7 +289,7 @@ end
 
 -- ---- communication: agreement, strings ----
 
-local MAX_OP, SUM_OP = 2, 0
+local MAX_OP = 2
 local dbl = ffi.new("double[1]")
 local int2 = ffi.new("int[2]")
 local comm_box = ffi.new("fsdp_comm *[1]")
@@ -419,6 +421,10 @@ local function describe(target, what)
       end
     end
   elseif is_module(target) then
+    if rawget(target, "forward") ~= nil then
+      -- fsdp.shard wraps the root's forward; its fields are views of gathered buffers
+      error(what .. ": this module has been sharded; pass the object fsdp.shard returned", 0)
+    end
     d.kind, d.model = "module", target
     d.comm = world_comm()
     d.rank, d.world = comm_info(d.comm)
@@ -468,19 +474,17 @@ end
 
 -- ---- save ----
 
-local zeros64 = ffi.new("uint8_t[?]", ALIGN)
-
 -- A shard file being written: blobs at multiples of ALIGN, hashed as written.
 local function new_out(path, chunk)
   local fd, err = open_file(path, true)
   if not fd then error(fmt("cannot create '%s': %s", path, err), 0) end
-  return { fd = fd, path = path, pos = 0, hasher = new_hasher(chunk), tail = ffi.new("uint8_t[?]", ALIGN),
-    blobs = 0 }
+  return { fd = fd, path = path, pos = 0, hasher = new_hasher(chunk), tail = ffi.new("uint8_t[?]", ALIGN) }
 end
 
 local kill_hook = os.getenv("FSDP_TEST_KILL_DURING_SAVE") == "1"
 
--- Writes n bytes at ptr as one blob; returns its offset in the file.
+-- Writes n bytes at ptr as one blob; returns its offset in the file and
+-- the checksum of the blob (its padded extent, hashed as one chunk).
 local function put(o, ptr, n)
   local off = o.pos
   local body = n - n % ALIGN
@@ -491,9 +495,11 @@ local function put(o, ptr, n)
     io.stderr:write("checkpoint test hook: rank 1 killed during save\n")
     os.exit(9)
   end
+  local a, b, c, d = lanes0()
   if body > 0 then
     write_all(o.fd, p, body, o.path)
     o.hasher:update(p, body)
+    a, b, c, d = lanes(ffi.cast(u64p, p), body / 8, a, b, c, d)
   end
   local rest = n - body
   if rest > 0 then
@@ -501,10 +507,10 @@ local function put(o, ptr, n)
     ffi.copy(o.tail, p + body, rest)
     write_all(o.fd, o.tail, ALIGN, o.path)
     o.hasher:update(o.tail, ALIGN)
+    a, b, c, d = lanes(ffi.cast(u64p, o.tail), ALIGN / 8, a, b, c, d)
   end
   o.pos = off + body + (rest > 0 and ALIGN or 0)
-  o.blobs = o.blobs + 1
-  return off
+  return off, finish_lanes(a, b, c, d, o.pos - off)
 end
 
 local function finish_out(o)
@@ -527,8 +533,8 @@ local function write_shard(d, opt, tmp, chunk)
   local rec = { file = name, params = {}, optim = {} }
   local ok, err = pcall(function()
     for _, s in ipairs(d.segments) do
-      local off = put(o, s.flat:data_ptr(), 4 * s.count)
-      rec.params[#rec.params + 1] = { s.path, s.start, s.count, off }
+      local off, sum = put(o, s.flat:data_ptr(), 4 * s.count)
+      rec.params[#rec.params + 1] = { s.path, s.start, s.count, off, sum }
     end
     if opt then
       local _, names = optim_kind(opt, "fsdp.checkpoint.save")
@@ -543,8 +549,8 @@ local function write_shard(d, opt, tmp, chunk)
                 error(fmt("optimizer state %s of '%s' has %d elements, its parameter slice %d", nm, s.path,
                   t:numel(), s.count), 0)
               end
-              local off = put(o, t:data_ptr(), 4 * s.count)
-              rec.optim[#rec.optim + 1] = { s.path, nm, s.start, s.count, off, st.step or opt.step_count or 0 }
+              local off, sum = put(o, t:data_ptr(), 4 * s.count)
+              rec.optim[#rec.optim + 1] = { s.path, nm, s.start, s.count, off, st.step or opt.step_count or 0, sum }
             end
           end
         end
@@ -579,7 +585,9 @@ local function check_tiling(ranges, n, what)
 end
 
 -- Rank 0: the index from every writer's record.
-local function build_index(d, state, opt, records, chunk)
+local function build_index(d, state, opt, texts, chunk)
+  local records = {}
+  for i, text in ipairs(texts) do records[i] = json.decode(text) end
   local index = {
     format = M.FORMAT, version = M.VERSION,
     world_size = d.world, num_files = d.nfiles, strategy = d.strategy, group_size = d.group_size,
@@ -597,13 +605,13 @@ local function build_index(d, state, opt, records, chunk)
       for _, e in ipairs(rec.params) do
         pranges[e[1]] = pranges[e[1]] or {}
         local l = pranges[e[1]]
-        l[#l + 1] = { file = rec.file, start = e[2], count = e[3], offset = e[4] }
+        l[#l + 1] = { file = rec.file, start = e[2], count = e[3], offset = e[4], checksum = e[5] }
       end
       for _, e in ipairs(rec.optim) do
         local key = e[1] .. "\0" .. e[2]
         oranges[key] = oranges[key] or {}
         local l = oranges[key]
-        l[#l + 1] = { file = rec.file, start = e[3], count = e[4], offset = e[5] }
+        l[#l + 1] = { file = rec.file, start = e[3], count = e[4], offset = e[5], checksum = e[7] }
         osteps[e[1]] = max(osteps[e[1]] or 0, e[6])
       end
     end
@@ -649,6 +657,23 @@ local function write_text(path, text)
   if not ok then error(werr, 0) end
 end
 
+-- Rank 0, after every rank wrote and synced its file: the index, then the
+-- directory into place (an older one of the same name goes aside first).
+local function publish(dir, tmp, index, what)
+  write_text(tmp .. "/index.json", json.encode(index, { indent = " " }) .. "\n")
+  fsync_path(tmp)
+  local old = dir .. ".old"
+  if is_dir(dir) then
+    remove_tree(old)
+    local okr, e = os.rename(dir, old)
+    if not okr then error(fmt("%s: cannot move the old '%s' aside: %s", what, dir, tostring(e)), 0) end
+  end
+  local okr, e = os.rename(tmp, dir)
+  if not okr then error(fmt("%s: cannot rename '%s' to '%s': %s", what, tmp, dir, tostring(e)), 0) end
+  fsync_path(parent_of(dir))
+  if is_dir(old) then remove_tree(old) end
+end
+
 local function check_state(state, what)
   if type(state) ~= "table" then error(what .. ": expected a state table {model =, optim =, step =, ...}", 0) end
   if state.model == nil then error(what .. ": state.model is required", 0) end
@@ -682,30 +707,20 @@ function M.save(dir, state, opts)
       mkdir_p(tmp)
     end
   end)
-  local rec = together(comm, function()
-    if not d.writer then return { } end
-    return write_shard(d, opt, tmp, chunk)
+  local ok, err = pcall(function()
+    local rec = together(comm, function()
+      if not d.writer then return {} end
+      return write_shard(d, opt, tmp, chunk)
+    end)
+    local records = gather_strings(comm, json.encode(rec))
+    together(comm, function()
+      if rank == 0 then publish(dir, tmp, build_index(d, state, opt, records, chunk), what) end
+    end)
   end)
-  local records = gather_strings(comm, json.encode(rec))
-  together(comm, function()
-    if rank ~= 0 then return end
-    local list = {}
-    for i, s in ipairs(records) do list[i] = json.decode(s) end
-    local index = build_index(d, state, opt, list, chunk)
-    write_text(tmp .. "/index.json", json.encode(index, { indent = " " }) .. "\n")
-    fsync_path(tmp)
-    -- into place: an older directory of the same name goes aside first
-    local old = dir .. ".old"
-    if is_dir(dir) then
-      remove_tree(old)
-      local okr, e = os.rename(dir, old)
-      if not okr then error(fmt("%s: cannot move the old '%s' aside: %s", what, dir, tostring(e)), 0) end
-    end
-    local okr, e = os.rename(tmp, dir)
-    if not okr then error(fmt("%s: cannot rename '%s' to '%s': %s", what, tmp, dir, tostring(e)), 0) end
-    fsync_path(parent_of(dir))
-    if is_dir(old) then remove_tree(old) end
-  end)
+  if not ok then
+    if rank == 0 then remove_tree(tmp) end   -- every rank failed alike: nothing writes there now
+    error(err, 0)
+  end
   return dir
 end
 
@@ -756,6 +771,7 @@ function M.read_index(dir)
     files[fe.name] = fe
   end
   index.file_map = files
+  for _, fe in pairs(files) do fe.blobs = {} end
   local function check_ranges(ranges, numel, what)
     if type(ranges) ~= "table" then bad(path, what .. ": ranges missing") end
     for _, r in ipairs(ranges) do
@@ -766,6 +782,9 @@ function M.read_index(dir)
         bad(path, fmt("%s: range [%s, +%s) at byte %s of %s does not fit", what, tostring(r.start),
           tostring(r.count), tostring(r.offset), r.file))
       end
+      local b = fe.blobs
+      b[#b + 1] = { offset = r.offset, bytes = 4 * r.count, checksum = r.checksum,
+        label = fmt("%s elements [%d, %d)", what, r.start, r.start + r.count) }
     end
   end
   index.param_map = {}
@@ -825,6 +844,29 @@ local function plan_reads(reads, ranges, start, count, dst, label, where)
   end
 end
 
+-- A chunk failed its checksum: which blobs in it are damaged? (Error path
+-- only: each blob overlapping the chunk is read whole and checked.)
+local function blame(fd, fe, clo, chi)
+  local found, near = {}, {}
+  for _, b in ipairs(fe.blobs) do
+    local padded = math.ceil(b.bytes / ALIGN) * ALIGN
+    if b.offset < chi and b.offset + padded > clo then
+      near[#near + 1] = b.label
+      if type(b.checksum) == "string" and padded > 0 then
+        local buf = S.fsdp_ckpt_malloc(padded)
+        if buf ~= nil then
+          local got = pread_all(fd, buf, padded, b.offset, fe.name)
+          if got ~= padded or chunk_hash(buf, padded) ~= b.checksum then found[#found + 1] = b.label end
+          S.fsdp_ckpt_free(buf)
+        end
+      end
+    end
+  end
+  local list = #found > 0 and found or near
+  if #list > 4 then list = { list[1], list[2], list[3], fmt("%d more", #list - 3) } end
+  return concat(list, ", ")
+end
+
 -- Reads the planned pieces of one file, verifying every chunk it touches.
 local function read_file(dir, fe, pieces, chunk, stage, stage_bytes)
   local path = dir .. "/" .. fe.name
@@ -862,13 +904,8 @@ local function read_file(dir, fe, pieces, chunk, stage, stage_bytes)
           local clo = ci * chunk
           local clen = min(chunk, fe.bytes - clo)
           if chunk_hash(stage + (clo - lo), clen) ~= fe.chunks[ci + 1] then
-            local held = {}
-            for _, pc in ipairs(pieces) do
-              if pc.off < clo + clen and pc.off + pc.n > clo then held[#held + 1] = pc.label end
-              if #held == 3 then break end
-            end
-            error(fmt("%s: checksum mismatch in bytes [%d, %d) (the file is corrupted; they hold %s)", path, clo,
-              clo + clen, concat(held, ", ")), 0)
+            error(fmt("%s: checksum mismatch in bytes [%d, %d): the file is corrupted, in %s", path, clo,
+              clo + clen, blame(fd, fe, clo, clo + clen)), 0)
           end
         end
         -- copy out the pieces overlapping [lo, hi)
@@ -942,7 +979,7 @@ local function read_state(dir, index, d, opt, opts)
   local reads = {}
   local vals = {}
   for i, s in ipairs(d.segments) do
-    local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "param" })
+    local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other" })   -- copied into the shard at commit
     vals[i] = t
     plan_reads(reads, index.param_map[s.path].ranges, s.start, s.count, t:data_ptr(), "parameter '" .. s.path .. "'",
       where)
@@ -1030,8 +1067,15 @@ function M.load(dir, state, opts)
   check_state(state, what)
   local d = describe(state.model, what)
   local index, vals, ostate = together(d.comm, function()
-    local idx = M.read_index(dir)
-    return idx, read_state(dir, idx, d, state.optim, opts)
+    local ok, idx, v, o = pcall(function()
+      local idx = M.read_index(dir)
+      return idx, read_state(dir, idx, d, state.optim, opts)
+    end)
+    if not ok then
+      idx = tostring(idx)
+      error(idx:find("^fsdp%.checkpoint") and idx or (what .. ": " .. idx), 0)
+    end
+    return idx, v, o
   end)
   commit(d, index, vals, ostate, state.optim, opts)
   return result(index)
@@ -1242,7 +1286,7 @@ function M.export(path, target, opts)
     end)
     if not ok then failure = err end
   end
-  if d.sharded then
+  if d.sharded and d.writer then   -- the shard group holding rank 0 (other replicas hold the same)
     for _, u in ipairs(d.sharded.units) do
       local full = fsdp.empty({ u.padded }, { dtype = "f32", tag = "comm" })
       if C.fsdp_all_gather(nil, d.sharded.shard_comm, full, u.master, "checkpoint.export." .. u.name) ~= 0 then
@@ -1376,7 +1420,7 @@ function M.import(path, target, opts)
     local out, cache = {}, {}
     local ok, rerr = pcall(function()
       for i, s in ipairs(d.segments) do
-        local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "param" })
+        local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other" })
         fsdp.no_grad(function() import_range(fd, info, by_path[s.path], s.start, s.count, t, cache) end)
         out[i] = t
       end
@@ -1397,7 +1441,6 @@ local function human(n)
   if n >= 2 ^ 10 then return fmt("%.1f KiB", n / 2 ^ 10) end
   return fmt("%d B", n)
 end
-M.human = human
 
 --- fsdp.checkpoint.describe(dir) -> text: a checkpoint's index (parameters,
 -- shapes, step, world size, files and sizes) without reading its tensors.
@@ -1423,7 +1466,12 @@ function M.describe(dir)
   if o then
     add("  optimizer %s: step count %s, states %s, %d parameters with state", o.type, show(o.step_count),
       concat(o.states, ", "), #o.params)
-    for gi, g in ipairs(o.groups or {}) do add("    group %d: %s", gi, json.encode(g)) end
+    for gi, g in ipairs(o.groups or {}) do
+      local kv = {}
+      for k, v in pairs(g) do kv[#kv + 1] = k .. "=" .. (type(v) == "number" and fmt("%.6g", v) or tostring(v)) end
+      sort(kv)
+      add("    group %d: %s", gi, concat(kv, " "))
+    end
   else
     add("  optimizer: none saved")
   end

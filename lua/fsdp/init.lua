@@ -36,10 +36,21 @@ fsdp.tape_pop = autograd.tape_pop
 
 fsdp.autograd = autograd
 fsdp.memory = require "fsdp.memory"
+-- Devices: fsdp.default_device() -> "cpu" | "cuda"; fsdp.set_default_device(name).
+-- Constructors put tensors there when opts.device is not given.
+fsdp.default_device = tensor.default_device
+fsdp.set_default_device = tensor.set_default_device
 
 -- Sharding (fsdp.shard) needs the rest of the library loaded first.
 function fsdp.shard(...) return require("fsdp.shard").shard(...) end
 fsdp.policy = setmetatable({}, { __index = function(_, k) return require("fsdp.shard").policy[k] end })
+-- Sharded checkpoints and full export/import (fsdp.checkpoint), loaded on first use.
+fsdp.checkpoint = setmetatable({}, { __index = function(_, k) return require("fsdp.checkpoint")[k] end })
+function fsdp.save(...) return require("fsdp.checkpoint").save(...) end
+function fsdp.load(...) return require("fsdp.checkpoint").load(...) end
+function fsdp.latest(...) return require("fsdp.checkpoint").latest(...) end
+function fsdp.export(...) return require("fsdp.checkpoint").export(...) end
+function fsdp.import(...) return require("fsdp.checkpoint").import(...) end
 fsdp.core = core
 fsdp.C = C
 

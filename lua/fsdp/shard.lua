@@ -409,9 +409,7 @@ function Sharded:summon_full_params(fn, ...)
     if C.fsdp_unit_unshard(self.sched, u.index) ~= 0 then raise() end
   end
   local res = { pcall(fn, ...) }
-  for k, u in ipairs(self.units) do
-    if k > 1 or self.strategy == "shard_grad_op" then C.fsdp_unit_reshard(self.sched, u.index) end
-  end
+  for _, u in ipairs(self.units) do C.fsdp_unit_reshard(self.sched, u.index) end
   if not res[1] then error(res[2], 0) end
   return unpack(res, 2)
 end
@@ -420,10 +418,10 @@ end
 -- them, for evaluation or export of small models.
 function Sharded:full_state_dict()
   local sd = {}
-  for k, u in ipairs(self.units) do
+  for _, u in ipairs(self.units) do
     if C.fsdp_unit_unshard(self.sched, u.index) ~= 0 then raise() end
     for _, p in ipairs(u.params) do sd[p.path] = p.module[p.name]:float():clone() end
-    if k > 1 or self.strategy == "shard_grad_op" then C.fsdp_unit_reshard(self.sched, u.index) end
+    if C.fsdp_unit_reshard(self.sched, u.index) ~= 0 then raise() end
   end
   return sd
 end

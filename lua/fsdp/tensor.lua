@@ -142,11 +142,34 @@ local function finish(t, opts)
   return t
 end
 
+-- ---- devices ----
+
+--- fsdp.default_device() -> "cpu" or "cuda": where tensors go when opts.device
+-- is not given (CUDA when it is built in and this rank has a GPU).
+local function default_device_id()
+  if C.fsdp_default_device(int_box) ~= 0 then raise() end
+  return int_box[0]
+end
+function M.default_device() return core.device_names[default_device_id()] end
+
+--- fsdp.set_default_device(name): "cpu" or "cuda" (an error when that
+-- device is not built in or has no hardware).
+function M.set_default_device(d)
+  if C.fsdp_set_default_device(device_id(d)) ~= 0 then raise() end
+end
+
+-- opts.device, or the default device.
+local function device_of_opts(opts)
+  local d = opts and opts.device
+  if d == nil then return default_device_id() end
+  return device_id(d)
+end
+
 local function new_tensor(zero, dims, opts)
   local n = #dims
   local dt = dtype_id(opts and opts.dtype)
   local tag = tag_id(opts and opts.tag, 5)
-  local dev = device_id(opts and opts.device)
+  local dev = device_of_opts(opts)
   local st
   if zero then
     st = C.fsdp_tensor_zeros(out, dt, n, int64s(dims, n), dev, tag)
@@ -158,7 +181,7 @@ local function new_tensor(zero, dims, opts)
 end
 
 --- fsdp.empty(sizes..., opts) / fsdp.empty({sizes}, opts): uninitialized.
--- opts: dtype ("f32"), tag ("other"), device ("cpu"), requires_grad.
+-- opts: dtype ("f32"), tag ("other"), device (fsdp.default_device()), requires_grad.
 function M.empty(...)
   local dims, opts = parse_shape("fsdp.empty", ...)
   return finish(new_tensor(false, dims, opts), opts)
@@ -231,7 +254,7 @@ end
 local function from_flat(flat, n, dims, opts)
   local dt = dtype_id(opts and opts.dtype)
   local tag = tag_id(opts and opts.tag, 5)
-  local dev = device_id(opts and opts.device)
+  local dev = device_of_opts(opts)
   local nd = #dims
   -- bf16 goes in as f32 and is rounded by the engine's cast.
   local load_dt = dt == 1 and 0 or dt
@@ -241,9 +264,10 @@ local function from_flat(flat, n, dims, opts)
     raise()
   end
   local t = wrap()
-  if load_dt ~= dt then
-    if C.fsdp_cast(out, t, dt) ~= 0 then raise() end
-    t = wrap()
+  if load_dt ~= dt then   -- a converting copy keeps the tag and device
+    local r = new_tensor(false, dims, { dtype = dt, tag = tag, device = dev })
+    if C.fsdp_copy(r, t) ~= 0 then raise() end
+    t = r
   end
   return finish(t, opts)
 end
@@ -386,11 +410,18 @@ function methods.tolist(t)
   return (nest(flat, dims, 1, 0))
 end
 
--- Element reader for host tensors: read(offset in elements) -> number.
+local function device_id_of(t)
+  if C.fsdp_tensor_device(t, int_box) ~= 0 then raise() end
+  return int_box[0]
+end
+
+-- Element reader: read(offset in elements) -> number. Host tensors are read
+-- in place; a tensor elsewhere (CUDA) is copied to the host first, whole.
 local function element_reader(t)
   local dt = dtype_of(t)
   local base, strides
-  if C.fsdp_tensor_data_ptr(t, ptr_box) == 0 then
+  if device_id_of(t) == 0 then
+    if C.fsdp_tensor_data_ptr(t, ptr_box) ~= 0 then raise() end
     base, strides = ptr_box[0], strides_of(t)
   else   -- not host memory: read a contiguous copy
     local dims, n = shape_of(t), numel(t)
@@ -410,7 +441,8 @@ local function element_reader(t)
   return read, strides, base   -- base keeps a copy alive
 end
 
---- t:at(i, j, ...): the value at 1-based indices (host tensors).
+--- t:at(i, j, ...): the value at 1-based indices (a CUDA tensor is copied
+-- to the host first: slow in a loop; use t:cpu() once, then :at).
 function methods.at(t, ...)
   local dims = shape_of(t)
   local n = select("#", ...)
@@ -519,9 +551,10 @@ function methods.copy(t, src)
   return t
 end
 
---- t:clone(): a fresh contiguous copy, not recorded on the tape.
+--- t:clone(): a fresh contiguous copy on t's device, not recorded on the tape.
 function methods.clone(t, opts)
-  local c = new_tensor(false, shape_of(t), { dtype = dtype_of(t), tag = opts and opts.tag })
+  local c = new_tensor(false, shape_of(t),
+                       { dtype = dtype_of(t), tag = opts and opts.tag, device = device_id_of(t) })
   if C.fsdp_copy(c, t) ~= 0 then raise() end
   return c
 end
@@ -535,6 +568,16 @@ function methods.normal_(t, mean, std, seed, stream, offset)
   if C.fsdp_init_normal(t, mean or 0, std or 1, seed or 0, stream or 0, offset or 0) ~= 0 then raise() end
   return t
 end
+
+--- t:to(device): a copy on device ("cpu" or "cuda"): contiguous, its own
+-- storage even on the same device, not recorded on the tape.
+function methods.to(t, device)
+  if device == nil then raise("to(" .. describe(t) .. "): expected a device (\"cpu\" or \"cuda\")") end
+  if C.fsdp_tensor_to_device(out, t, device_id(device)) ~= 0 then raise() end
+  return wrap()
+end
+function methods.cuda(t) return methods.to(t, "cuda") end
+function methods.cpu(t) return methods.to(t, "cpu") end
 
 --- t:free(): gives the reference back now, instead of at garbage collection.
 function methods.free(t)
@@ -626,7 +669,7 @@ end
 
 -- number op tensor: the number as a tensor of t's shape and dtype.
 local function full_like(t, v)
-  local f = new_tensor(false, shape_of(t), { dtype = dtype_of(t), tag = "activation" })
+  local f = new_tensor(false, shape_of(t), { dtype = dtype_of(t), tag = "activation", device = device_id_of(t) })
   if C.fsdp_fill(f, v) ~= 0 then raise() end
   return f
 end

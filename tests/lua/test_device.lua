@@ -1,0 +1,136 @@
+-- Devices: t:to(device), t:cuda(), t:cpu(), the default device, and reading
+-- (printing, tolist, item, at) tensors that live on another device.
+-- On a machine without a GPU (or an engine without CUDA) only the CPU half
+-- runs, plus the checks that asking for CUDA fails with a clear message; with
+-- a GPU, round trips must be bitwise exact and ops on CUDA must match the
+-- same ops on the CPU.
+package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local ffi = require "ffi"
+
+-- ---- the default device ----
+local default = fsdp.default_device()
+t.ok(default == "cpu" or default == "cuda", "default_device is cpu or cuda")
+t.eq(fsdp.zeros(2):device(), default, "constructors use the default device")
+t.eq(fsdp.tensor({ 1, 2 }):device(), default, "fsdp.tensor uses the default device")
+t.eq(fsdp.zeros(2, { device = "cpu" }):device(), "cpu", "opts.device wins")
+t.raises(function() fsdp.set_default_device("tpu") end, "unknown device", "set_default_device: unknown name")
+t.raises(function() fsdp.zeros(2, { device = "metal" }) end, "unknown device", "unknown device in opts")
+
+-- Is there a GPU (CUDA built in and a device present)?
+local has_cuda = pcall(function() return fsdp.zeros(1, { device = "cpu" }):cuda() end)
+
+-- ---- t:to("cpu") on the CPU: a copy ----
+local a = fsdp.tensor({ { 1, 2, 3 }, { 4, 5, 6 } }, { device = "cpu" })
+local b = a:to("cpu")
+t.eq(b:device(), "cpu", "to(cpu): on the cpu")
+t.all_near(b:tolist(), a:tolist(), 0, "to(cpu): same values")
+t.ok(ffi.cast("uintptr_t", b:data_ptr()) ~= ffi.cast("uintptr_t", a:data_ptr()), "to(cpu): distinct storage")
+b:fill(0)
+t.all_near(a:tolist(), { { 1, 2, 3 }, { 4, 5, 6 } }, 0, "to(cpu): writing the copy leaves the source alone")
+local c = a:cpu()
+t.all_near(c:tolist(), a:tolist(), 0, "cpu(): same values")
+t.ok(ffi.cast("uintptr_t", c:data_ptr()) ~= ffi.cast("uintptr_t", a:data_ptr()), "cpu(): distinct storage")
+
+-- a transposed view comes back contiguous, values in its own order
+local at = a:t():to("cpu")
+t.ok(at:is_contiguous(), "to(cpu) of a view: contiguous")
+t.all_near(at:tolist(), { { 1, 4 }, { 2, 5 }, { 3, 6 } }, 0, "to(cpu) of a view: values")
+-- every dtype, and the memory tag, survive
+for _, dt in ipairs({ "f32", "bf16", "i32", "i64", "u16" }) do
+  local x = fsdp.tensor({ 1, 2, 3 }, { dtype = dt, device = "cpu", tag = "param" })
+  local y = x:to("cpu")
+  t.eq(y:dtype(), dt, "to(cpu) keeps dtype " .. dt)
+  t.eq(y:tag(), "param", "to(cpu) keeps the tag (" .. dt .. ")")
+  t.all_near(y:tolist(), { 1, 2, 3 }, 0, "to(cpu) values " .. dt)
+end
+t.eq(fsdp.zeros(0, { device = "cpu" }):to("cpu"):numel(), 0, "to(cpu) of an empty tensor")
+t.eq(fsdp.tensor(2.5, { device = "cpu" }):to("cpu"):item(), 2.5, "to(cpu) of a 0-D tensor")
+-- not recorded: the copy is a fresh leaf
+local g = fsdp.tensor({ 1, 2 }, { device = "cpu", requires_grad = true })
+t.eq(g:to("cpu"):requires_grad(), false, "to(): no gradient")
+t.raises(function() a:to() end, "expected a device", "to() without a device")
+t.raises(function() a:to("gpu") end, "unknown device", "to(): unknown device name")
+-- a t:clone() stays on its tensor's device
+t.eq(a:clone():device(), "cpu", "clone keeps the device")
+
+if not has_cuda then
+  -- ---- no GPU: CUDA is refused, clearly ----
+  t.eq(default, "cpu", "no GPU: the default device is the cpu")
+  t.raises(function() return a:cuda() end,
+           { "fsdp_tensor_to_device", "cuda is not built into this engine, or has no hardware" },
+           "cuda() without a GPU names the device")
+  t.raises(function() return a:to("cuda") end, { "cuda", "not built into this engine, or has no hardware" },
+           "to(cuda) without a GPU")
+  t.raises(function() fsdp.set_default_device("cuda") end,
+           { "cuda", "not built into this engine, or has no hardware" }, "set_default_device(cuda) without a GPU")
+  t.eq(fsdp.default_device(), "cpu", "the default device stays the cpu after a refused change")
+  t.raises(function() fsdp.zeros(2, { device = "cuda" }) end, { "cuda", "not built into this engine" },
+           "zeros on cuda without a GPU")
+  print("no GPU: CUDA checks skipped")
+  t.done()
+  return
+end
+
+-- ---- with a GPU ----
+print("GPU present: running the CUDA checks")
+local function bits_equal(x, y)
+  -- bitwise: compare the raw bytes on the host
+  local n = x:numel() * ({ f32 = 4, bf16 = 2, i32 = 4, i64 = 8, u16 = 2 })[x:dtype()]
+  if y:numel() ~= x:numel() or y:dtype() ~= x:dtype() then return false end
+  local xb, yb = ffi.new("uint8_t[?]", n + 1), ffi.new("uint8_t[?]", n + 1)
+  if fsdp.C.fsdp_tensor_to_data(x, xb, n) ~= 0 or fsdp.C.fsdp_tensor_to_data(y, yb, n) ~= 0 then return false end
+  return ffi.string(xb, n) == ffi.string(yb, n)
+end
+
+for _, dt in ipairs({ "f32", "bf16", "i32", "i64", "u16" }) do
+  local x
+  if dt == "f32" or dt == "bf16" then
+    x = fsdp.randn(37, 53, { seed = 3, dtype = dt, device = "cpu" })
+  else
+    x = fsdp.arange(0, 37 * 53, { dtype = dt, device = "cpu" }):reshape(37, 53)
+  end
+  local xc = x:cuda()
+  t.eq(xc:device(), "cuda", "cuda(): on the GPU (" .. dt .. ")")
+  local back = xc:cpu()
+  t.eq(back:device(), "cpu", "cpu(): back on the host (" .. dt .. ")")
+  t.ok(bits_equal(back, x), "cpu -> cuda -> cpu is bitwise exact (" .. dt .. ")")
+  t.ok(bits_equal(xc:to("cuda"):cpu(), x), "cuda -> cuda copy is bitwise exact (" .. dt .. ")")
+  t.ok(bits_equal(xc:t():cpu(), x:t():contiguous()), "a transposed CUDA view comes back in its order (" .. dt .. ")")
+end
+
+-- reading CUDA tensors goes through the host
+local m = fsdp.tensor({ { 1, 2 }, { 3, 4 } }, { device = "cpu" }):cuda()
+t.all_near(m:tolist(), { { 1, 2 }, { 3, 4 } }, 0, "tolist of a CUDA tensor")
+t.eq(m:at(2, 1), 3, "at of a CUDA tensor")
+t.eq(m:sum():item(), 10, "item of a CUDA tensor")
+t.ok(tostring(m):find("on cuda", 1, true) ~= nil, "printing a CUDA tensor")
+t.raises(function() return m:data_ptr() end, "not in host memory", "data_ptr refuses device memory")
+t.raises(function() return m + fsdp.ones(2, 2, { device = "cpu" }) end, { "cuda", "cpu" }, "mixing devices names both")
+
+-- ops on CUDA equal the same ops on the CPU (f32, within reassociation)
+local x = fsdp.randn(8, 16, { seed = 11, device = "cpu" })
+local w = fsdp.randn(16, 12, { seed = 12, device = "cpu" })
+local xc, wc = x:cuda(), w:cuda()
+local function same(cpu_result, cuda_result, tol, name)
+  t.eq(cuda_result:device(), "cuda", name .. ": result on cuda")
+  t.all_near(cuda_result:cpu():tolist(), cpu_result:tolist(), tol, name)
+end
+same(x + x, xc + xc, 1e-6, "add")
+same(x * 3 - 1, xc * 3 - 1, 1e-6, "scale, add_scalar")
+same(x:matmul(w), xc:matmul(wc), 1e-4, "matmul")
+same(x:gelu(), xc:gelu(), 1e-5, "gelu")
+same(x:softmax(), xc:softmax(), 1e-5, "softmax")
+same(x:sum(2), xc:sum(2), 1e-5, "sum over a dim")
+same(x:layernorm(nil, nil, 1e-5), xc:layernorm(nil, nil, 1e-5), 1e-4, "layernorm")
+same(x:bf16():float(), xc:bf16():float(), 0, "cast to bf16 and back")
+
+-- the default device can move to CUDA and back
+fsdp.set_default_device("cuda")
+t.eq(fsdp.zeros(3):device(), "cuda", "set_default_device(cuda): constructors follow")
+t.eq(fsdp.default_device(), "cuda", "default_device after set")
+fsdp.set_default_device(default)
+t.eq(fsdp.default_device(), default, "default device restored")
+
+t.done()
