@@ -246,10 +246,7 @@ if o.sample > 0 then
   end
 end
 
-if o.export then
-  local sd = sharding and sharded:full_state_dict() or nil
-  if rank == 0 then
-    (require "fsdp.safetensors").save(o.export, model:to_hf(sd), { format = "pt" })
-    log("wrote %s", o.export)
-  end
+if o.export then   -- HF names; streamed unit by unit, never the whole model on one rank
+  fsdp.checkpoint.export(o.export, sharding and sharded or model, { hf = true })
+  log("wrote %s", o.export)
 end
