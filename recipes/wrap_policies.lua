@@ -186,11 +186,15 @@ for _, entry in ipairs(policies) do
     end
     summary[#summary + 1] = { entry.name, #p.units, mx.peak, p.traffic.gather_bytes + p.traffic.reduced_bytes, m }
     if o.check and m then
-      local pairs_ = { { "param peak", m.peak.param, mx.param.peak }, { "grad peak", m.peak.grad, mx.grad.peak },
+      -- the gradient peak depends on how fast reduce-scatters finish: anything
+      -- from the "comm keeps up" figure to the worst case is right
+      local pairs_ = { { "param peak", m.peak.param, mx.param.peak },
+        { "grad peak", m.peak.grad, mx.grad.peak, mx.grad.peak_if_comm_keeps_up },
         { "optimizer", m.peak.optimizer, mx.optimizer.peak }, { "gathered bytes", m.gathered, p.traffic.gather_bytes },
         { "reduced bytes", m.reduced, p.traffic.reduced_bytes } }
       for _, c in ipairs(pairs_) do
-        if math.abs(c[2] - c[3]) > 0.10 * c[3] then
+        local low = c[4] or c[3]
+        if c[2] < 0.9 * low or c[2] > 1.1 * c[3] then
           mismatches[#mismatches + 1] = string.format("%s: %s measured %.0f, predicted %.0f", entry.name, c[1], c[2],
             c[3])
         end

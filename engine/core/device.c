@@ -1,6 +1,11 @@
 /* device.c: which kernel table serves which device. */
 #include "device.h"
 #include "internal.h"
+#include "cpu_kernels.h"
+#include <stdio.h>
+#ifdef FSDP_HAVE_CUDA
+#include "cuda_internal.h"
+#endif
 
 extern const fsdp_device_kernels cpu_device_kernels;
 
@@ -28,4 +33,25 @@ fsdp_status fsdp_set_default_device(int device) {
                               "no hardware", fsdp_device_name(device));
     default_device = device;
     return FSDP_OK;
+}
+
+fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t size) {
+    if (!available) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_device_info: available is NULL");
+    if (size < 0) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_device_info: size %lld is negative", (long long)size);
+    switch (device) {
+    case FSDP_DEVICE_CPU:
+        *available = 1;
+        if (desc && size > 0) snprintf(desc, (size_t)size, "cpu (%d threads)", cpu_threads_get());
+        return FSDP_OK;
+    case FSDP_DEVICE_CUDA:
+#ifdef FSDP_HAVE_CUDA
+        return cuda_device_info(available, desc, size);
+#else
+        *available = 0;
+        if (desc && size > 0) snprintf(desc, (size_t)size, "not built");
+        return FSDP_OK;
+#endif
+    default:
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_device_info: no device %d (expected 0 = cpu or 1 = cuda)", device);
+    }
 }

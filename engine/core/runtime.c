@@ -3,6 +3,9 @@
 #include "internal.h"
 #include "cpu_kernels.h"
 #include "comm_internal.h"
+#ifdef FSDP_HAVE_CUDA
+#include "cuda_internal.h"
+#endif
 #include <malloc.h>
 #include <mpi.h>
 #include <stdio.h>
@@ -51,6 +54,11 @@ fsdp_status fsdp_runtime_init(int *rank, int *world) {
         FSDP_CHECK_CALL(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank), rc_ == MPI_SUCCESS, mpi_error_string);
         FSDP_CHECK_CALL(MPI_Comm_size(MPI_COMM_WORLD, &g_world), rc_ == MPI_SUCCESS, mpi_error_string);
     }
+#ifdef FSDP_HAVE_CUDA
+    /* Rank r takes GPU (local rank r) when there is one, else stays on the CPU. */
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    FSDP_TRY(cuda_backend_init(local ? atoi(local) : 0));
+#endif
     if (rank) *rank = g_rank;
     if (world) *world = g_world;
     return FSDP_OK;

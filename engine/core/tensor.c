@@ -356,6 +356,57 @@ fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size) {
     return FSDP_OK;
 }
 
+fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device) {
+    CHECK_OUT("fsdp_tensor_to_device", out);
+    *out = NULL;
+    CHECK_T("fsdp_tensor_to_device", t);
+    CHECK_LIVE("fsdp_tensor_to_device", t);
+    char d[200];
+    int from = tensor_device(t);
+    const fsdp_device_kernels *dk = device_kernels(device);
+    if (!dk)
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_tensor_to_device: %s -> %s: %s is not built into this engine, "
+                              "or has no hardware", tensor_desc(t, d, sizeof d), fsdp_device_name(device),
+                              fsdp_device_name(device));
+    fsdp_tensor *r;
+    FSDP_TRY(tensor_new(&r, t->dtype, t->ndim, t->shape, device, t->storage->tag, false));
+    size_t nbytes = r->storage->nbytes;
+    if (from == device) {   /* a contiguous copy on the same device */
+        if (nbytes) dk->copy_strided(tensor_data(r), r->strides, tensor_data(t), t->strides, t->ndim, t->shape,
+                                     fsdp_dtype_size(t->dtype));
+        *out = r;
+        return FSDP_OK;
+    }
+    fsdp_tensor *c;   /* contiguous where it is, so that one transfer moves it */
+    fsdp_status st = tensor_contiguous(&c, t);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        return st;
+    }
+    if (nbytes == 0) {
+        /* nothing to move */
+    } else if (from == FSDP_DEVICE_CPU) {
+        dk->copy_from_host(tensor_data(r), tensor_data(c), nbytes);
+    } else if (device == FSDP_DEVICE_CPU) {
+        KERNELS(c)->copy_to_host(tensor_data(r), tensor_data(c), nbytes);
+    } else {   /* device to device: through the host */
+        void *bounce = NULL;
+        st = fsdp_alloc(FSDP_DEVICE_CPU, FSDP_TAG_OTHER, nbytes, &bounce);
+        if (st == FSDP_OK) {
+            KERNELS(c)->copy_to_host(bounce, tensor_data(c), nbytes);
+            dk->copy_from_host(tensor_data(r), bounce, nbytes);
+            fsdp_free(FSDP_DEVICE_CPU, FSDP_TAG_OTHER, bounce, nbytes);
+        }
+    }
+    tensor_release(c);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        return st;
+    }
+    *out = r;
+    return FSDP_OK;
+}
+
 /* ---- public: in place ---- */
 
 /* Writing through a view whose elements alias each other (stride 0 over a
@@ -425,10 +476,15 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
     CHECK_LIVE("fsdp_copy", dst);
     CHECK_LIVE("fsdp_copy", src);
     char a[200], b[200];
-    if (tensor_device(dst) != tensor_device(src))
-        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_copy: dst %s and src %s are on different devices",
-                              tensor_desc(dst, a, sizeof a), tensor_desc(src, b, sizeof b));
     FSDP_TRY(check_writable("fsdp_copy", dst));
+    if (tensor_device(dst) != tensor_device(src)) {
+        /* across devices: src moves to dst's device first (contiguous, as is) */
+        fsdp_tensor *moved;
+        FSDP_TRY(fsdp_tensor_to_device(&moved, src, tensor_device(dst)));
+        fsdp_status st = fsdp_copy(dst, moved);
+        tensor_release(moved);
+        return st;
+    }
     int64_t strides[FSDP_MAX_DIMS];
     if (!broadcast_strides(src, dst->ndim, dst->shape, strides))
         return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_copy: src %s does not broadcast to dst %s",

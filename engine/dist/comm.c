@@ -26,10 +26,33 @@
  * input to an f32 scratch buffer, reduces in f32 and rounds the result back
  * to bf16 once. Sums are thus as exact as f32 sums (one rounding at the end,
  * not one per rank).
+ *
+ * CUDA tensors (built with FSDP_HAVE_CUDA; comm_nccl.c): the same queue, the
+ * same checks, sequence numbers and fingerprints (which include the device),
+ * but the comm thread only enqueues: NCCL (FSDP_HAVE_NCCL) on one comm
+ * stream, after an event recorded on the compute stream at issue; a
+ * communicator gets its NCCL communicator on its first CUDA collective. A
+ * one-rank communicator without MPI or NCCL copies on the device instead.
+ * fsdp_work_wait then makes the compute stream wait for the collective's
+ * "done" event and returns without stalling the host: whatever consumes
+ * the result is a kernel on the compute stream, ordered after it. (With
+ * FSDP_NCCL_BLOCKING_WAIT=1 it blocks until the GPU has finished instead,
+ * polling under the watchdog: for debugging.) The tensors stay held until
+ * the compute stream has been ordered after the collective, or the GPU has
+ * finished it, so the caching allocator cannot hand their memory to a
+ * kernel that would run before the collective is done. The watchdog covers
+ * both halves: the waiting thread measures the time until the comm thread
+ * has enqueued the collective (NCCL communicator creation included), and
+ * the comm thread polls the events of collectives in flight on the GPU,
+ * measuring from the moment the compute stream reached them; either one
+ * names the collective and ends the job, as does an asynchronous NCCL
+ * error. A collective whose tensors sit on different devices is refused.
  */
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime, nanosleep, pthread_condattr_setclock under -std=c11 */
 #include "internal.h"
 #include "comm_internal.h"
 #include "cpu_kernels.h"
+#include "comm_nccl.h"
 #include <errno.h>
 #include <limits.h>
 #include <mpi.h>
@@ -68,7 +91,7 @@ typedef enum { RT_F32, RT_F64, RT_I32, RT_I64 } reduce_type;
 /* What ranks compare in debug mode; plain bytes, all-gathered as MPI_BYTE. */
 typedef struct fingerprint {
     uint64_t comm_id, seq, bytes, label_hash;
-    int32_t kind, dtype, arg, pad;         /* arg: reduce op, broadcast root */
+    int32_t kind, dtype, arg, device;      /* arg: reduce op, broadcast root */
     char label[LABEL_KEEP];                /* truncated copy, for messages */
 } fingerprint;
 
@@ -103,8 +126,9 @@ static void fp_describe(const fingerprint *f, bool with_seq, char *buf, size_t s
     char seq[32] = "";
     if (with_seq) snprintf(seq, sizeof seq, "#%llu ", (unsigned long long)f->seq);
     const char *kind = f->kind >= K_ALL_GATHER && f->kind <= K_FREE ? kind_names[f->kind] : "?kind";
-    snprintf(buf, size, "%s%s '%s' %llu B%s%s%s", seq, kind, f->label, (unsigned long long)f->bytes,
-             f->dtype == DT_NONE ? "" : " ", fp_dtype_name(f->dtype), extra);
+    snprintf(buf, size, "%s%s '%s' %llu B%s%s%s%s", seq, kind, f->label, (unsigned long long)f->bytes,
+             f->dtype == DT_NONE ? "" : " ", fp_dtype_name(f->dtype), extra,
+             f->device == FSDP_DEVICE_CUDA ? " cuda" : "");
 }
 
 /* ---- communicators and backends ---- */
@@ -124,6 +148,9 @@ struct fsdp_comm {
     bool is_world;
     atomic_int world_refs;        /* handles given out for the world */
     char name[COMM_NAME];
+#ifdef FSDP_HAVE_CUDA
+    gpu_comm *gpu;                /* the NCCL side, made on the first CUDA collective (comm thread) */
+#endif
 };
 
 /* Raw transfers on host buffers; the generic layer below has checked
@@ -277,12 +304,15 @@ static const comm_backend single_backend = {
 
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
 static bool g_debug;
+static bool g_blocking_wait;            /* FSDP_NCCL_BLOCKING_WAIT: host waits for CUDA collectives */
 static double g_watchdog_s = 600;
 static pthread_condattr_t g_condattr;   /* waits measured on CLOCK_MONOTONIC */
 
 static void config_init(void) {
     const char *d = getenv("FSDP_DEBUG_COLLECTIVES");
     g_debug = d && d[0] && strcmp(d, "0") != 0;
+    const char *b = getenv("FSDP_NCCL_BLOCKING_WAIT");
+    g_blocking_wait = b && b[0] && strcmp(b, "0") != 0;
     const char *w = getenv("FSDP_WATCHDOG_SECONDS");
     if (w && w[0]) {
         char *end = NULL;
@@ -343,6 +373,7 @@ struct fsdp_work {
     int comm_size;
     /* arguments */
     fsdp_tensor *t_dst, *t_src;   /* retained until completion */
+    fsdp_tensor *t_scratch;       /* CUDA: device scratch for overlapping buffers, or NULL */
     void *dst;
     const void *src;
     int64_t n;                    /* elements: per-rank block (gather, scatter) or total */
@@ -355,12 +386,23 @@ struct fsdp_work {
     bool done, observed;
     fsdp_status status;
     char msg[2048];
+    /* CUDA collectives (the tensors' device; fingerprint too) */
+    int device;
+#ifdef FSDP_HAVE_CUDA
+    gpu_work *gw;                 /* events: ready (compute stream), done (comm stream) */
+    double started;               /* comm thread: when the compute stream reached it (0: not yet) */
+    struct fsdp_work *gnext;      /* comm thread: in flight on the GPU */
+#endif
 };
 
 static void work_unref(fsdp_work *w) {
     if (atomic_fetch_sub(&w->refs, 1) != 1) return;
     tensor_release(w->t_dst);
     tensor_release(w->t_src);
+    tensor_release(w->t_scratch);
+#ifdef FSDP_HAVE_CUDA
+    gpu_work_free(w->gw);
+#endif
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
     free(w);
@@ -389,6 +431,30 @@ static fsdp_status work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const
     snprintf(w->fp.label, sizeof w->fp.label, "%s", label);
     *out = w;
     return FSDP_OK;
+}
+
+/* Gives the work's tensors back (once; from whichever thread gets there
+ * first: the comm thread at completion, or a waiting thread once the
+ * compute stream is ordered after a CUDA collective). */
+static void work_drop_tensors(fsdp_work *w) {
+    pthread_mutex_lock(&w->mu);
+    fsdp_tensor *a = w->t_dst, *b = w->t_src, *c = w->t_scratch;
+    w->t_dst = w->t_src = w->t_scratch = NULL;
+    pthread_mutex_unlock(&w->mu);
+    tensor_release(a);
+    tensor_release(b);
+    tensor_release(c);
+}
+
+/* Whether a CUDA collective reached the comm stream, so that its tensors
+ * must live until the GPU is done with it. */
+static bool work_on_gpu(const fsdp_work *w) {
+#ifdef FSDP_HAVE_CUDA
+    return w->gw && gpu_work_recorded(w->gw);
+#else
+    (void)w;
+    return false;
+#endif
 }
 
 /* ---- the comm thread and its queue ---- */
@@ -426,7 +492,8 @@ static void work_take_error(fsdp_work *w, fsdp_status st) {
 
 static bool fp_equal(const fingerprint *a, const fingerprint *b) {
     return a->comm_id == b->comm_id && a->seq == b->seq && a->bytes == b->bytes &&
-           a->label_hash == b->label_hash && a->kind == b->kind && a->dtype == b->dtype && a->arg == b->arg;
+           a->label_hash == b->label_hash && a->kind == b->kind && a->dtype == b->dtype && a->arg == b->arg &&
+           a->device == b->device;
 }
 
 /* Debug mode: every rank compares every rank's fingerprint with rank 0's
@@ -581,6 +648,89 @@ static fsdp_status run_split(fsdp_work *w) {
     return FSDP_OK;
 }
 
+/* ---- CUDA collectives on the comm thread ---- */
+
+#ifdef FSDP_HAVE_CUDA
+/* Enqueues w on the comm stream (comm_nccl.c); the GPU runs it later. */
+static fsdp_status run_gpu(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    gpu_call call = {
+        .dst = w->dst, .src = w->src, .scratch = w->t_scratch ? tensor_data(w->t_scratch) : NULL, .n = w->n,
+        .dtype = w->dtype, .op = w->op, .root = w->root, .rank = c->rank, .size = c->size, .mpi = c->mpi,
+        .nccl = c->be == &mpi_backend && gpu_nccl_built(),
+    };
+    switch (w->kind) {
+    case K_ALL_GATHER: call.kind = GPU_ALL_GATHER; break;
+    case K_REDUCE_SCATTER: call.kind = GPU_REDUCE_SCATTER; break;
+    case K_ALL_REDUCE: call.kind = GPU_ALL_REDUCE; break;
+    case K_BROADCAST: call.kind = GPU_BROADCAST; break;
+    default: return fsdp_set_error(FSDP_ERR_INVALID, "%s on CUDA tensors", kind_names[w->kind]);
+    }
+    return gpu_run(&c->gpu, w->gw, &call);
+}
+
+/* CUDA collectives the GPU has not finished yet, in issue order (one comm
+ * stream: they finish in this order). Comm thread only. */
+static fsdp_work *g_inflight, *g_inflight_tail;
+
+static void inflight_push(fsdp_work *w) {
+    atomic_fetch_add(&w->refs, 1);
+    w->gnext = NULL;
+    if (g_inflight_tail) g_inflight_tail->gnext = w;
+    else g_inflight = w;
+    g_inflight_tail = w;
+}
+
+/* A fault the job cannot survive: the message, then the end of the job. */
+static void gpu_fatal(fsdp_work *w, const char *what, double waited) {
+    char desc[160];
+    fp_describe(&w->fp, true, desc, sizeof desc);
+    if (waited > 0)
+        fprintf(stderr, "fsdp watchdog: rank %d: collective %s on comm %s(%d) has run on the GPU for %.0f s "
+                "without completing (the comm stream waits for the other ranks); aborting the job\n",
+                fsdp_current_rank(), desc, w->comm_name, w->comm_size, waited);
+    else
+        fprintf(stderr, "fsdp: rank %d: collective %s on comm %s(%d) failed on the GPU: %s; aborting the job\n",
+                fsdp_current_rank(), desc, w->comm_name, w->comm_size, what);
+    fsdp_runtime_abort(NULL, 1);
+}
+
+/* Retires finished collectives (their tensors go back), watches the oldest
+ * unfinished one. Never blocks. */
+static void poll_inflight(void) {
+    while (g_inflight) {
+        fsdp_work *w = g_inflight;
+        bool started = false;
+        int r = gpu_work_poll(w->gw, &started);
+        if (r < 0) gpu_fatal(w, fsdp_last_error(), 0);
+        if (r > 0) {
+            g_inflight = w->gnext;
+            if (!g_inflight) g_inflight_tail = NULL;
+            work_drop_tensors(w);
+            work_unref(w);
+            continue;
+        }
+        double now = now_s();
+        if (started && w->started == 0) w->started = now;
+        /* w->comm lives while w is in flight: freeing a communicator drains first */
+        if (w->comm && gpu_comm_check(w->comm->gpu) != FSDP_OK) gpu_fatal(w, fsdp_last_error(), 0);
+        if (g_watchdog_s > 0 && w->started > 0 && now - w->started > g_watchdog_s)
+            gpu_fatal(w, "", now - w->started);
+        break;
+    }
+}
+
+static void drain_inflight(void) {
+    while (g_inflight) {
+        poll_inflight();
+        if (g_inflight) {
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+#endif
+
 static void run_work(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     fsdp_status st = FSDP_OK;
@@ -592,6 +742,21 @@ static void run_work(fsdp_work *w) {
         }
     }
     size_t esz = fsdp_dtype_size(w->dtype);
+#ifdef FSDP_HAVE_CUDA
+    if (w->device == FSDP_DEVICE_CUDA) {
+        st = run_gpu(w);
+        if (st != FSDP_OK) work_take_error(w, st);
+        else {
+            int64_t bytes = w->n * (int64_t)esz;
+            pthread_mutex_lock(&stats_mu);
+            if (w->kind == K_ALL_GATHER) g_gathered += bytes * w->comm_size;
+            if (w->kind == K_REDUCE_SCATTER) g_reduced += bytes * w->comm_size;
+            if (w->kind == K_ALL_REDUCE) g_reduced += bytes;
+            pthread_mutex_unlock(&stats_mu);
+        }
+        return;
+    }
+#endif
     switch (w->kind) {
     case K_ALL_GATHER: st = run_all_gather(w); break;
     case K_REDUCE_SCATTER: st = run_reduce_scatter(w); break;
@@ -601,7 +766,17 @@ static void run_work(fsdp_work *w) {
     case K_DOUBLES: st = run_doubles(w); break;
     case K_SPLIT: st = run_split(w); break;
     case K_FREE:
+#ifdef FSDP_HAVE_CUDA
+        if (c->gpu) {   /* nothing of it may still run on the GPU */
+            drain_inflight();
+            st = gpu_comm_destroy(c->gpu);
+            c->gpu = NULL;
+        }
+        if (st == FSDP_OK) st = c->be->destroy(c);
+        else c->be->destroy(c);
+#else
         st = c->be->destroy(c);
+#endif
         c->magic = 0;
         free(c);
         w->comm = NULL;
@@ -623,16 +798,41 @@ static void run_work(fsdp_work *w) {
     }
 }
 
+/* Whether CUDA collectives are still in flight (comm thread only). */
+static bool gpu_busy(void) {
+#ifdef FSDP_HAVE_CUDA
+    return g_inflight != NULL;
+#else
+    return false;
+#endif
+}
+
 static void *comm_thread_main(void *arg) {
     (void)arg;
     pthread_mutex_lock(&q_mu);
     for (;;) {
-        while (!q_head && !q_stop) {
+        if (!q_head) {
+            /* stop once the queue is drained and the GPU has finished */
+            if (q_stop && !gpu_busy()) break;
             q_busy = false;
             pthread_cond_broadcast(&q_idle);
-            pthread_cond_wait(&q_cv, &q_mu);
+            if (gpu_busy()) {
+#ifdef FSDP_HAVE_CUDA
+                /* poll the collectives in flight every 2 ms (q_cv: realtime clock) */
+                struct timespec dl;
+                clock_gettime(CLOCK_REALTIME, &dl);
+                dl.tv_nsec += 2000000L;
+                if (dl.tv_nsec >= 1000000000L) { dl.tv_sec++; dl.tv_nsec -= 1000000000L; }
+                pthread_cond_timedwait(&q_cv, &q_mu, &dl);
+                pthread_mutex_unlock(&q_mu);
+                poll_inflight();
+                pthread_mutex_lock(&q_mu);
+#endif
+            } else {
+                pthread_cond_wait(&q_cv, &q_mu);
+            }
+            continue;
         }
-        if (!q_head) break;   /* stop, and the queue is drained */
         fsdp_work *w = q_head;
         q_head = w->next;
         if (!q_head) q_tail = NULL;
@@ -643,16 +843,23 @@ static void *comm_thread_main(void *arg) {
         pthread_mutex_unlock(&q_mu);
 
         run_work(w);
-        /* Completion: the tensors go back now, not when the handle is freed. */
-        fsdp_tensor *a = w->t_dst, *b = w->t_src;
-        w->t_dst = w->t_src = NULL;
-        tensor_release(a);
-        tensor_release(b);
+        /* Completion: the tensors go back now, not when the handle is freed;
+         * those of a CUDA collective once the GPU is done with them. */
+        if (work_on_gpu(w)) {
+#ifdef FSDP_HAVE_CUDA
+            inflight_push(w);
+#endif
+        } else {
+            work_drop_tensors(w);
+        }
         pthread_mutex_lock(&w->mu);
         w->done = true;
         pthread_cond_broadcast(&w->cv);
         pthread_mutex_unlock(&w->mu);
         work_unref(w);
+#ifdef FSDP_HAVE_CUDA
+        poll_inflight();
+#endif
 
         pthread_mutex_lock(&q_mu);
     }
@@ -718,6 +925,44 @@ static void watchdog_fire(fsdp_work *w, double waited) {
 
 /* ---- public: works ---- */
 
+/* A CUDA collective the comm thread has enqueued: order the compute stream
+ * after it (or, with FSDP_NCCL_BLOCKING_WAIT, wait for the GPU here, under
+ * the watchdog); then its tensors may go back. */
+static fsdp_status gpu_wait(fsdp_work *w, double t0) {
+#ifdef FSDP_HAVE_CUDA
+    fsdp_status st = FSDP_OK;
+    if (g_blocking_wait) {
+        for (;;) {
+            int r = gpu_work_poll(w->gw, NULL);
+            if (r > 0) break;
+            if (r < 0) {
+                st = FSDP_ERR_COMM;
+                break;
+            }
+            if (g_watchdog_s > 0 && now_s() - t0 > g_watchdog_s) watchdog_fire(w, now_s() - t0);
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    } else {
+        st = gpu_work_wait(w->gw);
+    }
+    if (st != FSDP_OK) {
+        /* the buffers stay held (until the handle goes): the GPU may still use them */
+        const char *e;
+        int n = last_error_len(&e);
+        char what[160];
+        fp_describe(&w->fp, false, what, sizeof what);
+        return fsdp_set_error(st, "%s (collective #%llu on comm %s(%d)): %.*s", what, (unsigned long long)w->fp.seq,
+                              w->comm_name, w->comm_size, n, e);
+    }
+    work_drop_tensors(w);
+    return FSDP_OK;
+#else
+    (void)w, (void)t0;
+    return FSDP_OK;
+#endif
+}
+
 fsdp_status fsdp_work_wait(fsdp_work *w) {
     if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
     pthread_once(&config_once, config_init);
@@ -739,23 +984,42 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
     w->observed = true;
     fsdp_status st = w->status;
     pthread_mutex_unlock(&w->mu);
+    fsdp_status gst = work_on_gpu(w) ? gpu_wait(w, t0) : FSDP_OK;
     double dt = now_s() - t0;
     pthread_mutex_lock(&stats_mu);
     g_wait_s += dt;
     pthread_mutex_unlock(&stats_mu);
     /* The comm thread's message, re-set on this thread. */
     if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);
-    return FSDP_OK;
+    return gst;
 }
 
 /* *done = 1 once complete; a completed work that failed returns its error. */
 fsdp_status fsdp_work_test(fsdp_work *w, int *done) {
     if (!w || !done) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_test: %s is NULL", w ? "done" : "work");
     pthread_mutex_lock(&w->mu);
-    *done = w->done;
+    bool is_done = w->done;
     fsdp_status st = w->done ? w->status : FSDP_OK;
-    if (w->done) w->observed = true;
     pthread_mutex_unlock(&w->mu);
+    if (is_done && work_on_gpu(w)) {   /* enqueued: done once the GPU is */
+#ifdef FSDP_HAVE_CUDA
+        int r = gpu_work_poll(w->gw, NULL);
+        if (r == 0) is_done = false;
+        if (r < 0 && st == FSDP_OK) {
+            const char *e;
+            int n = last_error_len(&e);
+            snprintf(w->msg, sizeof w->msg, "%.*s", n, e);
+            st = FSDP_ERR_COMM;
+        }
+        if (r > 0) work_drop_tensors(w);
+#endif
+    }
+    *done = is_done;
+    if (is_done) {
+        pthread_mutex_lock(&w->mu);
+        w->observed = true;
+        pthread_mutex_unlock(&w->mu);
+    }
     if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);
     return FSDP_OK;
 }
@@ -904,9 +1168,21 @@ static fsdp_status check_tensor(const char *opname, const char *label, const cha
     if (!t)
         return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): %s is NULL", opname, label, c->name,
                               c->size, what);
-    if (tensor_device(t) != FSDP_DEVICE_CPU)
-        return fsdp_set_error(FSDP_ERR_DEVICE, "%s '%s' on comm %s(%d): %s %s: the %s backend carries CPU tensors",
-                              opname, label, c->name, c->size, what, tensor_desc(t, d, sizeof d), c->be->name);
+    int dev = tensor_device(t);
+    if (dev != FSDP_DEVICE_CPU) {
+#ifdef FSDP_HAVE_CUDA
+        bool nccl = c->be == &mpi_backend && gpu_nccl_built();
+        if (dev != FSDP_DEVICE_CUDA || (c->size > 1 && !nccl))
+            return fsdp_set_error(FSDP_ERR_DEVICE, "%s '%s' on comm %s(%d): %s %s: the %s backend carries CPU "
+                                  "tensors, and NCCL, which carries CUDA tensors between ranks, is not built into "
+                                  "this engine", opname, label, c->name, c->size, what, tensor_desc(t, d, sizeof d),
+                                  c->be->name);
+#else
+        return fsdp_set_error(FSDP_ERR_DEVICE, "%s '%s' on comm %s(%d): %s %s: the %s backend carries CPU tensors "
+                              "(NCCL is not built into this engine)", opname, label, c->name, c->size, what,
+                              tensor_desc(t, d, sizeof d), c->be->name);
+#endif
+    }
     if (!tensor_is_contiguous(t))
         return fsdp_set_error(FSDP_ERR_LAYOUT, "%s '%s' on comm %s(%d): %s %s is not contiguous", opname, label,
                               c->name, c->size, what, tensor_desc(t, d, sizeof d));
@@ -918,12 +1194,52 @@ static fsdp_status prepare(fsdp_work **work, fsdp_comm *c, const char *opname) {
     return comm_check(c, opname);
 }
 
+/* One device per collective. */
+static fsdp_status check_same_device(const char *opname, const char *label, fsdp_comm *c, fsdp_tensor *dst,
+                                     fsdp_tensor *src) {
+    if (tensor_device(dst) == tensor_device(src)) return FSDP_OK;
+    char a[200], b[200];
+    return fsdp_set_error(FSDP_ERR_DEVICE, "%s '%s' on comm %s(%d): dst %s is on %s but src %s is on %s: a "
+                          "collective's tensors must be on one device", opname, label, c->name, c->size,
+                          tensor_desc(dst, a, sizeof a), fsdp_device_name(tensor_device(dst)),
+                          tensor_desc(src, b, sizeof b), fsdp_device_name(tensor_device(src)));
+}
+
+/* Last step before issue() for a collective on tensors: a CUDA one records
+ * its "ready" event on the compute stream now, behind every kernel issued
+ * so far, and gets device scratch when its buffers overlap in a way NCCL
+ * does not take in place. On failure w is gone. */
+static fsdp_status work_device(fsdp_work *w, int device, bool need_scratch, const char *opname) {
+    w->device = device;
+    w->fp.device = device;
+    if (device != FSDP_DEVICE_CUDA) return FSDP_OK;
+#ifdef FSDP_HAVE_CUDA
+    fsdp_status st = FSDP_OK;
+    if (need_scratch) st = tensor_new(&w->t_scratch, w->dtype, 1, &w->n, device, FSDP_TAG_COMM, false);
+    if (st == FSDP_OK) st = gpu_work_begin(&w->gw);
+    if (st != FSDP_OK) {
+        const char *e;
+        int n = last_error_len(&e);
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%.*s", n, e);
+        st = fsdp_set_error(st, "%s '%s' on comm %s(%d): %s", opname, w->fp.label, w->comm_name, w->comm_size, msg);
+        work_unref(w);
+    }
+    return st;
+#else
+    (void)need_scratch;
+    work_unref(w);
+    return fsdp_set_error(FSDP_ERR_DEVICE, "%s: CUDA is not built into this engine", opname);
+#endif
+}
+
 fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label) {
     static const char *op = "fsdp_all_gather";
     FSDP_TRY(prepare(work, c, op));
     if (!label) label = "";
     FSDP_TRY(check_tensor(op, label, "dst", dst, c));
     FSDP_TRY(check_tensor(op, label, "src", src, c));
+    FSDP_TRY(check_same_device(op, label, c, dst, src));
     char a[200], b[200];
     if (dst->dtype != src->dtype)
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): dst %s and src %s differ in dtype", op, label,
@@ -950,6 +1266,9 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
     w->src = tensor_data(src);
     w->n = n;
     w->dtype = dst->dtype;
+    int64_t block = n * (int64_t)fsdp_dtype_size(dst->dtype);
+    bool in_place = (const char *)w->src == (char *)w->dst + (int64_t)c->rank * block;
+    FSDP_TRY(work_device(w, tensor_device(dst), !in_place && overlaps(w->src, block, w->dst, block * c->size), op));
     return issue(work, w, op);
 }
 
@@ -966,6 +1285,7 @@ fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst
     if (!label) label = "";
     FSDP_TRY(check_tensor(name, label, "dst", dst, c));
     FSDP_TRY(check_tensor(name, label, "src", src, c));
+    FSDP_TRY(check_same_device(name, label, c, dst, src));
     FSDP_TRY(check_reduce_op(name, label, c, op, false));
     char a[200], b[200];
     if (dst->dtype != src->dtype || (src->dtype != FSDP_F32 && src->dtype != FSDP_BF16))
@@ -995,6 +1315,10 @@ fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst
     w->n = n;
     w->dtype = src->dtype;
     w->op = op;
+    int64_t block = n * (int64_t)fsdp_dtype_size(src->dtype);
+    bool in_place = (char *)w->dst == (const char *)w->src + (int64_t)c->rank * block;
+    FSDP_TRY(work_device(w, tensor_device(src), !in_place && overlaps(w->dst, block, w->src, block * c->size),
+                         name));
     return issue(work, w, name);
 }
 
@@ -1024,6 +1348,7 @@ fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int 
     w->n = n;
     w->dtype = t->dtype;
     w->op = op;
+    FSDP_TRY(work_device(w, tensor_device(t), false, name));
     return issue(work, w, name);
 }
 
@@ -1045,6 +1370,7 @@ fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int r
     w->n = n;
     w->dtype = t->dtype;
     w->root = root;
+    FSDP_TRY(work_device(w, tensor_device(t), false, name));
     return issue(work, w, name);
 }
 

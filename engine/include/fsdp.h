@@ -98,6 +98,11 @@ fsdp_status fsdp_get_num_threads(int *out);
  * there, else the CPU. */
 fsdp_status fsdp_default_device(int *out);
 fsdp_status fsdp_set_default_device(int device);
+/* Whether a device can be used (*available 0 or 1) and, into desc (size
+ * bytes, may be NULL), what it is: "cpu (8 threads)", "cuda:0 NVIDIA H200
+ * (132 SMs, 139 GiB)", or why it cannot be used ("not built", "no GPU:
+ * cudaGetDeviceCount: ..."). */
+fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t size);
 /* Initializes MPI when the process was started by mpirun, else a world of one. */
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
@@ -139,6 +144,11 @@ fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out);
 fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out);
 /* Writes a one-line description, e.g. "f32[3,4] cpu", into buf. */
 fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size);
+/* A copy of t on device (an fsdp_device): contiguous, same dtype, shape and
+ * memory tag, its own storage, not recorded on the tape (no gradient flows
+ * through it). Same device: a contiguous copy. Between two devices neither
+ * of which is the CPU, through a host buffer. */
+fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device);
 
 /* ---- views (share storage; differentiable) ---- */
 /* One entry of shape may be -1. Copies when the layout does not allow a view. */
@@ -153,7 +163,8 @@ fsdp_status fsdp_detach(fsdp_tensor **out, fsdp_tensor *t);
 
 /* ---- in-place, never recorded ---- */
 fsdp_status fsdp_fill(fsdp_tensor *t, double value);
-/* dst <- src, broadcasting src to dst's shape and converting dtypes. */
+/* dst <- src, broadcasting src to dst's shape and converting dtypes; src
+ * on another device is moved to dst's first. */
 fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src);
 /* Element i of t (row-major over t's shape) gets a value that depends only on
  * (seed, stream, offset + i): a shard initializes its slice of a parameter
@@ -213,10 +224,14 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
 
 /* ---- communicators (DESIGN.md, decision 4) ----
  * MPI carries CPU tensors when the job runs under mpirun; otherwise the
- * world is a single rank. Collectives are issued in order onto one comm
- * thread and overlap compute; each returns a work handle to wait on (pass
- * work == NULL to wait before returning). A work keeps its tensors alive
- * until it completes. Every collective carries a sequence number and a
+ * world is a single rank. NCCL carries CUDA tensors (when built in; its
+ * unique id travels over MPI), on a comm stream ordered after the compute
+ * stream; a collective's tensors must all be on one device. Collectives
+ * are issued in order onto one comm thread and overlap compute; each
+ * returns a work handle to wait on (pass work == NULL to wait before
+ * returning). For CUDA tensors, waiting orders the compute stream after the
+ * collective rather than blocking the host (FSDP_NCCL_BLOCKING_WAIT=1
+ * blocks). A work keeps its tensors alive until it completes. Every collective carries a sequence number and a
  * fingerprint (kind, communicator, bytes, dtype, label): with
  * FSDP_DEBUG_COLLECTIVES=1 ranks compare them first and fail on the first
  * mismatch; a wait longer than FSDP_WATCHDOG_SECONDS (default 600) reports

@@ -133,10 +133,10 @@ end
 
 -- ---- backward ----
 
-local function new_zeros(shape, dt)
+local function new_zeros(shape, dt, device)
   local n = #shape
   for i = 1, n do dims8[i - 1] = shape[i] end
-  if C.fsdp_tensor_zeros(out, dt, n, dims8, 0, 3) ~= 0 then raise() end
+  if C.fsdp_tensor_zeros(out, dt, n, dims8, core.device_id(device), 3) ~= 0 then raise() end
   return wrap()
 end
 
@@ -150,7 +150,7 @@ local function run_custom(id)
     if C.fsdp_custom_grad_output(i - 1, out) ~= 0 then raise() end
     local g = core.wrap_or_nil()
     if g == nil and fn.materialize_grads ~= false then
-      g = new_zeros(rec.outs[i].shape, rec.outs[i].dtype)
+      g = new_zeros(rec.outs[i].shape, rec.outs[i].dtype, rec.outs[i].device)
     end
     gouts[i] = g
   end
@@ -223,7 +223,7 @@ local function record(self, ctx, args, nargs, outs, nouts)
     local o = outs[i]
     if is_tensor(o) then
       out_tensors[#out_tensors + 1] = o
-      shapes[#shapes + 1] = { shape = o:shape(), dtype = core.dtype_id(o:dtype()) }
+      shapes[#shapes + 1] = { shape = o:shape(), dtype = core.dtype_id(o:dtype()), device = o:device() }
     end
   end
   local n_out = #out_tensors

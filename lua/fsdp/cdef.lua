@@ -72,6 +72,8 @@ fsdp_status fsdp_get_num_threads(int *out);
 fsdp_status fsdp_default_device(int *out);
 fsdp_status fsdp_set_default_device(int device);
 
+fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t size);
+
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
 fsdp_status fsdp_runtime_finalize(void);

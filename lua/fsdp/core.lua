@@ -81,8 +81,15 @@ function M.tag_id(tag, default)
 end
 
 M.device_names = { [0] = "cpu", "cuda" }
+local default_box = ffi.new("int[1]")
+--- A device name or id as the engine's id; nil means the default device
+-- (CUDA when built and a GPU is there, else the CPU).
 function M.device_id(d)
-  if d == nil or d == "cpu" or d == 0 then return 0 end
+  if d == nil then
+    if C.fsdp_default_device(default_box) ~= 0 then M.raise() end
+    return default_box[0]
+  end
+  if d == "cpu" or d == 0 then return 0 end
   if d == "cuda" or d == 1 then return 1 end
   raise("unknown device " .. tostring(d) .. " (expected cpu or cuda)")
 end

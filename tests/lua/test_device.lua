@@ -18,8 +18,15 @@ t.eq(fsdp.zeros(2, { device = "cpu" }):device(), "cpu", "opts.device wins")
 t.raises(function() fsdp.set_default_device("tpu") end, "unknown device", "set_default_device: unknown name")
 t.raises(function() fsdp.zeros(2, { device = "metal" }) end, "unknown device", "unknown device in opts")
 
--- Is there a GPU (CUDA built in and a device present)?
+-- Is there a GPU (CUDA built in and a device present)? fsdp_device_info says
+-- so when the engine has it; t:cuda() must work exactly then.
 local has_cuda = pcall(function() return fsdp.zeros(1, { device = "cpu" }):cuda() end)
+if pcall(function() return fsdp.C.fsdp_device_info end) then
+  local avail, desc = ffi.new("int[1]"), ffi.new("char[256]")
+  if t.eq(fsdp.C.fsdp_device_info(1, avail, desc, 256), 0, "fsdp_device_info(cuda)") then
+    t.eq(avail[0] == 1, has_cuda, "cuda() works exactly when fsdp_device_info says so (" .. ffi.string(desc) .. ")")
+  end
+end
 
 -- ---- t:to("cpu") on the CPU: a copy ----
 local a = fsdp.tensor({ { 1, 2, 3 }, { 4, 5, 6 } }, { device = "cpu" })
@@ -125,6 +132,72 @@ same(x:softmax(), xc:softmax(), 1e-5, "softmax")
 same(x:sum(2), xc:sum(2), 1e-5, "sum over a dim")
 same(x:layernorm(nil, nil, 1e-5), xc:layernorm(nil, nil, 1e-5), 1e-4, "layernorm")
 same(x:bf16():float(), xc:bf16():float(), 0, "cast to bf16 and back")
+
+-- copies across devices
+local d = fsdp.zeros(2, 3, { device = "cuda" })
+d:copy(fsdp.tensor({ 1, 2, 3 }, { device = "cpu" }))   -- broadcast from the host
+t.all_near(d:tolist(), { { 1, 2, 3 }, { 1, 2, 3 } }, 0, "copy cpu -> cuda, broadcasting")
+local h = fsdp.zeros(3, 2, { device = "cpu", dtype = "bf16" })
+h:copy(d:t())                                        -- and back, transposed, converted
+t.all_near(h:tolist(), { { 1, 1 }, { 2, 2 }, { 3, 3 } }, 0, "copy cuda -> cpu, transposed, to bf16")
+
+-- ---- collectives on CUDA tensors (the world: one rank here, or mpirun -np 1) ----
+local C = fsdp.C
+local function ok(st, what)
+  if st ~= 0 then t.record(false, what, ffi.string(C.fsdp_last_error())) end
+  return st == 0
+end
+local cbox, wbox = ffi.new("fsdp_comm *[1]"), ffi.new("fsdp_work *[1]")
+if ok(C.fsdp_comm_world(cbox), "comm_world") then
+  local world = cbox[0]
+  local n = fsdp.world()
+  if n == 1 then
+    local src = fsdp.randn(6, { seed = 5, device = "cpu" })
+    local dst = fsdp.zeros(6, { device = "cuda" })
+    -- blocking
+    if ok(C.fsdp_all_gather(nil, world, dst, src:cuda(), "ag"), "all_gather on cuda") then
+      t.ok(bits_equal(dst:cpu(), src), "all_gather on cuda: values")
+    end
+    -- asynchronous: the work handle, then a kernel that consumes the result
+    local out = fsdp.zeros(6, { device = "cuda" })
+    if ok(C.fsdp_reduce_scatter(wbox, world, out, (src * 2):cuda(), 1, "rs"), "reduce_scatter on cuda") then
+      local w = wbox[0]
+      ok(C.fsdp_work_wait(w), "work_wait")
+      ok(C.fsdp_work_free(w), "work_free")
+      t.all_near((out + 0):cpu():tolist(), (src * 2):tolist(), 1e-6, "reduce_scatter avg on cuda: values")
+    end
+    local ar = src:cuda()
+    if ok(C.fsdp_all_reduce(wbox, world, ar, 0, "ar"), "all_reduce on cuda") then
+      local w, done = wbox[0], ffi.new("int[1]")
+      ok(C.fsdp_work_wait(w), "all_reduce wait")
+      ok(C.fsdp_work_test(w, done), "work_test")
+      t.eq(done[0], 1, "work_test after wait: done")
+      C.fsdp_work_free(w)
+      t.ok(bits_equal(ar:cpu(), src), "all_reduce on cuda (one rank): unchanged")
+    end
+    local bc = src:bf16():cuda()
+    if ok(C.fsdp_broadcast(nil, world, bc, 0, "bc"), "broadcast bf16 on cuda") then
+      t.ok(bits_equal(bc:cpu(), src:bf16()), "broadcast on cuda: unchanged")
+    end
+    -- src overlapping dst, not in place: through scratch
+    local buf = fsdp.arange(8, { device = "cpu" }):cuda()
+    if ok(C.fsdp_all_gather(nil, world, buf:narrow(1, 1, 6), buf:narrow(1, 3, 6), "overlap"), "overlapping gather") then
+      t.all_near(buf:cpu():tolist(), { 2, 3, 4, 5, 6, 7, 6, 7 }, 0, "overlapping all_gather on cuda")
+    end
+    -- in place: src is this rank's block of dst
+    local ip = fsdp.arange(4, { device = "cpu" }):cuda()
+    if ok(C.fsdp_all_gather(nil, world, ip, ip, "inplace"), "in-place gather") then
+      t.all_near(ip:cpu():tolist(), { 0, 1, 2, 3 }, 0, "in-place all_gather on cuda")
+    end
+  end
+  -- one device per collective, both named
+  local st = C.fsdp_all_gather(nil, world, fsdp.zeros(n * 3, { device = "cuda" }), fsdp.zeros(3, { device = "cpu" }),
+                               "mixed")
+  local msg = ffi.string(C.fsdp_last_error())
+  t.ok(st ~= 0 and msg:find("cuda", 1, true) and msg:find("cpu", 1, true) and msg:find("one device", 1, true),
+       "a collective mixing devices is refused, naming both: " .. msg)
+  C.fsdp_comm_free(world)
+end
 
 -- the default device can move to CUDA and back
 fsdp.set_default_device("cuda")

@@ -1,0 +1,263 @@
+/* cuda_device.cu: the CUDA kernel table, device memory, the compute stream,
+ * the one error path, and start-up (cuda_backend_init).
+ *
+ * raw_alloc/raw_free are plain cudaMalloc/cudaFree: the engine's caching
+ * allocator (engine/core/alloc.c) keeps freed blocks and reuses them, which
+ * is safe without waiting for the GPU because all kernels run in order on
+ * one compute stream (see cuda_internal.h). */
+#include "cuda_internal.h"
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_device = -1;             /* the ordinal this process uses */
+static int g_sm_count = 1;
+static size_t g_total_mem;
+static char g_name[256];
+static cudaStream_t g_stream;
+static cublasHandle_t g_cublas;
+static int g_pools;                   /* cudaMallocAsync available */
+static char g_reason[512] = "not initialized: fsdp_runtime_init has not run";
+static __thread int t_entered;        /* this thread has selected g_device */
+static __thread const char *t_op;     /* the table entry this thread is in */
+
+static pthread_mutex_t g_fail_lock = PTHREAD_MUTEX_INITIALIZER;
+static fsdp_status g_sticky = FSDP_OK;
+static char g_sticky_msg[1024];
+
+cudaStream_t cuda_stream(void) { return g_stream; }
+cublasHandle_t cuda_cublas(void) { return g_cublas; }
+int cuda_sm_count(void) { return g_sm_count; }
+
+extern "C" cudaStream_t cuda_compute_stream(void) { return g_stream; }
+extern "C" int cuda_device_ordinal(void) { return g_device; }
+
+void cuda_enter_thread(const char *op) {
+    t_op = op;
+    if (t_entered) return;
+    CUDA_CHECK(cudaSetDevice(g_device));
+    t_entered = 1;
+}
+
+void cuda_fail(const char *op, const char *file, int line, const char *call, const char *msg) {
+    /* the table entry (cuda_matmul_f32 -> matmul_f32), and the function that failed when it is another */
+    const char *entry = t_op ? t_op : op;
+    if (strncmp(entry, "cuda_", 5) == 0) entry += 5;
+    char where[160] = "";
+    if (t_op && strcmp(t_op, op) != 0) snprintf(where, sizeof where, " (in %s)", op);
+    char buf[1024];
+    snprintf(buf, sizeof buf, "fatal CUDA error on cuda:%d (%s), op %s%s: %s:%d: %s failed: %s", g_device,
+             g_name[0] ? g_name : "?", entry, where, file, line, call, msg);
+    pthread_mutex_lock(&g_fail_lock);
+    if (g_sticky == FSDP_OK) {
+        g_sticky = FSDP_ERR_DEVICE;
+        snprintf(g_sticky_msg, sizeof g_sticky_msg, "%s", buf);
+    }
+    pthread_mutex_unlock(&g_fail_lock);
+    int rank = 0, world = 1;
+    fsdp_runtime_rank(&rank, &world);
+    fprintf(stderr,
+            "fsdp-lua (rank %d): %s\n(kernels run asynchronously, so a fault may come from an earlier op; "
+            "CUDA_LAUNCH_BLOCKING=1 reports it where it happens)\n",
+            rank, buf);
+    fflush(stderr);
+    fflush(stdout);
+    if (world > 1) fsdp_runtime_abort(NULL, 134);   /* MPI_Abort: the whole job ends */
+    abort();
+}
+
+extern "C" fsdp_status cuda_last_status(void) {
+    pthread_mutex_lock(&g_fail_lock);
+    fsdp_status st = g_sticky;
+    if (st != FSDP_OK) fsdp_set_error(st, "%s", g_sticky_msg);
+    pthread_mutex_unlock(&g_fail_lock);
+    return st;
+}
+
+/* ---- memory ---- */
+
+void *cuda_tmp_alloc(size_t nbytes) {
+    void *p = NULL;
+    if (nbytes == 0) nbytes = 1;
+    if (g_pools) CUDA_CHECK(cudaMallocAsync(&p, nbytes, g_stream));
+    else CUDA_CHECK(cudaMalloc(&p, nbytes));
+    return p;
+}
+
+void cuda_tmp_free(void *ptr) {
+    if (!ptr) return;
+    if (g_pools) {
+        CUDA_CHECK(cudaFreeAsync(ptr, g_stream));
+    } else {   /* cudaFree is not stream-ordered: let the stream's users finish first */
+        CUDA_CHECK(cudaStreamSynchronize(g_stream));
+        CUDA_CHECK(cudaFree(ptr));
+    }
+}
+
+static void *cuda_raw_alloc(size_t nbytes) {
+    CUDA_ENTER();
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, nbytes ? nbytes : 1);
+    if (e == cudaErrorMemoryAllocation) {   /* the allocator empties its cache and retries, or reports OOM */
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    CUDA_CHECK(e);
+    return p;
+}
+
+static void cuda_raw_free(void *ptr) {
+    CUDA_ENTER();
+    if (ptr) CUDA_CHECK(cudaFree(ptr));
+}
+
+static void cuda_zero(void *dst, size_t nbytes) {
+    CUDA_ENTER();
+    if (nbytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, nbytes, g_stream));
+}
+
+/* From pageable host memory: cudaMemcpyAsync stages the bytes before it
+ * returns, so the caller may reuse host_src at once. */
+static void cuda_copy_from_host(void *dst, const void *host_src, size_t nbytes) {
+    CUDA_ENTER();
+    if (nbytes) CUDA_CHECK(cudaMemcpyAsync(dst, host_src, nbytes, cudaMemcpyHostToDevice, g_stream));
+}
+
+static void cuda_copy_to_host(void *host_dst, const void *src, size_t nbytes) {
+    CUDA_ENTER();
+    if (!nbytes) return;
+    CUDA_CHECK(cudaMemcpyAsync(host_dst, src, nbytes, cudaMemcpyDeviceToHost, g_stream));
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+static void cuda_synchronize(void) {
+    CUDA_ENTER();
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+/* C++20 designated initializers: in the struct's order, or it does not compile. */
+extern "C" const fsdp_device_kernels cuda_device_kernels = {
+    .name = "cuda",
+    .raw_alloc = cuda_raw_alloc,
+    .raw_free = cuda_raw_free,
+    .zero = cuda_zero,
+    .copy_from_host = cuda_copy_from_host,
+    .copy_to_host = cuda_copy_to_host,
+    .synchronize = cuda_synchronize,
+    .cast_any = cuda_cast_any,
+    .copy_strided = cuda_copy_strided,
+    .fill_f32 = cuda_fill_f32,
+    .matmul_f32 = cuda_matmul_f32,
+    .binary_f32 = cuda_binary_f32,
+    .scale_f32 = cuda_scale_f32,
+    .add_scalar_f32 = cuda_add_scalar_f32,
+    .axpy_f32 = cuda_axpy_f32,
+    .sum_dim_f32 = cuda_sum_dim_f32,
+    .sum_all_f32 = cuda_sum_all_f32,
+    .sumsq_f32 = cuda_sumsq_f32,
+    .gelu_forward_f32 = cuda_gelu_forward_f32,
+    .gelu_backward_f32 = cuda_gelu_backward_f32,
+    .silu_forward_f32 = cuda_silu_forward_f32,
+    .silu_backward_f32 = cuda_silu_backward_f32,
+    .softmax_forward_f32 = cuda_softmax_forward_f32,
+    .softmax_backward_f32 = cuda_softmax_backward_f32,
+    .log_softmax_forward_f32 = cuda_log_softmax_forward_f32,
+    .log_softmax_backward_f32 = cuda_log_softmax_backward_f32,
+    .layernorm_forward_f32 = cuda_layernorm_forward_f32,
+    .layernorm_backward_f32 = cuda_layernorm_backward_f32,
+    .rmsnorm_forward_f32 = cuda_rmsnorm_forward_f32,
+    .rmsnorm_backward_f32 = cuda_rmsnorm_backward_f32,
+    .embedding_forward_f32 = cuda_embedding_forward_f32,
+    .embedding_backward_f32 = cuda_embedding_backward_f32,
+    .cross_entropy_forward_f32 = cuda_cross_entropy_forward_f32,
+    .cross_entropy_backward_f32 = cuda_cross_entropy_backward_f32,
+    .attention_forward_f32 = cuda_attention_forward_f32,
+    .attention_backward_f32 = cuda_attention_backward_f32,
+    .init_normal_f32 = cuda_init_normal_f32,
+    .init_uniform_f32 = cuda_init_uniform_f32,
+    .dropout_f32 = cuda_dropout_f32,
+    .adamw_f32 = cuda_adamw_f32,
+    .sgd_f32 = cuda_sgd_f32,
+};
+
+/* ---- start-up ---- */
+
+/* Start-up failures return an error instead of ending the process. */
+#define INIT_CHECK(call)                                                                                    \
+    do {                                                                                                    \
+        cudaError_t e_ = (call);                                                                            \
+        if (e_ != cudaSuccess)                                                                              \
+            return fsdp_set_error(FSDP_ERR_DEVICE, "%s:%d: %s failed on cuda:%d: %s", __FILE__, __LINE__, #call, \
+                                  local_rank, cudaGetErrorString(e_));                                      \
+    } while (0)
+#define INIT_CHECK_BLAS(call)                                                                               \
+    do {                                                                                                    \
+        cublasStatus_t s_ = (call);                                                                         \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                    \
+            return fsdp_set_error(FSDP_ERR_DEVICE, "%s:%d: %s failed on cuda:%d: %s", __FILE__, __LINE__, #call, \
+                                  local_rank, cublasGetStatusString(s_));                                   \
+    } while (0)
+
+extern "C" fsdp_status cuda_backend_init(int local_rank) {
+    if (g_device >= 0) return FSDP_OK;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        snprintf(g_reason, sizeof g_reason, "no GPU: cudaGetDeviceCount: %s", cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        return FSDP_OK;
+    }
+    if (n <= 0) {
+        snprintf(g_reason, sizeof g_reason, "no GPU: cudaGetDeviceCount found no device");
+        return FSDP_OK;
+    }
+    if (local_rank < 0 || local_rank >= n) {
+        snprintf(g_reason, sizeof g_reason, "rank with local rank %d has no GPU: this node has %d", local_rank, n);
+        return fsdp_set_error(FSDP_ERR_DEVICE, "rank with local rank %d has no GPU: this node has %d", local_rank, n);
+    }
+    INIT_CHECK(cudaSetDevice(local_rank));
+    cudaDeviceProp prop;
+    INIT_CHECK(cudaGetDeviceProperties(&prop, local_rank));
+    snprintf(g_name, sizeof g_name, "%s", prop.name);
+    g_sm_count = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
+    g_total_mem = prop.totalGlobalMem;
+    INIT_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+    INIT_CHECK_BLAS(cublasCreate(&g_cublas));
+    INIT_CHECK_BLAS(cublasSetStream(g_cublas, g_stream));
+    /* Plain f32 products, so results match the CPU's to f32 rounding;
+     * FSDP_CUDA_TF32=1 allows TF32 tensor cores (10-bit mantissa inputs). */
+    const char *tf32 = getenv("FSDP_CUDA_TF32");
+    INIT_CHECK_BLAS(cublasSetMathMode(g_cublas, tf32 && strcmp(tf32, "1") == 0 ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                                               : CUBLAS_DEFAULT_MATH));
+    int pools = 0;
+    INIT_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, local_rank));
+    if (pools) {   /* keep freed temporaries in the pool rather than giving them back at every sync */
+        cudaMemPool_t pool;
+        INIT_CHECK(cudaDeviceGetDefaultMemPool(&pool, local_rank));
+        uint64_t keep = 256ull << 20;
+        INIT_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
+    g_pools = pools;
+    g_device = local_rank;
+    t_entered = 1;
+    g_reason[0] = 0;
+    device_register(FSDP_DEVICE_CUDA, &cuda_device_kernels);
+    const char *want = getenv("FSDP_DEVICE");
+    if (!(want && strcmp(want, "cpu") == 0)) return fsdp_set_default_device(FSDP_DEVICE_CUDA);
+    return FSDP_OK;
+}
+
+extern "C" const char *cuda_unavailable_reason(void) { return g_device >= 0 ? NULL : g_reason; }
+
+extern "C" fsdp_status cuda_device_info(int *available, char *desc, int64_t size) {
+    if (!available) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_device_info: available is NULL");
+    *available = g_device >= 0;
+    if (!desc || size <= 0) return FSDP_OK;
+    if (g_device >= 0)
+        snprintf(desc, (size_t)size, "cuda:%d %s (%d SMs, %.0f GiB)", g_device, g_name, g_sm_count,
+                 (double)g_total_mem / (double)(1ull << 30));
+    else
+        snprintf(desc, (size_t)size, "%s", g_reason);
+    return FSDP_OK;
+}

@@ -1,0 +1,276 @@
+/* cuda_elementwise.cu: dtype casts, strided copies, fill, broadcasting
+ * binary ops, scale / add-scalar / axpy. Same semantics as engine/cpu
+ * cast.c, copy.c and elementwise.c.
+ *
+ * Strided problems are planned on the host as on the CPU (size-1 dims
+ * dropped, dims contiguous in every operand merged) and passed to the kernel
+ * by value; each thread unravels its flat index over the merged shape. */
+#include "cuda_internal.h"
+
+#define MAXD 8   /* the engine's FSDP_MAX_DIMS; merging never adds dims */
+
+/* ---- casts ---- */
+
+__device__ __forceinline__ float bf16_to_f32_d(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+/* round to nearest even; NaN stays NaN (as cpu_kernels.h) */
+__device__ __forceinline__ uint16_t f32_to_bf16_d(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)((u + rounding) >> 16);
+}
+
+/* float -> integer truncates toward zero; NaN -> 0, out of range saturates */
+__device__ __forceinline__ int64_t f_to_i64(double v) {
+    if (v != v) return 0;
+    if (v >= 9223372036854775808.0) return INT64_MAX;
+    if (v < -9223372036854775808.0) return INT64_MIN;
+    return (int64_t)v;
+}
+__device__ __forceinline__ int32_t f_to_i32(double v) {
+    if (v != v) return 0;
+    if (v >= 2147483648.0) return INT32_MAX;
+    if (v <= -2147483649.0) return INT32_MIN;
+    return (int32_t)v;
+}
+__device__ __forceinline__ uint16_t f_to_u16(double v) {
+    if (v != v || v <= -1.0) return 0;
+    if (v >= 65536.0) return UINT16_MAX;
+    return (uint16_t)v;
+}
+
+__global__ void cast_f32_to_bf16_kernel(uint16_t *out, const float *in, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = f32_to_bf16_d(in[i]);
+}
+__global__ void cast_bf16_to_f32_kernel(float *out, const uint16_t *in, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = bf16_to_f32_d(in[i]);
+}
+
+/* Any pair: floats are read as double (exact for f32, bf16), integers as
+ * int64 (exact for i32, i64, u16). */
+__global__ void cast_any_kernel(void *out, int out_dt, const void *in, int in_dt, int64_t n) {
+    bool in_float = in_dt == FSDP_F32 || in_dt == FSDP_BF16;
+    GRID_STRIDE(i, n) {
+        double f = 0.0;
+        int64_t k = 0;
+        switch (in_dt) {
+        case FSDP_F32: f = ((const float *)in)[i]; break;
+        case FSDP_BF16: f = bf16_to_f32_d(((const uint16_t *)in)[i]); break;
+        case FSDP_I32: k = ((const int32_t *)in)[i]; break;
+        case FSDP_I64: k = ((const int64_t *)in)[i]; break;
+        default: k = ((const uint16_t *)in)[i]; break;
+        }
+        switch (out_dt) {
+        case FSDP_F32: ((float *)out)[i] = in_float ? (float)f : (float)k; break;
+        case FSDP_BF16: ((uint16_t *)out)[i] = f32_to_bf16_d(in_float ? (float)f : (float)k); break;
+        case FSDP_I32: ((int32_t *)out)[i] = in_float ? f_to_i32(f) : (int32_t)k; break;
+        case FSDP_I64: ((int64_t *)out)[i] = in_float ? f_to_i64(f) : k; break;
+        case FSDP_U16: ((uint16_t *)out)[i] = in_float ? f_to_u16(f) : (uint16_t)k; break;   /* ints wrap, as C */
+        default: break;
+        }
+    }
+}
+
+static size_t dtype_bytes(int dt) {
+    switch (dt) {
+    case FSDP_F32: case FSDP_I32: return 4;
+    case FSDP_I64: return 8;
+    default: return 2;
+    }
+}
+
+void cuda_cast_any(void *out, int out_dtype, const void *in, int in_dtype, int64_t n) {
+    CUDA_ENTER();
+    if (n <= 0) return;
+    if (out_dtype == in_dtype) {
+        CUDA_CHECK(cudaMemcpyAsync(out, in, (size_t)n * dtype_bytes(in_dtype), cudaMemcpyDeviceToDevice,
+                                   cuda_stream()));
+        return;
+    }
+    unsigned blocks = cuda_blocks(n, CUDA_THREADS);
+    if (in_dtype == FSDP_F32 && out_dtype == FSDP_BF16)
+        LAUNCH(cast_f32_to_bf16_kernel, blocks, CUDA_THREADS, 0)((uint16_t *)out, (const float *)in, n);
+    else if (in_dtype == FSDP_BF16 && out_dtype == FSDP_F32)
+        LAUNCH(cast_bf16_to_f32_kernel, blocks, CUDA_THREADS, 0)((float *)out, (const uint16_t *)in, n);
+    else
+        LAUNCH(cast_any_kernel, blocks, CUDA_THREADS, 0)(out, out_dtype, in, in_dtype, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---- N-d indexing ---- */
+
+/* A merged strided problem: shape and two operands' strides, in elements. */
+struct nd_plan {
+    int nd;                    /* 1 .. MAXD */
+    int small;                 /* numel < 2^31: 32-bit index arithmetic */
+    int64_t shape[MAXD];
+    int64_t s0[MAXD], s1[MAXD];
+};
+
+/* Offsets of flat index i (row-major over shape) in the two operands. The
+ * loop is unrolled over MAXD with a guard, so the plan stays in the
+ * parameter bank rather than being copied to local memory. */
+__device__ __forceinline__ void nd_offsets(const nd_plan &p, int64_t i, int64_t *o0, int64_t *o1) {
+    int64_t a = 0, b = 0, rem = i;
+#pragma unroll
+    for (int k = MAXD - 1; k > 0; k--) {
+        if (k < p.nd) {
+            int64_t q = p.small ? (int64_t)((uint32_t)rem / (uint32_t)p.shape[k]) : rem / p.shape[k];
+            int64_t idx = rem - q * p.shape[k];
+            a += idx * p.s0[k];
+            b += idx * p.s1[k];
+            rem = q;
+        }
+    }
+    *o0 = a + rem * p.s0[0];
+    *o1 = b + rem * p.s1[0];
+}
+
+/* Drops size-1 dims and merges a dim into the previous kept one when it
+ * steps exactly over it in the reference layout (s_ref, the contiguous
+ * output for binary ops or dst for copies) and in both operands. Returns
+ * numel; *nd = 0 for a single element. */
+static int64_t plan_dims(nd_plan *p, int ndim, const int64_t *shape, const int64_t *s0, const int64_t *s1) {
+    int64_t numel = 1;
+    int nd = 0;
+    for (int k = 0; k < ndim; k++) {
+        numel *= shape[k];
+        if (shape[k] == 1) continue;
+        if (nd > 0 && p->s0[nd - 1] == s0[k] * shape[k] && p->s1[nd - 1] == s1[k] * shape[k]) {
+            p->shape[nd - 1] *= shape[k];
+            p->s0[nd - 1] = s0[k];
+            p->s1[nd - 1] = s1[k];
+            continue;
+        }
+        if (nd == MAXD) cuda_fail(__func__, __FILE__, __LINE__, "plan_dims", "more than 8 dims after merging");
+        p->shape[nd] = shape[k];
+        p->s0[nd] = s0[k];
+        p->s1[nd] = s1[k];
+        nd++;
+    }
+    p->nd = nd;
+    p->small = numel < ((int64_t)1 << 31);
+    return numel;
+}
+
+/* ---- strided copy ---- */
+
+/* dst[plan(i) in s0] = src[plan(i) in s1], elem bytes each */
+__global__ void copy_strided_kernel(char *dst, const char *src, nd_plan p, int64_t numel, int elem) {
+    GRID_STRIDE(i, numel) {
+        int64_t od, os;
+        nd_offsets(p, i, &od, &os);
+        switch (elem) {
+        case 1: dst[od] = src[os]; break;
+        case 2: ((uint16_t *)dst)[od] = ((const uint16_t *)src)[os]; break;
+        case 4: ((uint32_t *)dst)[od] = ((const uint32_t *)src)[os]; break;
+        case 8: ((uint64_t *)dst)[od] = ((const uint64_t *)src)[os]; break;
+        default:
+            for (int b = 0; b < elem; b++) dst[od * elem + b] = src[os * elem + b];
+        }
+    }
+}
+
+void cuda_copy_strided(void *dst, const int64_t *dst_strides, const void *src, const int64_t *src_strides, int ndim,
+                       const int64_t *shape, size_t elem_size) {
+    CUDA_ENTER();
+    nd_plan p;
+    int64_t numel = plan_dims(&p, ndim, shape, dst_strides, src_strides);
+    if (numel <= 0) return;
+    if (p.nd == 0 || (p.nd == 1 && p.s0[0] == 1 && p.s1[0] == 1)) {   /* one element, or one contiguous run */
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)numel * elem_size, cudaMemcpyDeviceToDevice, cuda_stream()));
+        return;
+    }
+    LAUNCH(copy_strided_kernel, cuda_blocks(numel, CUDA_THREADS), CUDA_THREADS, 0)((char *)dst, (const char *)src, p,
+                                                                                 numel, (int)elem_size);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void fill_kernel(float *out, float v, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = v;
+}
+
+void cuda_fill_f32(float *out, float v, int64_t n) {
+    CUDA_ENTER();
+    if (n <= 0) return;
+    LAUNCH(fill_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, v, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---- binary ops with broadcasting ---- */
+
+__device__ __forceinline__ float binary_op(int op, float x, float y) {
+    switch (op) {
+    case FSDP_ADD: return x + y;
+    case FSDP_SUB: return x - y;
+    case FSDP_MUL: return x * y;
+    default: return x / y;
+    }
+}
+
+/* out (contiguous) [i] = a[plan(i) in s0] op b[plan(i) in s1] */
+__global__ void binary_kernel(int op, float *out, const float *a, const float *b, nd_plan p, int64_t numel) {
+    GRID_STRIDE(i, numel) {
+        int64_t oa, ob;
+        nd_offsets(p, i, &oa, &ob);
+        out[i] = binary_op(op, a[oa], b[ob]);
+    }
+}
+
+/* same shape, both contiguous */
+__global__ void binary_contig_kernel(int op, float *out, const float *a, const float *b, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = binary_op(op, a[i], b[i]);
+}
+
+void cuda_binary_f32(int op, float *out, const float *a, const int64_t *a_strides, const float *b,
+                     const int64_t *b_strides, int ndim, const int64_t *shape) {
+    CUDA_ENTER();
+    if (op < 0 || op > 3) return;   /* the op layer checks */
+    nd_plan p;
+    int64_t numel = plan_dims(&p, ndim, shape, a_strides, b_strides);
+    if (numel <= 0) return;
+    if (p.nd == 0) {   /* one element */
+        p.nd = 1;
+        p.shape[0] = 1;
+        p.s0[0] = p.s1[0] = 0;
+    }
+    unsigned blocks = cuda_blocks(numel, CUDA_THREADS);
+    if (p.nd == 1 && p.s0[0] == 1 && p.s1[0] == 1)
+        LAUNCH(binary_contig_kernel, blocks, CUDA_THREADS, 0)(op, out, a, b, numel);
+    else
+        LAUNCH(binary_kernel, blocks, CUDA_THREADS, 0)(op, out, a, b, p, numel);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---- scalar ops and axpy ---- */
+
+__global__ void scale_kernel(float *out, const float *a, float s, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = a[i] * s;
+}
+__global__ void add_scalar_kernel(float *out, const float *a, float s, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = a[i] + s;
+}
+__global__ void axpy_kernel(float *y, const float *x, float alpha, int64_t n) {
+    GRID_STRIDE(i, n) y[i] += alpha * x[i];
+}
+
+void cuda_scale_f32(float *out, const float *a, float s, int64_t n) {
+    CUDA_ENTER();
+    if (n <= 0) return;
+    LAUNCH(scale_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, a, s, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_add_scalar_f32(float *out, const float *a, float s, int64_t n) {
+    CUDA_ENTER();
+    if (n <= 0) return;
+    LAUNCH(add_scalar_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, a, s, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_axpy_f32(float *y, const float *x, float alpha, int64_t n) {
+    CUDA_ENTER();
+    if (n <= 0) return;
+    LAUNCH(axpy_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(y, x, alpha, n);
+    CUDA_CHECK_LAUNCH();
+}

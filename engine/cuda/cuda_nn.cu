@@ -1,0 +1,456 @@
+/* cuda_nn.cu: activations, softmax, normalization, embedding and
+ * cross-entropy, forward and backward, with the semantics of engine/cpu
+ * activation.c, softmax.c, norm.c, embedding.c and loss.c.
+ *
+ * Row-wise kernels take one block per row (warp shuffles, then the warps'
+ * results in shared memory); row statistics accumulate in double, as on the
+ * CPU. Every sum is taken in an order fixed by the sizes alone: no atomics
+ * on floats anywhere, so results repeat bit for bit. */
+#include "cuda_internal.h"
+
+#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+
+/* ---- activations ----
+ * GELU, tanh form, through 0.5 (1 + tanh u) = sigmoid(2u) as activation.c. */
+
+__device__ __forceinline__ float sigmoid_f(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+__global__ void gelu_fwd_kernel(float *out, const float *x, int64_t n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float u = GELU_C * (v + GELU_A * v * v * v);
+        out[i] = v * sigmoid_f(2.0f * u);
+    }
+}
+
+/* d/dx [x s(2u)] = s + x * 2 s (1 - s) * du/dx */
+__global__ void gelu_bwd_kernel(float *dx, const float *x, const float *dout, int64_t n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float u = GELU_C * (v + GELU_A * v * v * v);
+        float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+        float s = sigmoid_f(2.0f * u);
+        dx[i] = dout[i] * (s + 2.0f * v * s * (1.0f - s) * du);
+    }
+}
+
+__global__ void silu_fwd_kernel(float *out, const float *x, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = x[i] * sigmoid_f(x[i]);
+}
+
+/* d/dx [x s(x)] = s + x s (1 - s) */
+__global__ void silu_bwd_kernel(float *dx, const float *x, const float *dout, int64_t n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i], s = sigmoid_f(v);
+        dx[i] = dout[i] * s * (1.0f + v * (1.0f - s));
+    }
+}
+
+#define ELEMENTWISE_ENTRY(name, kernel, params, args)                                   \
+    void name params {                                                                  \
+        CUDA_ENTER();                                                                   \
+        if (n <= 0) return;                                                             \
+        LAUNCH(kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0) args;             \
+        CUDA_CHECK_LAUNCH();                                                            \
+    }
+ELEMENTWISE_ENTRY(cuda_gelu_forward_f32, gelu_fwd_kernel, (float *out, const float *x, int64_t n), (out, x, n))
+ELEMENTWISE_ENTRY(cuda_gelu_backward_f32, gelu_bwd_kernel, (float *dx, const float *x, const float *dout, int64_t n),
+                  (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_silu_forward_f32, silu_fwd_kernel, (float *out, const float *x, int64_t n), (out, x, n))
+ELEMENTWISE_ENTRY(cuda_silu_backward_f32, silu_bwd_kernel, (float *dx, const float *x, const float *dout, int64_t n),
+                  (dx, x, dout, n))
+
+/* ---- row launches ---- */
+
+/* Blocks for one block per row (rows beyond the grid loop). */
+static unsigned row_blocks(int64_t rows) { return (unsigned)cuda_min64(rows, (int64_t)1 << 30); }
+
+#define FOR_ROWS(r, rows) for (int64_t r = blockIdx.x; r < (rows); r += gridDim.x)
+
+/* ---- softmax and log-softmax over the last dim of (rows, cols) ---- */
+
+/* log_mode 0: y = exp(x - max) / sum; 1: y = (x - max) - log sum */
+__global__ void softmax_fwd_kernel(float *out, const float *x, int64_t rows, int64_t cols, int log_mode) {
+    __shared__ double sd[32];
+    __shared__ float sf[32];
+    FOR_ROWS(r, rows) {
+        const float *xr = x + r * cols;   // (cols)
+        float *yr = out + r * cols;
+        float m = -INFINITY;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+        m = block_max_f(m, sf);
+        double sum = 0.0;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += (double)expf(xr[j] - m);
+        sum = block_sum_d(sum, sd);
+        if (log_mode) {
+            float logsum = (float)log(sum);
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (xr[j] - m) - logsum;
+        } else {
+            float inv = (float)(1.0 / sum);
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = expf(xr[j] - m) * inv;
+        }
+    }
+}
+
+/* log_mode 0 (y = softmax): dx = y (dy - sum dy y);
+ * log_mode 1 (y = log softmax): dx = dy - exp(y) sum dy */
+__global__ void softmax_bwd_kernel(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols,
+                                   int log_mode) {
+    __shared__ double sd[32];
+    FOR_ROWS(r, rows) {
+        const float *yr = y + r * cols, *dyr = dy + r * cols;   // (cols)
+        float *dxr = dx + r * cols;
+        double acc = 0.0;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x)
+            acc += log_mode ? (double)dyr[j] : (double)dyr[j] * yr[j];
+        float s = (float)block_sum_d(acc, sd);
+        if (log_mode)
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] = dyr[j] - expf(yr[j]) * s;
+        else
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] = yr[j] * (dyr[j] - s);
+    }
+}
+
+static void softmax_fwd(float *out, const float *x, int64_t rows, int64_t cols, int log_mode) {
+    if (rows <= 0 || cols <= 0) return;
+    LAUNCH(softmax_fwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(out, x, rows, cols, log_mode);
+    CUDA_CHECK_LAUNCH();
+}
+
+static void softmax_bwd(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols, int log_mode) {
+    if (rows <= 0 || cols <= 0) return;
+    LAUNCH(softmax_bwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(dx, y, dy, rows, cols, log_mode);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_softmax_forward_f32(float *out, const float *x, int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    softmax_fwd(out, x, rows, cols, 0);
+}
+void cuda_softmax_backward_f32(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    softmax_bwd(dx, y, dy, rows, cols, 0);
+}
+void cuda_log_softmax_forward_f32(float *out, const float *x, int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    softmax_fwd(out, x, rows, cols, 1);
+}
+void cuda_log_softmax_backward_f32(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    softmax_bwd(dx, y, dy, rows, cols, 1);
+}
+
+/* ---- layernorm and RMSNorm over the last dim of (rows, cols) ---- */
+
+/* layernorm: out = (x - mean) * rstd * w + b, mean and var in double, two
+ * passes (no cancellation). rms: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). */
+__global__ void norm_fwd_kernel(float *out, float *mean_out, float *rstd_out, const float *x, const float *weight,
+                                const float *bias, int64_t rows, int64_t cols, float eps, int rms) {
+    __shared__ double sd[32];
+    FOR_ROWS(r, rows) {
+        const float *xr = x + r * cols;   // (cols)
+        float *yr = out + r * cols;
+        float mean = 0.0f, rstd;
+        if (rms) {
+            double ss = 0.0;
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += (double)xr[j] * xr[j];
+            ss = block_sum_d(ss, sd);
+            rstd = (float)(1.0 / sqrt(ss / (double)cols + eps));
+        } else {
+            double sum = 0.0;
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += xr[j];
+            double m = block_sum_d(sum, sd) / (double)cols, var = 0.0;
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) var += (xr[j] - m) * (xr[j] - m);
+            var = block_sum_d(var, sd);
+            mean = (float)m;
+            rstd = (float)(1.0 / sqrt(var / (double)cols + eps));
+        }
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+            float y;
+            if (rms) {
+                y = weight ? xr[j] * rstd * weight[j] : xr[j] * rstd;
+            } else {
+                y = (xr[j] - mean) * rstd;
+                if (weight) y *= weight[j];
+                if (bias) y += bias[j];
+            }
+            yr[j] = y;
+        }
+        if (threadIdx.x == 0) {
+            if (mean_out) mean_out[r] = mean;
+            rstd_out[r] = rstd;
+        }
+    }
+}
+
+/* With xhat = (x - mean) rstd (mean 0 for rms) and g = dout * w:
+ * layernorm dx = rstd (g - mean(g) - xhat mean(g xhat)); rms dx = rstd (g - xhat mean(g xhat)) */
+__global__ void norm_bwd_dx_kernel(float *dx, const float *dout, const float *x, const float *weight,
+                                   const float *mean_in, const float *rstd_in, int64_t rows, int64_t cols, int rms) {
+    __shared__ double sd[32];
+    FOR_ROWS(r, rows) {
+        const float *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
+        float *dxr = dx + r * cols;
+        float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
+        double sg = 0.0, sgx = 0.0;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = weight ? dr[j] * weight[j] : dr[j];
+            sg += g;
+            sgx += g * ((xr[j] - mean) * rstd);
+        }
+        float mg = rms ? 0.0f : (float)(block_sum_d(sg, sd) / (double)cols);
+        float mgx = (float)(block_sum_d(sgx, sd) / (double)cols);
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = weight ? dr[j] * weight[j] : dr[j];
+            if (rms) {
+                dxr[j] = rstd * (g - xr[j] * rstd * mgx);
+            } else {
+                float xhat = (xr[j] - mean) * rstd;
+                dxr[j] = rstd * (g - mg - xhat * mgx);
+            }
+        }
+    }
+}
+
+/* dweight[j] = sum_r dout xhat, dbias[j] = sum_r dout over the rows of one
+ * slice: block (32, 8) per (slice, tile of 32 columns), the 8 thread rows
+ * striding over the slice's rows and added in order; partials (slices, cols). */
+#define NORM_TILE 32
+#define NORM_LANES 8
+
+__global__ void norm_wgrad_kernel(double *pw, double *pb, const float *dout, const float *x, const float *mean_in,
+                                  const float *rstd_in, int64_t rows, int64_t cols, int64_t tiles,
+                                  int64_t slice_len) {
+    __shared__ double part_w[NORM_LANES][NORM_TILE], part_b[NORM_LANES][NORM_TILE];
+    int64_t t = blockIdx.x % tiles, s = blockIdx.x / tiles;
+    int64_t j = t * NORM_TILE + threadIdx.x;
+    int64_t r0 = s * slice_len, r1 = cuda_min64(r0 + slice_len, rows);
+    double aw = 0.0, ab = 0.0;
+    if (j < cols)
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += NORM_LANES) {
+            float d = dout[r * cols + j];
+            float mean = mean_in ? mean_in[r] : 0.0f;
+            aw += d * ((x[r * cols + j] - mean) * rstd_in[r]);
+            ab += d;
+        }
+    part_w[threadIdx.y][threadIdx.x] = aw;
+    part_b[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < cols) {
+        double sw = 0.0, sb = 0.0;
+        for (int k = 0; k < NORM_LANES; k++) {
+            sw += part_w[k][threadIdx.x];
+            sb += part_b[k][threadIdx.x];
+        }
+        if (pw) pw[s * cols + j] = sw;
+        if (pb) pb[s * cols + j] = sb;
+    }
+}
+
+static void norm_weight_grads(float *dweight, float *dbias, const float *dout, const float *x, const float *mean,
+                              const float *rstd, int64_t rows, int64_t cols) {
+    if (!dweight && !dbias) return;
+    if (rows <= 0) {   /* empty sums */
+        if (dweight) CUDA_CHECK(cudaMemsetAsync(dweight, 0, (size_t)cols * sizeof(float), cuda_stream()));
+        if (dbias) CUDA_CHECK(cudaMemsetAsync(dbias, 0, (size_t)cols * sizeof(float), cuda_stream()));
+        return;
+    }
+    /* slices of at least 64 rows, enough for some 512 blocks */
+    int64_t tiles = cuda_ceil_div(cols, NORM_TILE);
+    int64_t slices = cuda_min64(cuda_ceil_div(512, tiles), cuda_ceil_div(rows, 64));
+    int64_t slice_len = cuda_ceil_div(rows, slices);
+    slices = cuda_ceil_div(rows, slice_len);
+    double *pw = dweight ? (double *)cuda_tmp_alloc((size_t)(slices * cols) * sizeof(double)) : NULL;
+    double *pb = dbias ? (double *)cuda_tmp_alloc((size_t)(slices * cols) * sizeof(double)) : NULL;
+    LAUNCH(norm_wgrad_kernel, (unsigned)(tiles * slices), dim3(NORM_TILE, NORM_LANES), 0)(pw, pb, dout, x, mean, rstd,
+                                                                                         rows, cols, tiles, slice_len);
+    CUDA_CHECK_LAUNCH();
+    if (dweight) cuda_sum_slices(dweight, pw, slices, cols);
+    if (dbias) cuda_sum_slices(dbias, pb, slices, cols);
+    cuda_tmp_free(pw);
+    cuda_tmp_free(pb);
+}
+
+void cuda_layernorm_forward_f32(float *out, float *mean, float *rstd, const float *x, const float *weight,
+                                const float *bias, int64_t rows, int64_t cols, float eps) {
+    CUDA_ENTER();
+    if (rows <= 0 || cols <= 0) return;
+    LAUNCH(norm_fwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(out, mean, rstd, x, weight, bias, rows, cols,
+                                                                         eps, 0);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_layernorm_backward_f32(float *dx, float *dweight, float *dbias, const float *dout, const float *x,
+                                 const float *weight, const float *mean, const float *rstd, int64_t rows,
+                                 int64_t cols) {
+    CUDA_ENTER();
+    if (cols <= 0) return;
+    if (rows > 0) {
+        LAUNCH(norm_bwd_dx_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean, rstd, rows,
+                                                                                cols, 0);
+        CUDA_CHECK_LAUNCH();
+    }
+    norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols);
+}
+
+void cuda_rmsnorm_forward_f32(float *out, float *rstd, const float *x, const float *weight, int64_t rows,
+                              int64_t cols, float eps) {
+    CUDA_ENTER();
+    if (rows <= 0 || cols <= 0) return;
+    LAUNCH(norm_fwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(out, NULL, rstd, x, weight, NULL, rows, cols,
+                                                                         eps, 1);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_rmsnorm_backward_f32(float *dx, float *dweight, const float *dout, const float *x, const float *weight,
+                               const float *rstd, int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    if (cols <= 0) return;
+    if (rows > 0) {
+        LAUNCH(norm_bwd_dx_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, NULL, rstd, rows,
+                                                                                cols, 1);
+        CUDA_CHECK_LAUNCH();
+    }
+    norm_weight_grads(dweight, NULL, dout, x, NULL, rstd, rows, cols);
+}
+
+/* ---- embedding ---- */
+
+/* out (n, dim) [i] = table (V, dim) [ids[i]] */
+__global__ void embedding_fwd_kernel(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim) {
+    FOR_ROWS(i, n) {
+        const float *src = table + ids[i] * dim;
+        for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
+    }
+}
+
+/* dtable[ids[i], j] += dout[i, j] for i in order, without atomics: the
+ * vocabulary is split into R classes by a hash of the id, and warp (class c,
+ * tile of 32 columns) walks all ids in order, adding the rows of its class
+ * into its columns. No two warps touch one element, and each element gets
+ * its terms in the order of i, as on the CPU, so the result is the CPU's bit
+ * for bit. Block (32, 8): 8 classes by 32 columns; grid (column tiles, R / 8).
+ * The ids go through shared memory a chunk at a time, with their classes. */
+#define EMB_CHUNK 1024
+
+__device__ __forceinline__ int emb_class(int64_t id, int log2_classes) {
+    return (int)(((uint32_t)id * 0x9E3779B1u) >> (32 - log2_classes));
+}
+
+__global__ void embedding_bwd_kernel(float *dtable, const int64_t *ids, int64_t n, const float *dout, int64_t dim,
+                                     int log2_classes) {
+    __shared__ int64_t s_id[EMB_CHUNK];
+    __shared__ int s_class[EMB_CHUNK];
+    int tid = cuda_linear_tid();
+    int cls = (int)(blockIdx.y * blockDim.y + threadIdx.y);
+    int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    for (int64_t c0 = 0; c0 < n; c0 += EMB_CHUNK) {
+        int len = (int)cuda_min64(EMB_CHUNK, n - c0);
+        __syncthreads();   /* the previous chunk is done with */
+        for (int k = tid; k < len; k += cuda_block_threads()) {
+            int64_t id = ids[c0 + k];
+            s_id[k] = id;
+            s_class[k] = emb_class(id, log2_classes);
+        }
+        __syncthreads();
+        if (j < dim)
+            for (int k = 0; k < len; k++)
+                if (s_class[k] == cls) dtable[s_id[k] * dim + j] += dout[(c0 + k) * dim + j];
+    }
+}
+
+void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim) {
+    CUDA_ENTER();
+    if (n <= 0 || dim <= 0) return;
+    LAUNCH(embedding_fwd_kernel, row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, table, dim);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
+                                 int64_t dim) {
+    CUDA_ENTER();
+    if (dim <= 0 || vocab <= 0) return;
+    CUDA_CHECK(cudaMemsetAsync(dtable, 0, (size_t)(vocab * dim) * sizeof(float), cuda_stream()));
+    if (n <= 0) return;
+    /* Classes: 8 .. 128, fewer when the vocabulary is small. More classes
+     * mean more warps scanning the ids, fewer mean longer chains of adds per
+     * warp; 128 balances them for GPT-2-sized batches. */
+    int log2_classes = 3;
+    while (log2_classes < 7 && ((int64_t)1 << log2_classes) < vocab) log2_classes++;
+    int64_t tiles = cuda_ceil_div(dim, 32);
+    dim3 grid((unsigned)tiles, (unsigned)((1 << log2_classes) / 8));
+    LAUNCH(embedding_bwd_kernel, grid, dim3(32, 8), 0)(dtable, ids, n, dout, dim, log2_classes);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---- cross-entropy over logits (N, V), the first valid_v columns real ---- */
+
+/* lse_n = log sum_{j < valid_v} exp(x_nj); loss_n = (max - x_nt) + log sum
+ * (0 when ignored); count += rows not ignored. */
+__global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *count, const float *logits,
+                              const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
+    __shared__ double sd[32];
+    __shared__ float sf[32];
+    FOR_ROWS(n, N) {
+        const float *xr = logits + n * V;   // (V)
+        float m = -INFINITY;
+        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) m = fmaxf(m, xr[j]);
+        m = block_max_f(m, sf);
+        double sum = 0.0;
+        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) sum += (double)expf(xr[j] - m);
+        sum = block_sum_d(sum, sd);
+        if (threadIdx.x == 0) {
+            float logsum = (float)log(sum);
+            int64_t t = targets[n];
+            lse[n] = m + logsum;
+            losses[n] = t == ignore_index ? 0.0f : (m - xr[t]) + logsum;
+            if (t != ignore_index) atomicAdd(count, 1ull);   /* integer: exact in any order */
+        }
+    }
+}
+
+/* dlogits = dloss (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere */
+__global__ void ce_bwd_kernel(float *dlogits, const float *logits, const float *lse, const int64_t *targets, int64_t N,
+                              int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+    FOR_ROWS(n, N) {
+        const float *xr = logits + n * V;   // (V)
+        float *dr = dlogits + n * V;
+        int64_t t = targets[n];
+        bool ignored = t == ignore_index;
+        float l = ignored ? 0.0f : lse[n];
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+            float d = 0.0f;
+            if (!ignored && j < valid_v) {
+                d = __fmul_rn(dloss, expf(xr[j] - l));   /* rounded before the subtraction, as the CPU */
+                if (j == t) d -= dloss;
+            }
+            dr[j] = d;
+        }
+    }
+}
+
+int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
+                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
+    CUDA_ENTER();
+    if (N <= 0) return 0;
+    unsigned long long *count = (unsigned long long *)cuda_tmp_alloc(sizeof *count);
+    CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof *count, cuda_stream()));
+    LAUNCH(ce_fwd_kernel, row_blocks(N), cuda_row_threads(valid_v), 0)(losses, lse, count, logits, targets, N, V,
+                                                                       valid_v, ignore_index);
+    CUDA_CHECK_LAUNCH();
+    unsigned long long host = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&host, count, sizeof host, cudaMemcpyDeviceToHost, cuda_stream()));
+    cuda_tmp_free(count);
+    CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    return (int64_t)host;
+}
+
+void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
+                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+    CUDA_ENTER();
+    if (N <= 0 || V <= 0) return;
+    LAUNCH(ce_bwd_kernel, row_blocks(N), cuda_row_threads(V), 0)(dlogits, logits, lse, targets, N, V, valid_v,
+                                                                 ignore_index, dloss);
+    CUDA_CHECK_LAUNCH();
+}

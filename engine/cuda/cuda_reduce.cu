@@ -1,0 +1,166 @@
+/* cuda_reduce.cu: sums, as engine/cpu/reduce.c: everything accumulates in
+ * double. Work is cut into pieces whose boundaries depend only on the sizes
+ * (never on the GPU model or timing), and partial sums are combined in a
+ * fixed order with no atomics, so a result is the same bit for bit run
+ * after run. sum_all and sumsq return a value, so they wait for the GPU. */
+#include "cuda_internal.h"
+
+/* ---- sum_all, sumsq: per-block partials, then one block adds them in order ---- */
+
+#define FLAT_MAX_BLOCKS 1024
+#define FLAT_PER_THREAD 16   /* elements per thread before adding another block */
+
+__global__ void flat_partial_kernel(double *partial, const float *in, int64_t n, int square) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = in[i];
+        acc += square ? v * v : v;
+    }
+    acc = block_sum_d(acc, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+/* out[0] = sum of partial[0, n), one block */
+__global__ void flat_final_kernel(double *out, const double *partial, int n) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partial[i];
+    acc = block_sum_d(acc, scratch);
+    if (threadIdx.x == 0) out[0] = acc;
+}
+
+static double flat_reduce(const float *in, int64_t n, int square) {
+    if (n <= 0) return 0.0;
+    int64_t want = cuda_ceil_div(n, (int64_t)CUDA_THREADS * FLAT_PER_THREAD);
+    int blocks = (int)cuda_min64(want, FLAT_MAX_BLOCKS);
+    double *tmp = (double *)cuda_tmp_alloc((size_t)(blocks + 1) * sizeof(double));   // partials, then the total
+    LAUNCH(flat_partial_kernel, blocks, CUDA_THREADS, 0)(tmp, in, n, square);
+    CUDA_CHECK_LAUNCH();
+    LAUNCH(flat_final_kernel, 1, CUDA_THREADS, 0)(tmp + blocks, tmp, blocks);
+    CUDA_CHECK_LAUNCH();
+    double result = 0.0;
+    CUDA_CHECK(cudaMemcpyAsync(&result, tmp + blocks, sizeof result, cudaMemcpyDeviceToHost, cuda_stream()));
+    cuda_tmp_free(tmp);
+    CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    return result;
+}
+
+double cuda_sum_all_f32(const float *in, int64_t n) {
+    CUDA_ENTER();
+    return flat_reduce(in, n, 0);
+}
+
+double cuda_sumsq_f32(const float *in, int64_t n) {
+    CUDA_ENTER();
+    return flat_reduce(in, n, 1);
+}
+
+/* ---- partial sums over slices, added in slice order ---- */
+
+__global__ void sum_slices_kernel(float *out, const double *partial, int64_t slices, int64_t n) {
+    GRID_STRIDE(i, n) {
+        double s = 0.0;
+        for (int64_t k = 0; k < slices; k++) s += partial[k * n + i];
+        out[i] = (float)s;
+    }
+}
+
+void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n) {
+    if (n <= 0) return;
+    LAUNCH(sum_slices_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, partial, slices, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---- sum_dim: in (outer, red, inner) -> out (outer, inner) ----
+ * red is cut into `slices` of slice_len rows when there are few outputs to
+ * spread over the GPU; slice s of output o writes partial[(s, o, j)], and
+ * sum_slices adds the slices. With one slice the kernels write out directly. */
+
+/* inner == 1, short rows: a thread per output. */
+__global__ void rowsum_thread_kernel(float *out, const float *in, int64_t outer, int64_t red) {
+    GRID_STRIDE(o, outer) {
+        const float *row = in + o * red;   // (red)
+        double s = 0.0;
+        for (int64_t r = 0; r < red; r++) s += row[r];
+        out[o] = (float)s;
+    }
+}
+
+/* inner == 1: a block per (slice, output row); grid = slices * outer. */
+__global__ void rowsum_block_kernel(float *out, double *partial, const float *in, int64_t outer, int64_t red,
+                                    int64_t slice_len) {
+    __shared__ double scratch[32];
+    int64_t o = blockIdx.x % outer, s = blockIdx.x / outer;
+    int64_t r0 = s * slice_len, r1 = cuda_min64(r0 + slice_len, red);
+    const float *row = in + o * red;   // (red)
+    double acc = 0.0;
+    for (int64_t r = r0 + threadIdx.x; r < r1; r += blockDim.x) acc += row[r];
+    acc = block_sum_d(acc, scratch);
+    if (threadIdx.x == 0) {
+        if (partial) partial[s * outer + o] = acc;
+        else out[o] = (float)acc;
+    }
+}
+
+/* inner > 1: block (32, 8) per (slice, output row, tile of 32 columns);
+ * threadIdx.x picks the column, the 8 rows of threads stride over the
+ * slice's rows, and their 8 sums are added in row order. */
+#define COL_TILE 32
+#define COL_LANES 8
+
+__global__ void colsum_kernel(float *out, double *partial, const float *in, int64_t outer, int64_t red,
+                              int64_t inner, int64_t tiles, int64_t slice_len) {
+    __shared__ double part[COL_LANES][COL_TILE];
+    int64_t t = blockIdx.x % tiles, rest = blockIdx.x / tiles;
+    int64_t o = rest % outer, s = rest / outer;
+    int64_t j = t * COL_TILE + threadIdx.x;
+    int64_t r0 = s * slice_len, r1 = cuda_min64(r0 + slice_len, red);
+    const float *slab = in + o * red * inner;   // (red, inner)
+    double acc = 0.0;
+    if (j < inner)
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += COL_LANES) acc += slab[r * inner + j];
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < inner) {
+        double sum = 0.0;
+        for (int k = 0; k < COL_LANES; k++) sum += part[k][threadIdx.x];
+        if (partial) partial[(s * outer + o) * inner + j] = sum;
+        else out[o * inner + j] = (float)sum;
+    }
+}
+
+void cuda_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner) {
+    CUDA_ENTER();
+    if (outer <= 0 || inner <= 0) return;
+    if (red <= 0) {
+        CUDA_CHECK(cudaMemsetAsync(out, 0, (size_t)(outer * inner) * sizeof(float), cuda_stream()));
+        return;
+    }
+    if (inner == 1 && red <= 64) {
+        LAUNCH(rowsum_thread_kernel, cuda_blocks(outer, CUDA_THREADS), CUDA_THREADS, 0)(out, in, outer, red);
+        CUDA_CHECK_LAUNCH();
+        return;
+    }
+    /* Outputs worth a block each; below 512 of them, cut red into slices of
+     * at least 256 rows so that some 512 blocks run. */
+    int64_t tiles = inner == 1 ? 1 : cuda_ceil_div(inner, COL_TILE);
+    int64_t items = outer * tiles, slices = 1;
+    if (items < 512 && red >= 512) slices = cuda_min64(cuda_ceil_div(512, items), red / 256);
+    int64_t slice_len = cuda_ceil_div(red, slices);
+    slices = cuda_ceil_div(red, slice_len);
+    double *partial = slices > 1 ? (double *)cuda_tmp_alloc((size_t)(slices * outer * inner) * sizeof(double)) : NULL;
+    int64_t blocks = slices * items;
+    if (blocks >= ((int64_t)1 << 31))
+        cuda_fail(__func__, __FILE__, __LINE__, "sum_dim", "more than 2^31 blocks");
+    if (inner == 1)
+        LAUNCH(rowsum_block_kernel, (unsigned)blocks, CUDA_THREADS, 0)(out, partial, in, outer, red, slice_len);
+    else
+        LAUNCH(colsum_kernel, (unsigned)blocks, dim3(COL_TILE, COL_LANES), 0)(out, partial, in, outer, red, inner,
+                                                                             tiles, slice_len);
+    CUDA_CHECK_LAUNCH();
+    if (partial) {
+        cuda_sum_slices(out, partial, slices, outer * inner);
+        cuda_tmp_free(partial);
+    }
+}

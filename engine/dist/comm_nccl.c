@@ -1,0 +1,363 @@
+/* comm_nccl.c: collectives on CUDA tensors: NCCL on a comm stream ordered
+ * against the compute stream by events (comm_nccl.h has the life of one
+ * collective; comm.c checks arguments, orders collectives on its comm
+ * thread, keeps fingerprints and runs the watchdog).
+ *
+ * - One NCCL communicator per fsdp_comm, made on its first CUDA collective,
+ *   on the comm thread and so in issue order on every rank: the
+ *   communicator's rank 0 makes the unique id and broadcasts it over the
+ *   communicator's MPI communicator, then every rank calls ncclCommInitRank.
+ * - One comm stream per process (non-blocking, highest priority, so NCCL
+ *   kernels get SMs as soon as they are ready). Collectives of every
+ *   communicator go onto it in issue order, which is the same on all ranks.
+ * - f32 and bf16 are reduced natively by NCCL (ncclFloat32, ncclBfloat16);
+ *   the average is ncclAvg. Unlike the MPI path, bf16 sums are therefore
+ *   rounded to bf16 along NCCL's reduction (ring or tree) rather than once.
+ * - A communicator of one rank without MPI (the "single" backend), or any
+ *   one-rank communicator when NCCL is not built, runs device copies on the
+ *   same comm stream instead.
+ *
+ * Compiled only with FSDP_HAVE_CUDA; the NCCL calls need FSDP_HAVE_NCCL. */
+#ifdef FSDP_HAVE_CUDA
+
+#include "comm_nccl.h"
+#include <cuda_runtime.h>
+#ifdef FSDP_HAVE_NCCL
+#include <nccl.h>
+#endif
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The stream every kernel of this process's GPU runs on. Provided by the
+ * CUDA backend (engine/cuda, declared in cuda_internal.h) with C linkage:
+ * extern "C" in the .cu file that defines it. */
+cudaStream_t cuda_compute_stream(void);
+
+/* ---- checks: file:line, the call and the library's message ---- */
+
+static const char *cuda_error_string(long rc) { return cudaGetErrorString((cudaError_t)rc); }
+#define CUDA_CHECK(call) FSDP_CHECK_CALL(call, rc_ == (long)cudaSuccess, cuda_error_string)
+
+#ifdef FSDP_HAVE_NCCL
+static const char *nccl_error_string(long rc) {
+    static _Thread_local char buf[600];
+    const char *last = "";
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+    last = ncclGetLastError(NULL);   /* NCCL's detail on the last failure, if any */
+    if (!last) last = "";
+#endif
+    snprintf(buf, sizeof buf, "%s%s%s", ncclGetErrorString((ncclResult_t)rc), last[0] ? ": " : "", last);
+    return buf;
+}
+#define NCCL_CHECK(call) FSDP_CHECK_CALL(call, rc_ == (long)ncclSuccess, nccl_error_string)
+#endif
+
+bool gpu_nccl_built(void) {
+#ifdef FSDP_HAVE_NCCL
+    return true;
+#else
+    return false;
+#endif
+}
+
+/* ---- works ---- */
+
+struct gpu_work {
+    cudaEvent_t ready;   /* compute stream, at issue */
+    cudaEvent_t done;    /* comm stream, after the collective */
+    int device;
+    bool recorded;       /* done was recorded: the comm stream got work */
+};
+
+static fsdp_status work_begin(gpu_work *w) {
+    CUDA_CHECK(cudaGetDevice(&w->device));
+    CUDA_CHECK(cudaEventCreateWithFlags(&w->ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(w->ready, cuda_compute_stream()));
+    return FSDP_OK;
+}
+
+fsdp_status gpu_work_begin(gpu_work **out) {
+    *out = NULL;
+    gpu_work *w = calloc(1, sizeof *w);
+    if (!w) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for a collective's CUDA events");
+    fsdp_status st = work_begin(w);
+    if (st != FSDP_OK) {
+        gpu_work_free(w);
+        return st;
+    }
+    *out = w;
+    return FSDP_OK;
+}
+
+void gpu_work_free(gpu_work *w) {
+    if (!w) return;
+    /* Pending events are released by CUDA once they complete. */
+    if (w->ready) cudaEventDestroy(w->ready);
+    if (w->done) cudaEventDestroy(w->done);
+    free(w);
+}
+
+bool gpu_work_recorded(const gpu_work *w) { return w && w->recorded; }
+
+fsdp_status gpu_work_wait(gpu_work *w) {
+    if (!w || !w->recorded) return FSDP_OK;
+    CUDA_CHECK(cudaStreamWaitEvent(cuda_compute_stream(), w->done, 0));
+    return FSDP_OK;
+}
+
+int gpu_work_poll(gpu_work *w, bool *started) {
+    if (!w || !w->recorded) return 1;
+    cudaError_t e = cudaEventQuery(w->done);
+    if (e == cudaSuccess) return 1;
+    if (e != cudaErrorNotReady) {
+        fsdp_set_error(FSDP_ERR_COMM, "%s:%d: cudaEventQuery(done) failed: %s", __FILE__, __LINE__,
+                       cudaGetErrorString(e));
+        return -1;
+    }
+    if (started) *started = cudaEventQuery(w->ready) == cudaSuccess;
+    return 0;
+}
+
+/* ---- the comm stream (comm thread only) ---- */
+
+static cudaStream_t g_stream;
+static int g_stream_device = -1;
+
+static fsdp_status comm_stream(int device, cudaStream_t *out) {
+    if (g_stream_device < 0) {
+        int least = 0, greatest = 0;   /* numerically lower is higher priority */
+        CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+        CUDA_CHECK(cudaStreamCreateWithPriority(&g_stream, cudaStreamNonBlocking, greatest));
+        g_stream_device = device;
+    } else if (device != g_stream_device) {
+        return fsdp_set_error(FSDP_ERR_DEVICE, "a collective on GPU %d, but this process's comm stream is on GPU %d "
+                              "(one GPU per rank)", device, g_stream_device);
+    }
+    *out = g_stream;
+    return FSDP_OK;
+}
+
+/* ---- one rank without NCCL: device copies ---- */
+
+static fsdp_status run_copy(const gpu_call *c, cudaStream_t s) {
+    if (c->size != 1)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "CUDA collectives on %d ranks need NCCL, which is not built into "
+                              "this engine", c->size);
+    size_t bytes = (size_t)c->n * fsdp_dtype_size(c->dtype);
+    if (c->kind == GPU_ALL_REDUCE || c->kind == GPU_BROADCAST) return FSDP_OK;   /* one rank: as it is */
+    if (bytes == 0 || c->src == c->dst) return FSDP_OK;
+    if (c->scratch) {   /* src and dst overlap: cudaMemcpy wants distinct buffers */
+        CUDA_CHECK(cudaMemcpyAsync(c->scratch, c->src, bytes, cudaMemcpyDeviceToDevice, s));
+        CUDA_CHECK(cudaMemcpyAsync(c->dst, c->scratch, bytes, cudaMemcpyDeviceToDevice, s));
+    } else {
+        CUDA_CHECK(cudaMemcpyAsync(c->dst, c->src, bytes, cudaMemcpyDeviceToDevice, s));
+    }
+    return FSDP_OK;
+}
+
+/* ---- NCCL ---- */
+
+#ifdef FSDP_HAVE_NCCL
+
+struct gpu_comm {
+    ncclComm_t nccl;
+};
+
+/* What rank 0 broadcasts: the id, or why there is none (so that no rank
+ * waits in ncclCommInitRank for an id that never comes). */
+typedef struct {
+    int32_t ok;
+    char msg[256];
+    ncclUniqueId id;
+} id_message;
+
+static fsdp_status nccl_comm_create(gpu_comm **out, const gpu_call *c) {
+    id_message m;
+    memset(&m, 0, sizeof m);
+    if (c->rank == 0) {
+        ncclResult_t r = ncclGetUniqueId(&m.id);
+        m.ok = r == ncclSuccess;
+        if (!m.ok) snprintf(m.msg, sizeof m.msg, "%.200s", nccl_error_string(r));
+    }
+    if (c->mpi != MPI_COMM_NULL) {
+        int rc = MPI_Bcast(&m, (int)sizeof m, MPI_BYTE, 0, c->mpi);
+        if (rc != MPI_SUCCESS) {
+            char e[MPI_MAX_ERROR_STRING] = "";
+            int len = 0;
+            MPI_Error_string(rc, e, &len);
+            return fsdp_set_error(FSDP_ERR_COMM, "%s:%d: MPI_Bcast of the NCCL unique id failed: %s", __FILE__,
+                                  __LINE__, e);
+        }
+    } else if (c->size != 1) {
+        return fsdp_set_error(FSDP_ERR_COMM, "no MPI communicator to carry the NCCL unique id to %d ranks", c->size);
+    }
+    if (!m.ok)
+        return fsdp_set_error(FSDP_ERR_COMM, "ncclGetUniqueId failed on rank 0 of the communicator: %.*s",
+                              (int)sizeof m.msg, m.msg);
+    gpu_comm *g = calloc(1, sizeof *g);
+    if (!g) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for an NCCL communicator");
+    ncclResult_t r = ncclCommInitRank(&g->nccl, c->size, m.id, c->rank);
+    if (r != ncclSuccess) {
+        free(g);
+        return fsdp_set_error(FSDP_ERR_COMM, "%s:%d: ncclCommInitRank(&comm, %d, id, %d) failed: %s", __FILE__,
+                              __LINE__, c->size, c->rank, nccl_error_string(r));
+    }
+    *out = g;
+    return FSDP_OK;
+}
+
+/* The NCCL type of dtype and how many of it one element is. Moves (gather,
+ * broadcast) take any dtype; reductions only numbers NCCL adds. */
+static fsdp_status nccl_type(int dtype, bool reduce, ncclDataType_t *t, size_t *per_elem) {
+    *per_elem = 1;
+    switch (dtype) {
+    case FSDP_F32: *t = ncclFloat32; return FSDP_OK;
+    /* ncclBfloat16 (9) is declared only when the CUDA bf16 types are, in older nccl.h */
+    case FSDP_BF16: *t = (ncclDataType_t)9; return FSDP_OK;
+    case FSDP_I32: *t = ncclInt32; return FSDP_OK;
+    case FSDP_I64: *t = ncclInt64; return FSDP_OK;
+    default:
+        if (!reduce) {
+            *t = ncclUint8;
+            *per_elem = fsdp_dtype_size(dtype);
+            return FSDP_OK;
+        }
+        return fsdp_set_error(FSDP_ERR_DTYPE, "NCCL does not reduce %s", fsdp_dtype_name(dtype));
+    }
+}
+
+static fsdp_status nccl_op(int op, ncclRedOp_t *out) {
+    switch (op) {
+    case FSDP_REDUCE_SUM: *out = ncclSum; return FSDP_OK;
+    case FSDP_REDUCE_MAX: *out = ncclMax; return FSDP_OK;
+    case FSDP_REDUCE_AVG:
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 10, 0)
+        *out = ncclAvg;
+        return FSDP_OK;
+#else
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "averaging needs NCCL 2.10 or newer (ncclAvg); this engine "
+                              "was built with NCCL %d", NCCL_VERSION_CODE);
+#endif
+    default: return fsdp_set_error(FSDP_ERR_INVALID, "reduce op %d", op);
+    }
+}
+
+static fsdp_status run_nccl(gpu_comm *g, const gpu_call *c, cudaStream_t s) {
+    ncclDataType_t t = ncclFloat32;
+    size_t k = 1;
+    ncclRedOp_t op = ncclSum;
+    bool reduce = c->kind == GPU_REDUCE_SCATTER || c->kind == GPU_ALL_REDUCE;
+    FSDP_TRY(nccl_type(c->dtype, reduce, &t, &k));
+    if (reduce) FSDP_TRY(nccl_op(c->op, &op));
+    size_t count = (size_t)c->n * k, bytes = (size_t)c->n * fsdp_dtype_size(c->dtype);
+    switch (c->kind) {
+    case GPU_ALL_GATHER: {
+        /* In place when src is this rank's block of dst (NCCL's rule);
+         * any other overlap goes through the scratch block. */
+        const void *src = c->src;
+        if (c->scratch) {
+            CUDA_CHECK(cudaMemcpyAsync(c->scratch, c->src, bytes, cudaMemcpyDeviceToDevice, s));
+            src = c->scratch;
+        }
+        NCCL_CHECK(ncclAllGather(src, c->dst, count, t, g->nccl, s));
+        return FSDP_OK;
+    }
+    case GPU_REDUCE_SCATTER:
+        /* In place when dst is this rank's block of src. */
+        if (c->scratch) {
+            NCCL_CHECK(ncclReduceScatter(c->src, c->scratch, count, t, op, g->nccl, s));
+            CUDA_CHECK(cudaMemcpyAsync(c->dst, c->scratch, bytes, cudaMemcpyDeviceToDevice, s));
+        } else {
+            NCCL_CHECK(ncclReduceScatter(c->src, c->dst, count, t, op, g->nccl, s));
+        }
+        return FSDP_OK;
+    case GPU_ALL_REDUCE:
+        NCCL_CHECK(ncclAllReduce(c->dst, c->dst, count, t, op, g->nccl, s));
+        return FSDP_OK;
+    case GPU_BROADCAST:
+        NCCL_CHECK(ncclBroadcast(c->dst, c->dst, count, t, c->root, g->nccl, s));
+        return FSDP_OK;
+    }
+    return fsdp_set_error(FSDP_ERR_INVALID, "unknown CUDA collective %d", (int)c->kind);
+}
+
+fsdp_status gpu_comm_check(gpu_comm *g) {
+    if (!g) return FSDP_OK;
+    ncclResult_t async = ncclSuccess;
+    NCCL_CHECK(ncclCommGetAsyncError(g->nccl, &async));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+    if (async == ncclInProgress) return FSDP_OK;
+#endif
+    if (async != ncclSuccess)
+        return fsdp_set_error(FSDP_ERR_COMM, "NCCL reported an asynchronous error: %s", nccl_error_string(async));
+    return FSDP_OK;
+}
+
+fsdp_status gpu_comm_destroy(gpu_comm *g) {
+    if (!g) return FSDP_OK;
+    ncclComm_t nc = g->nccl;
+    free(g);
+    NCCL_CHECK(ncclCommDestroy(nc));
+    return FSDP_OK;
+}
+
+#else /* no NCCL: communicators never get an NCCL side */
+
+struct gpu_comm {
+    int unused;
+};
+
+fsdp_status gpu_comm_check(gpu_comm *g) {
+    (void)g;
+    return FSDP_OK;
+}
+
+fsdp_status gpu_comm_destroy(gpu_comm *g) {
+    free(g);
+    return FSDP_OK;
+}
+
+#endif /* FSDP_HAVE_NCCL */
+
+/* ---- running one collective (comm thread) ---- */
+
+fsdp_status gpu_run(gpu_comm **gc, gpu_work *w, const gpu_call *c) {
+    CUDA_CHECK(cudaSetDevice(w->device));   /* the comm thread's current device */
+    cudaStream_t s = NULL;
+    FSDP_TRY(comm_stream(w->device, &s));
+#ifdef FSDP_HAVE_NCCL
+    if (c->nccl && !*gc) FSDP_TRY(nccl_comm_create(gc, c));
+#else
+    (void)gc;
+    if (c->nccl)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "CUDA collectives through NCCL: NCCL is not built into this "
+                              "engine");
+#endif
+    CUDA_CHECK(cudaStreamWaitEvent(s, w->ready, 0));
+    fsdp_status st;
+#ifdef FSDP_HAVE_NCCL
+    st = c->nccl ? run_nccl(*gc, c, s) : run_copy(c, s);
+#else
+    st = run_copy(c, s);
+#endif
+    /* Even after a failure: whatever did reach the stream must finish
+     * before the buffers are given back. */
+    cudaError_t e = cudaEventRecord(w->done, s);
+    if (e == cudaSuccess) {
+        w->recorded = true;
+    } else {
+        cudaStreamSynchronize(s);   /* best effort: nothing may still use the buffers */
+        if (st == FSDP_OK)
+            st = fsdp_set_error(FSDP_ERR_COMM, "%s:%d: cudaEventRecord(done, comm stream) failed: %s", __FILE__,
+                                __LINE__, cudaGetErrorString(e));
+    }
+    return st;
+}
+
+#else /* !FSDP_HAVE_CUDA */
+
+typedef int comm_nccl_not_built;   /* ISO C wants something in a translation unit */
+
+#endif /* FSDP_HAVE_CUDA */

@@ -1,0 +1,904 @@
+/* test_cuda_kernels.c: every entry of the CUDA kernel table against the
+ * CPU table's entry of the same name, on random non-zero inputs of awkward
+ * sizes (1, odd, prime, a few thousand), then a few ops end to end through
+ * the public API with tensors on the GPU.
+ *
+ * Built twice (tests/gpu/CMakeLists.txt):
+ * - test_cuda_kernels: the real CUDA backend. Without a GPU it prints
+ *   "SKIPPED: <why>" and exits 77, which ctest reports as skipped.
+ * - test_cuda_kernels_emu (FSDP_CUDA_EMU): the same .cu sources compiled for
+ *   the host over tests/gpu/emu, which runs each kernel's threads as fibers
+ *   with real barriers and checks launches and pointers: the kernels' logic
+ *   is checked on every machine, the GPU build then checks the hardware.
+ *
+ * Tolerances, |gpu - cpu| <= rtol |cpu| + atol * scale (scale: the largest
+ * |cpu| of the output, or the bound named):
+ *   memory, casts, copies, fill, binary ops, scale, add_scalar, embedding
+ *   (both ways: same order of adds), uniform init, dropout: bit for bit.
+ *   axpy, adamw, sgd: rtol 1e-6 (contraction into FMAs may differ).
+ *   matmul: 1e-5 * (|alpha| sum_k |a_ik||b_kj| + |beta||c_ij|) per element.
+ *   sum_dim: 1e-6 * the sum of |x| over the reduced elements; sum_all, sumsq:
+ *   1e-10 relative to sum |x| (both accumulate in double).
+ *   activations, softmax, norms, cross-entropy: rtol 1e-5, atol 1e-6 (the
+ *   GPU's expf is within 2 ulp, glibc's within 1; norm weight gradients sum
+ *   rows in another order: atol 1e-5).
+ *   attention: rtol 1e-4, atol 1e-4 (flash tiling and exp differ).
+ *   normal init: within 4 ulp (cuda_internal.h: equal but where glibc's
+ *   logf/cosf are not correctly rounded, ~0.8% of values, <= 3 ulp).
+ * Outputs start as NaN on both sides, so a skipped element fails. */
+#include "cpu_kernels.h"
+#include "cuda_internal.h"
+#include "device.h"
+#include "fsdp.h"
+#include "internal.h"
+#include "testutil.h"
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef FSDP_CUDA_EMU
+void emu_set_device_count(int n);
+#define MODE "emulated CUDA"
+#else
+#define MODE "CUDA"
+#endif
+
+static const fsdp_device_kernels *G, *C;   /* the CUDA table, the CPU table */
+static test_rng rng;
+
+/* ---- buffers: everything a case allocates is freed by free_case() ---- */
+
+static void *host_ptrs[1024], *dev_ptrs[1024];
+static int n_host, n_dev;
+
+static void *halloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p || n_host == 1024) abort();
+    return host_ptrs[n_host++] = p;
+}
+static void *dalloc(size_t bytes) {
+    void *p = G->raw_alloc(bytes ? bytes : 1);
+    if (!p || n_dev == 1024) {
+        fprintf(stderr, "raw_alloc(%zu) failed\n", bytes);
+        exit(1);
+    }
+    return dev_ptrs[n_dev++] = p;
+}
+static void free_case(void) {
+    while (n_host) free(host_ptrs[--n_host]);
+    while (n_dev) G->raw_free(dev_ptrs[--n_dev]);
+}
+
+static float *hrand(int64_t n, float scale) {
+    float *x = halloc((size_t)n * sizeof(float));
+    test_fill_nonzero(&rng, x, n, scale);
+    return x;
+}
+static float *hnan(int64_t n) {
+    float *x = halloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = NAN;
+    return x;
+}
+static float *hcopy(const float *x, int64_t n) {
+    float *y = halloc((size_t)n * sizeof(float));
+    memcpy(y, x, (size_t)n * sizeof(float));
+    return y;
+}
+/* a device copy of host bytes */
+static void *dup(const void *h, size_t bytes) {
+    void *d = dalloc(bytes);
+    if (bytes) G->copy_from_host(d, h, bytes);
+    return d;
+}
+static float *dupf(const float *h, int64_t n) { return dup(h, (size_t)n * sizeof(float)); }
+static float *dnan(int64_t n) { return dupf(hnan(n), n); }
+static float *back(const void *d, int64_t n) {
+    float *h = halloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (n > 0) G->copy_to_host(h, d, (size_t)n * sizeof(float));
+    return h;
+}
+
+/* ---- comparisons ---- */
+
+static int32_t ulp_key(float f) {   /* monotonic integer order of floats */
+    int32_t i;
+    memcpy(&i, &f, sizeof i);
+    return i < 0 ? (int32_t)0x80000000 - i : i;
+}
+static int64_t ulp_diff(float a, float b) {
+    return llabs((long long)ulp_key(a) - (long long)ulp_key(b));
+}
+
+/* Counts values with |got - want| > rtol |want| + atol * scale (NaN must be
+ * NaN on both sides); scale < 0 means max |want|. */
+static void check_f(const char *what, const float *got, const float *want, int64_t n, double rtol, double atol,
+                    double scale) {
+    if (scale < 0) {
+        scale = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (fabs(want[i]) > scale) scale = fabs(want[i]);
+    }
+    int64_t wrong = 0, first = -1;
+    double max_err = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double g = got[i], w = want[i];
+        int ok = isnan(w) ? isnan(g) : fabs(g - w) <= rtol * fabs(w) + atol * scale;
+        if (!isnan(w) && !isnan(g) && fabs(g - w) > max_err) max_err = fabs(g - w);
+        if (!ok) {
+            if (first < 0) first = i;
+            wrong++;
+        }
+    }
+    if (wrong)
+        fprintf(stderr, "  %s: first wrong at %lld: got %.9g want %.9g\n", what, (long long)first,
+                (double)got[first], (double)want[first]);
+    test_check(wrong == 0, "%s: %lld of %lld values wrong (rtol %g, atol %g x %g; max err %.3g)", what,
+               (long long)wrong, (long long)n, rtol, atol, scale, max_err);
+}
+
+static void check_bits(const char *what, const void *got, const void *want, size_t bytes) {
+    const unsigned char *g = got, *w = want;
+    size_t wrong = 0, first = 0;
+    for (size_t i = 0; i < bytes; i++)
+        if (g[i] != w[i]) {
+            if (!wrong) first = i;
+            wrong++;
+        }
+    if (wrong) fprintf(stderr, "  %s: first differing byte %zu: got 0x%02x want 0x%02x\n", what, first, g[first], w[first]);
+    test_check(wrong == 0, "%s: %zu of %zu bytes differ (expected bit for bit)", what, wrong, bytes);
+}
+
+/* per element bound: |got - want| <= tol * bound[i] */
+static void check_bound(const char *what, const float *got, const float *want, const double *bound, int64_t n,
+                        double tol) {
+    int64_t wrong = 0, first = -1;
+    for (int64_t i = 0; i < n; i++) {
+        double err = fabs((double)got[i] - want[i]);
+        if (!(err <= tol * bound[i] + 1e-30)) {
+            if (first < 0) first = i;
+            wrong++;
+        }
+    }
+    if (wrong)
+        fprintf(stderr, "  %s: first wrong at %lld: got %.9g want %.9g (bound %.3g)\n", what, (long long)first,
+                (double)got[first], (double)want[first], tol * bound[first]);
+    test_check(wrong == 0, "%s: %lld of %lld values beyond %g x their bound", what, (long long)wrong, (long long)n,
+               tol);
+}
+
+/* ---- memory ---- */
+
+static void test_memory(void) {
+    int64_t sizes[] = {1, 7, 4099};
+    for (int s = 0; s < 3; s++) {
+        int64_t n = sizes[s];
+        unsigned char *h = halloc((size_t)n), *z = halloc((size_t)n), *r = halloc((size_t)n);
+        for (int64_t i = 0; i < n; i++) h[i] = (unsigned char)(test_rng_uniform(&rng) * 255 + 1);
+        memset(z, 0, (size_t)n);
+        void *d = dup(h, (size_t)n);
+        G->synchronize();
+        G->copy_to_host(r, d, (size_t)n);
+        char name[64];
+        snprintf(name, sizeof name, "copy_from_host/copy_to_host n=%lld", (long long)n);
+        check_bits(name, r, h, (size_t)n);
+        G->zero(d, (size_t)n);
+        G->copy_to_host(r, d, (size_t)n);
+        snprintf(name, sizeof name, "zero n=%lld", (long long)n);
+        check_bits(name, r, z, (size_t)n);
+        free_case();
+    }
+    G->synchronize();
+}
+
+/* ---- casts ---- */
+
+static size_t dtype_bytes(int dt) { return dt == FSDP_I64 ? 8 : dt == FSDP_F32 || dt == FSDP_I32 ? 4 : 2; }
+
+static void fill_dtype(void *p, int dt, int64_t n) {
+    const float specials[] = {NAN, INFINITY, -INFINITY, 3e9f, -3e9f, 1e20f, -1e20f, 70000.0f, -0.5f, 0.0f, -0.0f,
+                              2.5f, -2.5f, 65535.5f};
+    for (int64_t i = 0; i < n; i++) {
+        double u = test_rng_uniform(&rng);
+        float f = i % 3 == 0 ? specials[i / 3 % 14] : (float)((u - 0.5) * 1000.0);
+        int64_t k = (int64_t)((u - 0.5) * 4e12);
+        switch (dt) {
+        case FSDP_F32: ((float *)p)[i] = f; break;
+        case FSDP_BF16: ((uint16_t *)p)[i] = f32_to_bf16(f); break;
+        case FSDP_I32: ((int32_t *)p)[i] = (int32_t)(k % 3000000000LL); break;
+        case FSDP_I64: ((int64_t *)p)[i] = k * 1000003; break;
+        default: ((uint16_t *)p)[i] = (uint16_t)k; break;
+        }
+    }
+}
+
+static void test_cast(void) {
+    int64_t sizes[] = {1, 7, 1031};
+    for (int s = 0; s < 3; s++)
+        for (int in_dt = 0; in_dt < FSDP_DTYPE_COUNT; in_dt++)
+            for (int out_dt = 0; out_dt < FSDP_DTYPE_COUNT; out_dt++) {
+                int64_t n = sizes[s];
+                void *in = halloc((size_t)n * dtype_bytes(in_dt));
+                fill_dtype(in, in_dt, n);
+                size_t ob = (size_t)n * dtype_bytes(out_dt);
+                void *want = halloc(ob), *got = halloc(ob);
+                memset(want, 0xab, ob);
+                C->cast_any(want, out_dt, in, in_dt, n);
+                void *din = dup(in, (size_t)n * dtype_bytes(in_dt)), *dout = dup(want, ob);
+                G->zero(dout, ob);
+                G->cast_any(dout, out_dt, din, in_dt, n);
+                G->copy_to_host(got, dout, ob);
+                char name[80];
+                snprintf(name, sizeof name, "cast_any %s -> %s n=%lld", fsdp_dtype_name(in_dt), fsdp_dtype_name(out_dt),
+                         (long long)n);
+                check_bits(name, got, want, ob);
+                free_case();
+            }
+}
+
+/* ---- strided copy ---- */
+
+typedef struct {
+    const char *name;
+    int ndim;
+    int64_t shape[8], dst_strides[8], src_strides[8];
+    int64_t dst_extent, src_extent;   /* elements the buffers hold */
+} copy_case;
+
+static void run_copy(const copy_case *c, size_t elem) {
+    size_t db = (size_t)c->dst_extent * elem, sb = (size_t)c->src_extent * elem;
+    unsigned char *src = halloc(sb), *want = halloc(db), *got = halloc(db);
+    for (size_t i = 0; i < sb; i++) src[i] = (unsigned char)(test_rng_uniform(&rng) * 256);
+    for (size_t i = 0; i < db; i++) want[i] = (unsigned char)(test_rng_uniform(&rng) * 256);   /* untouched bytes stay */
+    void *dsrc = dup(src, sb), *ddst = dup(want, db);
+    C->copy_strided(want, c->dst_strides, src, c->src_strides, c->ndim, c->shape, elem);
+    G->copy_strided(ddst, c->dst_strides, dsrc, c->src_strides, c->ndim, c->shape, elem);
+    G->copy_to_host(got, ddst, db);
+    char name[96];
+    snprintf(name, sizeof name, "copy_strided %s elem %zu", c->name, elem);
+    check_bits(name, got, want, db);
+    free_case();
+}
+
+static void test_copy_strided(void) {
+    copy_case cases[] = {
+        {"scalar", 0, {0}, {0}, {0}, 1, 1},
+        {"contiguous 1031", 1, {1031}, {1}, {1}, 1031, 1031},
+        {"transpose 37x53", 2, {37, 53}, {53, 1}, {1, 37}, 37 * 53, 37 * 53},
+        {"permute 5x7x3", 3, {5, 7, 3}, {21, 3, 1}, {1, 15, 5}, 105, 105},
+        {"broadcast 11x13 from 13", 2, {11, 13}, {13, 1}, {0, 1}, 143, 13},
+        {"broadcast 11x13 from 11x1", 2, {11, 13}, {13, 1}, {1, 0}, 143, 11},
+        {"narrow 6x5 of 6x9", 2, {6, 5}, {5, 1}, {9, 1}, 30, 54},
+        {"into strided dst 4x3x2", 3, {4, 3, 2}, {12, 4, 1}, {6, 2, 1}, 48, 24},
+        {"size-1 dims 1x7x1x3", 4, {1, 7, 1, 3}, {21, 3, 3, 1}, {100, 1, 50, 7}, 21, 21},
+        {"empty", 2, {3, 0}, {1, 1}, {1, 1}, 1, 1},
+        {"8-d 2x1x3x1x2x2x1x3", 8, {2, 1, 3, 1, 2, 2, 1, 3}, {72, 72, 24, 24, 12, 6, 3, 1},
+         {1, 2, 2, 6, 6, 12, 24, 24}, 144, 72},
+    };
+    size_t elems[] = {1, 2, 4, 8, 12};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        for (int e = 0; e < 5; e++) run_copy(&cases[i], elems[e]);
+}
+
+static void test_fill(void) {
+    int64_t sizes[] = {1, 7, 100003};
+    for (int s = 0; s < 3; s++) {
+        int64_t n = sizes[s];
+        float *want = hnan(n);
+        float *d = dnan(n);
+        C->fill_f32(want, -1.25f, n);
+        G->fill_f32(d, -1.25f, n);
+        char name[64];
+        snprintf(name, sizeof name, "fill_f32 n=%lld", (long long)n);
+        check_bits(name, back(d, n), want, (size_t)n * sizeof(float));
+        free_case();
+    }
+}
+
+/* ---- matmul ---- */
+
+typedef struct {
+    int64_t batch, M, N, K;
+    int ta, tb;
+    float alpha, beta;
+    int shared_b;
+} mm_case;
+
+static void run_matmul(const mm_case *m) {
+    int64_t sa = m->M * m->K, sb = m->shared_b ? 0 : m->K * m->N, sc = m->M * m->N;
+    int64_t na = m->batch * sa, nb = m->shared_b ? m->K * m->N : m->batch * sb, nc = m->batch * sc;
+    float *a = hrand(na, 1), *b = hrand(nb, 1), *c0 = m->beta != 0 ? hrand(nc, 1) : hnan(nc);
+    float *want = hcopy(c0, nc);
+    float *da = dupf(a, na), *db = dupf(b, nb), *dc = dupf(c0, nc);
+    C->matmul_f32(want, a, b, m->batch, m->M, m->N, m->K, m->ta, m->tb, m->alpha, m->beta, sa, sb, sc);
+    G->matmul_f32(dc, da, db, m->batch, m->M, m->N, m->K, m->ta, m->tb, m->alpha, m->beta, sa, sb, sc);
+    double *bound = halloc((size_t)nc * sizeof(double));
+    for (int64_t bi = 0; bi < m->batch; bi++)
+        for (int64_t i = 0; i < m->M; i++)
+            for (int64_t j = 0; j < m->N; j++) {
+                const float *A = a + bi * sa, *B = b + bi * sb;
+                double s = 0;
+                for (int64_t k = 0; k < m->K; k++) {
+                    double x = m->ta ? A[k * m->M + i] : A[i * m->K + k];
+                    double y = m->tb ? B[j * m->K + k] : B[k * m->N + j];
+                    s += fabs(x * y);
+                }
+                int64_t at = bi * sc + i * m->N + j;
+                bound[at] = fabs(m->alpha) * s + (m->beta != 0 ? fabs(m->beta * c0[at]) : 0) + 1e-30;
+            }
+    char name[128];
+    snprintf(name, sizeof name, "matmul_f32 batch %lld M %lld N %lld K %lld ta %d tb %d alpha %g beta %g%s",
+             (long long)m->batch, (long long)m->M, (long long)m->N, (long long)m->K, m->ta, m->tb, m->alpha, m->beta,
+             m->shared_b ? " shared b" : "");
+    check_bound(name, back(dc, nc), want, bound, nc, 1e-5);
+    free_case();
+}
+
+static void test_matmul(void) {
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            mm_case cs[] = {
+                {1, 1, 1, 1, ta, tb, 1, 0, 0},
+                {1, 7, 13, 5, ta, tb, 1, 0, 0},
+                {3, 17, 9, 31, ta, tb, 0.5f, 0, 0},
+                {2, 5, 11, 37, ta, tb, 1, 1, 1},
+                {4, 3, 7, 2, ta, tb, -2, 0.25f, 0},
+                {1, 65, 33, 129, ta, tb, 1, 0, 0},
+            };
+            for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_matmul(&cs[i]);
+        }
+    mm_case k0[] = {{2, 3, 4, 0, 0, 0, 1, 0.5f, 0}, {2, 3, 4, 0, 1, 1, 1, 0, 0}};
+    for (int i = 0; i < 2; i++) run_matmul(&k0[i]);
+}
+
+/* ---- elementwise ---- */
+
+typedef struct {
+    const char *name;
+    int ndim;
+    int64_t shape[4], sa[4], sb[4];
+    int64_t na, nb;   /* elements a and b hold */
+} bin_case;
+
+static void test_binary(void) {
+    bin_case cs[] = {
+        {"same 1", 1, {1}, {1}, {1}, 1, 1},
+        {"same 1031", 1, {1031}, {1}, {1}, 1031, 1031},
+        {"scalar b", 2, {7, 9}, {9, 1}, {0, 0}, 63, 1},
+        {"scalar a", 2, {7, 9}, {0, 0}, {9, 1}, 1, 63},
+        {"bias (13,37)+(37)", 2, {13, 37}, {37, 1}, {0, 1}, 481, 37},
+        {"column (13,37)+(13,1)", 2, {13, 37}, {37, 1}, {1, 0}, 481, 13},
+        {"both broadcast (5,1,3)x(1,4,3)", 3, {5, 4, 3}, {3, 0, 1}, {0, 3, 1}, 15, 12},
+        {"transposed a (6,5)", 2, {6, 5}, {1, 6}, {5, 1}, 30, 30},
+        {"4-d with size-1", 4, {2, 1, 3, 5}, {15, 15, 5, 1}, {0, 0, 5, 1}, 30, 15},
+    };
+    const char *ops[] = {"add", "sub", "mul", "div"};
+    for (int op = 0; op < 4; op++)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            const bin_case *c = &cs[i];
+            int64_t n = 1;
+            for (int k = 0; k < c->ndim; k++) n *= c->shape[k];
+            float *a = hrand(c->na, 3), *b = hrand(c->nb, 2), *want = hnan(n);
+            float *da = dupf(a, c->na), *db = dupf(b, c->nb), *dout = dnan(n);
+            C->binary_f32(op, want, a, c->sa, b, c->sb, c->ndim, c->shape);
+            G->binary_f32(op, dout, da, c->sa, db, c->sb, c->ndim, c->shape);
+            char name[96];
+            snprintf(name, sizeof name, "binary_f32 %s %s", ops[op], c->name);
+            check_bits(name, back(dout, n), want, (size_t)n * sizeof(float));
+            free_case();
+        }
+}
+
+static void test_scalar_ops(void) {
+    int64_t sizes[] = {1, 7, 4099};
+    for (int s = 0; s < 3; s++) {
+        int64_t n = sizes[s];
+        char name[64];
+        float *a = hrand(n, 3), *y = hrand(n, 2);
+        float *want = hnan(n), *da = dupf(a, n), *dout = dnan(n);
+        C->scale_f32(want, a, -0.37f, n);
+        G->scale_f32(dout, da, -0.37f, n);
+        snprintf(name, sizeof name, "scale_f32 n=%lld", (long long)n);
+        check_bits(name, back(dout, n), want, (size_t)n * sizeof(float));
+        C->add_scalar_f32(want, a, 1.7f, n);
+        G->add_scalar_f32(dout, da, 1.7f, n);
+        snprintf(name, sizeof name, "add_scalar_f32 n=%lld", (long long)n);
+        check_bits(name, back(dout, n), want, (size_t)n * sizeof(float));
+        float *wy = hcopy(y, n), *dy = dupf(y, n);
+        C->axpy_f32(wy, a, 0.3f, n);
+        G->axpy_f32(dy, da, 0.3f, n);
+        snprintf(name, sizeof name, "axpy_f32 n=%lld", (long long)n);
+        check_f(name, back(dy, n), wy, n, 1e-6, 1e-7, -1);
+        G->scale_f32(da, da, 2.0f, n);   /* in place */
+        C->scale_f32(a, a, 2.0f, n);
+        snprintf(name, sizeof name, "scale_f32 in place n=%lld", (long long)n);
+        check_bits(name, back(da, n), a, (size_t)n * sizeof(float));
+        free_case();
+    }
+}
+
+/* ---- reductions ---- */
+
+static void test_sum_dim(void) {
+    int64_t cs[][3] = {{1, 1, 1},   {3, 7, 1},    {5, 100, 1},   {2, 1000, 1}, {1, 5000, 13},
+                       {7, 33, 37}, {1, 70001, 3}, {600, 3, 1},  {2, 0, 5},    {3, 600, 2}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        int64_t outer = cs[i][0], red = cs[i][1], inner = cs[i][2], n = outer * red * inner, no = outer * inner;
+        float *x = hrand(n, 1), *ax = halloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+        for (int64_t k = 0; k < n; k++) ax[k] = fabsf(x[k]);
+        float *want = hnan(no), *abs_sum = hnan(no);
+        C->sum_dim_f32(want, x, outer, red, inner);
+        C->sum_dim_f32(abs_sum, ax, outer, red, inner);
+        float *dx = dupf(x, n), *dout = dnan(no);
+        G->sum_dim_f32(dout, dx, outer, red, inner);
+        double *bound = halloc((size_t)no * sizeof(double));
+        for (int64_t k = 0; k < no; k++) bound[k] = abs_sum[k] + 1e-30;
+        char name[96];
+        snprintf(name, sizeof name, "sum_dim_f32 (%lld, %lld, %lld)", (long long)outer, (long long)red,
+                 (long long)inner);
+        check_bound(name, back(dout, no), want, bound, no, 1e-6);
+        free_case();
+    }
+}
+
+static void test_sum_all(void) {
+    int64_t sizes[] = {0, 1, 7, 1031, 300007};
+    for (int s = 0; s < 5; s++) {
+        int64_t n = sizes[s];
+        float *x = hrand(n > 0 ? n : 1, 1);
+        float *dx = dupf(x, n > 0 ? n : 1);
+        double abs = 0, sq = 0;
+        for (int64_t i = 0; i < n; i++) abs += fabs(x[i]), sq += (double)x[i] * x[i];
+        double ws = C->sum_all_f32(x, n), gs = G->sum_all_f32(dx, n);
+        double wq = C->sumsq_f32(x, n), gq = G->sumsq_f32(dx, n);
+        test_check(fabs(gs - ws) <= 1e-10 * abs, "sum_all_f32 n=%lld: got %.17g want %.17g", (long long)n, gs, ws);
+        test_check(fabs(gq - wq) <= 1e-10 * sq, "sumsq_f32 n=%lld: got %.17g want %.17g", (long long)n, gq, wq);
+        free_case();
+    }
+}
+
+/* ---- activations, softmax ---- */
+
+typedef void (*unary_fn)(float *, const float *, int64_t);
+typedef void (*unary_bwd_fn)(float *, const float *, const float *, int64_t);
+
+static void test_activations(void) {
+    struct { const char *name; unary_fn gf, cf; unary_bwd_fn gb, cb; } acts[] = {
+        {"gelu", G->gelu_forward_f32, C->gelu_forward_f32, G->gelu_backward_f32, C->gelu_backward_f32},
+        {"silu", G->silu_forward_f32, C->silu_forward_f32, G->silu_backward_f32, C->silu_backward_f32},
+    };
+    int64_t sizes[] = {1, 7, 4099};
+    for (int a = 0; a < 2; a++)
+        for (int s = 0; s < 3; s++) {
+            int64_t n = sizes[s];
+            float *x = hrand(n, 4), *dout = hrand(n, 1);
+            float *want = hnan(n), *wdx = hnan(n);
+            float *dx_ = dupf(x, n), *ddout = dupf(dout, n), *dy = dnan(n), *ddx = dnan(n);
+            acts[a].cf(want, x, n);
+            acts[a].gf(dy, dx_, n);
+            acts[a].cb(wdx, x, dout, n);
+            acts[a].gb(ddx, dx_, ddout, n);
+            char name[64];
+            snprintf(name, sizeof name, "%s_forward_f32 n=%lld", acts[a].name, (long long)n);
+            check_f(name, back(dy, n), want, n, 1e-5, 1e-6, -1);
+            snprintf(name, sizeof name, "%s_backward_f32 n=%lld", acts[a].name, (long long)n);
+            check_f(name, back(ddx, n), wdx, n, 1e-5, 1e-6, -1);
+            free_case();
+        }
+}
+
+typedef void (*rows_fn)(float *, const float *, int64_t, int64_t);
+typedef void (*rows_bwd_fn)(float *, const float *, const float *, int64_t, int64_t);
+
+static void test_softmax(void) {
+    struct { const char *name; rows_fn gf, cf; rows_bwd_fn gb, cb; } sm[] = {
+        {"softmax", G->softmax_forward_f32, C->softmax_forward_f32, G->softmax_backward_f32, C->softmax_backward_f32},
+        {"log_softmax", G->log_softmax_forward_f32, C->log_softmax_forward_f32, G->log_softmax_backward_f32,
+         C->log_softmax_backward_f32},
+    };
+    int64_t cs[][2] = {{1, 1}, {3, 7}, {5, 1000}, {70, 33}, {2, 50257}};
+    for (int a = 0; a < 2; a++)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            int64_t rows = cs[i][0], cols = cs[i][1], n = rows * cols;
+            float *x = hrand(n, 5), *dy = hrand(n, 1), *y = hnan(n), *wdx = hnan(n);
+            sm[a].cf(y, x, rows, cols);
+            sm[a].cb(wdx, y, dy, rows, cols);
+            float *dx_ = dupf(x, n), *dyv = dnan(n), *dyy = dupf(y, n), *ddy = dupf(dy, n), *ddx = dnan(n);
+            sm[a].gf(dyv, dx_, rows, cols);
+            sm[a].gb(ddx, dyy, ddy, rows, cols);   /* from the CPU's y: checks backward alone */
+            char name[80];
+            snprintf(name, sizeof name, "%s_forward_f32 (%lld, %lld)", sm[a].name, (long long)rows, (long long)cols);
+            check_f(name, back(dyv, n), y, n, 1e-5, 1e-6, -1);
+            snprintf(name, sizeof name, "%s_backward_f32 (%lld, %lld)", sm[a].name, (long long)rows, (long long)cols);
+            check_f(name, back(ddx, n), wdx, n, 1e-5, 1e-6, -1);
+            free_case();
+        }
+}
+
+/* ---- norms ---- */
+
+/* dx = rstd (g - ...) with g = dout * w: its terms are of size rstd |g|, and
+ * where they cancel (e.g. one column) both sides keep rounding noise of that
+ * size, so dx is compared on that scale. */
+static double dx_scale(const float *dout, const float *w, const float *rstd, int64_t rows, int64_t cols) {
+    double m = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) {
+            double t = fabs((double)rstd[r] * dout[r * cols + j] * (w ? w[j] : 1.0f));
+            if (t > m) m = t;
+        }
+    return m;
+}
+
+static void test_norms(void) {
+    int64_t cs[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}, {1000, 5}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+        for (int affine = 0; affine < 3; affine++) {   /* 0: none, 1: weight, 2: weight + bias */
+            int64_t rows = cs[i][0], cols = cs[i][1], n = rows * cols;
+            float *x = hrand(n, 2), *w = affine ? hrand(cols, 1) : NULL, *b = affine == 2 ? hrand(cols, 1) : NULL;
+            for (int64_t k = 0; k < n; k++) x[k] += 0.5f;   /* a non-zero mean */
+            float *dout = hrand(n, 1);
+            float *dx_ = dupf(x, n), *dw = w ? dupf(w, cols) : NULL, *db = b ? dupf(b, cols) : NULL;
+            float *ddout = dupf(dout, n);
+            char name[96], tag[64];
+            snprintf(tag, sizeof tag, "(%lld, %lld) %s", (long long)rows, (long long)cols,
+                     affine == 0 ? "no affine" : affine == 1 ? "weight" : "weight+bias");
+            /* layernorm */
+            float *y = hnan(n), *mean = hnan(rows), *rstd = hnan(rows);
+            C->layernorm_forward_f32(y, mean, rstd, x, w, b, rows, cols, 1e-5f);
+            float *gy = dnan(n), *gmean = dnan(rows), *grstd = dnan(rows);
+            G->layernorm_forward_f32(gy, gmean, grstd, dx_, dw, db, rows, cols, 1e-5f);
+            snprintf(name, sizeof name, "layernorm_forward_f32 out %s", tag);
+            check_f(name, back(gy, n), y, n, 1e-5, 1e-6, -1);
+            snprintf(name, sizeof name, "layernorm_forward_f32 mean %s", tag);
+            check_f(name, back(gmean, rows), mean, rows, 1e-5, 1e-6, -1);
+            snprintf(name, sizeof name, "layernorm_forward_f32 rstd %s", tag);
+            check_f(name, back(grstd, rows), rstd, rows, 1e-5, 1e-6, -1);
+            float *wdx = hnan(n), *wdw = hnan(cols), *wdb = hnan(cols);
+            /* from the CPU's mean and rstd: checks backward alone */
+            float *cmean = dupf(mean, rows), *crstd = dupf(rstd, rows);
+            float *gdx = dnan(n), *gdw = dnan(cols), *gdb = dnan(cols);
+            int want_w = affine >= 1, want_b = affine == 2;
+            C->layernorm_backward_f32(wdx, want_w ? wdw : NULL, want_b ? wdb : NULL, dout, x, w, mean, rstd, rows,
+                                      cols);
+            G->layernorm_backward_f32(gdx, want_w ? gdw : NULL, want_b ? gdb : NULL, ddout, dx_, dw, cmean, crstd,
+                                      rows, cols);
+            snprintf(name, sizeof name, "layernorm_backward_f32 dx %s", tag);
+            check_f(name, back(gdx, n), wdx, n, 1e-5, 1e-6, dx_scale(dout, w, rstd, rows, cols));
+            if (want_w) {
+                snprintf(name, sizeof name, "layernorm_backward_f32 dweight %s", tag);
+                check_f(name, back(gdw, cols), wdw, cols, 1e-5, 1e-5, -1);
+            }
+            if (want_b) {
+                snprintf(name, sizeof name, "layernorm_backward_f32 dbias %s", tag);
+                check_f(name, back(gdb, cols), wdb, cols, 1e-5, 1e-5, -1);
+            }
+            /* rmsnorm (weight or none) */
+            if (affine < 2) {
+                float *ry = hnan(n), *rr = hnan(rows);
+                C->rmsnorm_forward_f32(ry, rr, x, w, rows, cols, 1e-6f);
+                float *gry = dnan(n), *grr = dnan(rows);
+                G->rmsnorm_forward_f32(gry, grr, dx_, dw, rows, cols, 1e-6f);
+                snprintf(name, sizeof name, "rmsnorm_forward_f32 out %s", tag);
+                check_f(name, back(gry, n), ry, n, 1e-5, 1e-6, -1);
+                snprintf(name, sizeof name, "rmsnorm_forward_f32 rstd %s", tag);
+                check_f(name, back(grr, rows), rr, rows, 1e-5, 1e-6, -1);
+                float *rdx = hnan(n), *rdw = hnan(cols), *crr = dupf(rr, rows), *grdx = dnan(n), *grdw = dnan(cols);
+                C->rmsnorm_backward_f32(rdx, want_w ? rdw : NULL, dout, x, w, rr, rows, cols);
+                G->rmsnorm_backward_f32(grdx, want_w ? grdw : NULL, ddout, dx_, dw, crr, rows, cols);
+                snprintf(name, sizeof name, "rmsnorm_backward_f32 dx %s", tag);
+                check_f(name, back(grdx, n), rdx, n, 1e-5, 1e-6, dx_scale(dout, w, rr, rows, cols));
+                if (want_w) {
+                    snprintf(name, sizeof name, "rmsnorm_backward_f32 dweight %s", tag);
+                    check_f(name, back(grdw, cols), rdw, cols, 1e-5, 1e-5, -1);
+                }
+            }
+            free_case();
+        }
+}
+
+/* ---- embedding, cross-entropy ---- */
+
+static void test_embedding(void) {
+    int64_t cs[][3] = {{1, 1, 1}, {13, 50, 7}, {1000, 300, 65}, {5, 2000, 33}, {70000, 100, 3}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        int64_t V = cs[i][0], n = cs[i][1], dim = cs[i][2];
+        int64_t *ids = halloc((size_t)n * sizeof(int64_t));
+        for (int64_t k = 0; k < n; k++) ids[k] = (int64_t)(test_rng_uniform(&rng) * (double)V) % V;
+        float *table = hrand(V * dim, 1), *dout = hrand(n * dim, 1);
+        float *want = hnan(n * dim), *wdt = hnan(V * dim);
+        C->embedding_forward_f32(want, ids, n, table, dim);
+        C->embedding_backward_f32(wdt, V, ids, n, dout, dim);
+        int64_t *dids = dup(ids, (size_t)n * sizeof(int64_t));
+        float *dtab = dupf(table, V * dim), *ddout = dupf(dout, n * dim), *gout = dnan(n * dim), *gdt = dnan(V * dim);
+        G->embedding_forward_f32(gout, dids, n, dtab, dim);
+        G->embedding_backward_f32(gdt, V, dids, n, ddout, dim);
+        char name[96];
+        snprintf(name, sizeof name, "embedding_forward_f32 V %lld n %lld dim %lld", (long long)V, (long long)n,
+                 (long long)dim);
+        check_bits(name, back(gout, n * dim), want, (size_t)(n * dim) * sizeof(float));
+        snprintf(name, sizeof name, "embedding_backward_f32 V %lld n %lld dim %lld", (long long)V, (long long)n,
+                 (long long)dim);
+        check_bits(name, back(gdt, V * dim), wdt, (size_t)(V * dim) * sizeof(float));
+        free_case();
+    }
+}
+
+static void test_cross_entropy(void) {
+    int64_t cs[][3] = {{1, 1, 1}, {7, 13, 13}, {5, 1000, 997}, {3, 50304, 50257}, {40, 17, 16}};
+    const int64_t ignore = -100;
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        int64_t N = cs[i][0], V = cs[i][1], valid = cs[i][2];
+        int64_t *t = halloc((size_t)N * sizeof(int64_t));
+        for (int64_t k = 0; k < N; k++)
+            t[k] = k % 4 == 3 ? ignore : (int64_t)(test_rng_uniform(&rng) * (double)valid) % valid;
+        float *x = hrand(N * V, 8), *losses = hnan(N), *lse = hnan(N);
+        int64_t count = C->cross_entropy_forward_f32(losses, lse, x, t, N, V, valid, ignore);
+        int64_t *dt = dup(t, (size_t)N * sizeof(int64_t));
+        float *dx = dupf(x, N * V), *gl = dnan(N), *glse = dnan(N);
+        int64_t gcount = G->cross_entropy_forward_f32(gl, glse, dx, dt, N, V, valid, ignore);
+        char name[96];
+        snprintf(name, sizeof name, "cross_entropy_forward_f32 (%lld, %lld) valid %lld", (long long)N, (long long)V,
+                 (long long)valid);
+        test_check(gcount == count, "%s: count %lld, want %lld", name, (long long)gcount, (long long)count);
+        check_f(name, back(gl, N), losses, N, 1e-5, 1e-6, -1);
+        snprintf(name, sizeof name, "cross_entropy_forward_f32 lse (%lld, %lld)", (long long)N, (long long)V);
+        check_f(name, back(glse, N), lse, N, 1e-5, 1e-6, -1);
+        float dloss = count ? 1.0f / (float)count : 1.0f;
+        float *wdx = hnan(N * V), *clse = dupf(lse, N), *gdx = dnan(N * V);
+        C->cross_entropy_backward_f32(wdx, x, lse, t, N, V, valid, ignore, dloss);
+        G->cross_entropy_backward_f32(gdx, dx, clse, dt, N, V, valid, ignore, dloss);
+        snprintf(name, sizeof name, "cross_entropy_backward_f32 (%lld, %lld) valid %lld", (long long)N, (long long)V,
+                 (long long)valid);
+        check_f(name, back(gdx, N * V), wdx, N * V, 1e-5, 1e-6, dloss);
+        free_case();
+    }
+}
+
+/* ---- attention ---- */
+
+static void test_attention(void) {
+    int64_t cs[][4] = {{1, 1, 1, 1}, {2, 3, 17, 8}, {1, 2, 70, 64}, {1, 1, 33, 128},
+                       {1, 1, 5, 200}, {1, 1, 9, 520}, {2, 1, 40, 3}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+        for (int causal = 0; causal < 2; causal++) {
+            int64_t B = cs[i][0], H = cs[i][1], T = cs[i][2], D = cs[i][3], n = B * H * T * D, nl = B * H * T;
+            float scale = 1.0f / sqrtf((float)D);
+            float *q = hrand(n, 1), *k = hrand(n, 1), *v = hrand(n, 1), *dout = hrand(n, 1);
+            float *o = hnan(n), *lse = hnan(nl);
+            C->attention_forward_f32(o, lse, q, k, v, B, H, T, D, causal, scale);
+            float *dq = hnan(n), *dk = hnan(n), *dv = hnan(n);
+            C->attention_backward_f32(dq, dk, dv, dout, q, k, v, o, lse, B, H, T, D, causal, scale);
+            float *gq = dupf(q, n), *gk = dupf(k, n), *gv = dupf(v, n), *gdo = dupf(dout, n);
+            float *go = dnan(n), *glse = dnan(nl);
+            G->attention_forward_f32(go, glse, gq, gk, gv, B, H, T, D, causal, scale);
+            float *co = dupf(o, n), *clse = dupf(lse, nl), *gdq = dnan(n), *gdk = dnan(n), *gdv = dnan(n);
+            G->attention_backward_f32(gdq, gdk, gdv, gdo, gq, gk, gv, co, clse, B, H, T, D, causal, scale);
+            char tag[64], name[128];
+            snprintf(tag, sizeof tag, "(%lld, %lld, %lld, %lld)%s", (long long)B, (long long)H, (long long)T,
+                     (long long)D, causal ? " causal" : "");
+            snprintf(name, sizeof name, "attention_forward_f32 out %s", tag);
+            check_f(name, back(go, n), o, n, 1e-4, 1e-4, -1);
+            snprintf(name, sizeof name, "attention_forward_f32 lse %s", tag);
+            check_f(name, back(glse, nl), lse, nl, 1e-4, 1e-4, -1);
+            snprintf(name, sizeof name, "attention_backward_f32 dq %s", tag);
+            check_f(name, back(gdq, n), dq, n, 1e-4, 1e-4, -1);
+            snprintf(name, sizeof name, "attention_backward_f32 dk %s", tag);
+            check_f(name, back(gdk, n), dk, n, 1e-4, 1e-4, -1);
+            snprintf(name, sizeof name, "attention_backward_f32 dv %s", tag);
+            check_f(name, back(gdv, n), dv, n, 1e-4, 1e-4, -1);
+            free_case();
+        }
+}
+
+/* ---- random ---- */
+
+static void test_random(void) {
+    int64_t sizes[] = {1, 7, 100003};
+    uint64_t seeds[] = {0, 1234, 0xfedcba9876543210ull};
+    int64_t offsets[] = {0, 5, ((int64_t)1 << 33) + 11};
+    for (int s = 0; s < 3; s++)
+        for (int k = 0; k < 3; k++) {
+            int64_t n = sizes[s], off = offsets[k];
+            uint64_t seed = seeds[k], stream = 7 + (uint64_t)k * 0x100000001ull;
+            char name[128];
+            float *want = hnan(n), *got = dnan(n);
+            C->init_uniform_f32(want, n, -0.1f, 0.3f, seed, stream, off);
+            G->init_uniform_f32(got, n, -0.1f, 0.3f, seed, stream, off);
+            snprintf(name, sizeof name, "init_uniform_f32 n=%lld seed %llx offset %lld", (long long)n,
+                     (unsigned long long)seed, (long long)off);
+            check_bits(name, back(got, n), want, (size_t)n * sizeof(float));
+            C->init_uniform_f32(want, n, 2.0f, 2.0f, seed, stream, off);
+            G->init_uniform_f32(got, n, 2.0f, 2.0f, seed, stream, off);
+            snprintf(name, sizeof name, "init_uniform_f32 low == high n=%lld", (long long)n);
+            check_bits(name, back(got, n), want, (size_t)n * sizeof(float));
+            C->init_normal_f32(want, n, 0.5f, 0.02f, seed, stream, off);
+            G->init_normal_f32(got, n, 0.5f, 0.02f, seed, stream, off);
+            float *g = back(got, n);
+            int64_t max_ulp = 0, differ = 0;
+            for (int64_t i = 0; i < n; i++) {
+                int64_t u = ulp_diff(g[i], want[i]);
+                differ += u != 0;
+                if (u > max_ulp) max_ulp = u;
+            }
+            test_check(max_ulp <= 4, "init_normal_f32 n=%lld seed %llx offset %lld: %lld values differ, by up to %lld ulp",
+                       (long long)n, (unsigned long long)seed, (long long)off, (long long)differ, (long long)max_ulp);
+            if (differ)
+                printf("  init_normal_f32 n=%lld: %lld of %lld values differ from the CPU's, by at most %lld ulp\n",
+                       (long long)n, (long long)differ, (long long)n, (long long)max_ulp);
+            float ps[] = {0.0f, 0.1f, 0.5f, 0.999f};
+            for (int p = 0; p < 4; p++) {
+                float *x = hrand(n, 2), *wd = hnan(n), *dx = dupf(x, n), *gd = dnan(n);
+                C->dropout_f32(wd, x, n, ps[p], seed, off);
+                G->dropout_f32(gd, dx, n, ps[p], seed, off);
+                snprintf(name, sizeof name, "dropout_f32 p %g n=%lld offset %lld", ps[p], (long long)n, (long long)off);
+                check_bits(name, back(gd, n), wd, (size_t)n * sizeof(float));
+                G->dropout_f32(dx, dx, n, ps[p], seed, off);   /* in place */
+                snprintf(name, sizeof name, "dropout_f32 in place p %g n=%lld", ps[p], (long long)n);
+                check_bits(name, back(dx, n), wd, (size_t)n * sizeof(float));
+            }
+            free_case();
+        }
+}
+
+/* ---- optimizers ---- */
+
+static void test_optim(void) {
+    int64_t sizes[] = {1, 7, 4099};
+    for (int s = 0; s < 3; s++) {
+        int64_t n = sizes[s];
+        char name[96];
+        float *p = hrand(n, 1), *g = hrand(n, 0.1f), *m = hrand(n, 0.01f), *v = hrand(n, 0.001f);
+        for (int64_t i = 0; i < n; i++) v[i] = fabsf(v[i]);
+        float *dp = dupf(p, n), *dg = dupf(g, n), *dm = dupf(m, n), *dv = dupf(v, n);
+        float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, t = 3;
+        float step = lr / (1 - powf(b1, t)), ibc2 = 1 / sqrtf(1 - powf(b2, t));
+        C->adamw_f32(p, g, m, v, n, b1, b2, 1e-8f, 1 - lr * 0.1f, step, ibc2);
+        G->adamw_f32(dp, dg, dm, dv, n, b1, b2, 1e-8f, 1 - lr * 0.1f, step, ibc2);
+        snprintf(name, sizeof name, "adamw_f32 p n=%lld", (long long)n);
+        check_f(name, back(dp, n), p, n, 1e-6, 1e-7, -1);
+        snprintf(name, sizeof name, "adamw_f32 m n=%lld", (long long)n);
+        check_f(name, back(dm, n), m, n, 1e-6, 1e-7, -1);
+        snprintf(name, sizeof name, "adamw_f32 v n=%lld", (long long)n);
+        check_f(name, back(dv, n), v, n, 1e-6, 1e-7, -1);
+        /* sgd: no momentum; momentum (first step, then a later one); nesterov */
+        struct { float mom, damp, wd; int nesterov; } cfg[] = {{0, 0, 0.01f, 0}, {0.9f, 0.1f, 0.01f, 0}, {0.9f, 0, 0, 1}};
+        for (int c = 0; c < 3; c++)
+            for (int first = 1; first >= 0; first--) {
+                float *buf = cfg[c].mom != 0 ? hrand(n, 0.1f) : NULL, *dbuf = buf ? dupf(buf, n) : NULL;
+                float *p2 = hrand(n, 1), *dp2 = dupf(p2, n);
+                C->sgd_f32(p2, g, buf, n, 0.1f, cfg[c].mom, cfg[c].damp, cfg[c].wd, cfg[c].nesterov, first);
+                G->sgd_f32(dp2, dg, dbuf, n, 0.1f, cfg[c].mom, cfg[c].damp, cfg[c].wd, cfg[c].nesterov, first);
+                snprintf(name, sizeof name, "sgd_f32 p momentum %g nesterov %d first %d n=%lld", cfg[c].mom,
+                         cfg[c].nesterov, first, (long long)n);
+                check_f(name, back(dp2, n), p2, n, 1e-6, 1e-7, -1);
+                if (buf) {
+                    snprintf(name, sizeof name, "sgd_f32 buf momentum %g nesterov %d first %d n=%lld", cfg[c].mom,
+                             cfg[c].nesterov, first, (long long)n);
+                    check_f(name, back(dbuf, n), buf, n, 1e-6, 1e-7, -1);
+                }
+            }
+        free_case();
+    }
+}
+
+/* ---- ops end to end through the public API, CUDA tensors vs CPU tensors ---- */
+
+static fsdp_tensor *tensor(int device, int ndim, const int64_t *shape, const float *data, int64_t n) {
+    fsdp_tensor *t = NULL;
+    if (fsdp_tensor_from_data(&t, FSDP_F32, ndim, shape, data, n * (int64_t)sizeof(float), device, FSDP_TAG_OTHER) !=
+        FSDP_OK) {
+        fprintf(stderr, "fsdp_tensor_from_data: %s\n", fsdp_last_error());
+        exit(1);
+    }
+    return t;
+}
+
+/* y = layernorm(gelu(x @ w)) with its mean, on one device; the values of y and sum(y) */
+static int run_model(int device, const float *x, const float *w, float *y, double *sum) {
+    int64_t xs[2] = {5, 17}, ws[2] = {17, 9};
+    fsdp_tensor *tx = tensor(device, 2, xs, x, 85), *tw = tensor(device, 2, ws, w, 153), *h = NULL, *a = NULL,
+                *r = NULL, *s = NULL;
+    int ok = fsdp_matmul(&h, tx, tw, 0, 0) == FSDP_OK && fsdp_gelu(&a, h) == FSDP_OK &&
+             fsdp_layernorm(&r, a, NULL, NULL, 1e-5) == FSDP_OK && fsdp_sum(&s, r, 0, NULL, 0) == FSDP_OK &&
+             fsdp_tensor_to_data(r, y, 45 * (int64_t)sizeof(float)) == FSDP_OK && fsdp_tensor_item(s, sum) == FSDP_OK;
+    if (!ok) fprintf(stderr, "op on %s failed: %s\n", device ? "cuda" : "cpu", fsdp_last_error());
+    fsdp_tensor *all[] = {tx, tw, h, a, r, s};
+    for (int i = 0; i < 6; i++)
+        if (all[i]) fsdp_tensor_release(all[i]);
+    return ok;
+}
+
+static void test_ops_end_to_end(void) {
+    float *x = hrand(85, 1), *w = hrand(153, 1), yc[45], yg[45];
+    double sc = 0, sg = 0;
+    int okc = run_model(FSDP_DEVICE_CPU, x, w, yc, &sc), okg = run_model(FSDP_DEVICE_CUDA, x, w, yg, &sg);
+    test_check(okc && okg, "matmul -> gelu -> layernorm -> sum through the public API on both devices");
+    if (okc && okg) {
+        check_f("ops end to end: layernorm(gelu(x @ w))", yg, yc, 45, 1e-5, 1e-5, -1);
+        test_check(fabs(sg - sc) <= 1e-4, "ops end to end: sum %.9g on cuda, %.9g on cpu", sg, sc);
+    }
+    free_case();
+}
+
+/* ---- start-up ---- */
+
+int main(void) {
+    C = device_kernels(FSDP_DEVICE_CPU);
+    cpu_threads_set(1);
+    test_rng_seed(&rng, 20240611);
+#ifdef FSDP_CUDA_EMU
+    /* no device at all: nothing registered, a reason, FSDP_OK */
+    emu_set_device_count(0);
+    fsdp_status st0 = cuda_backend_init(0);
+    const char *why = cuda_unavailable_reason();
+    test_check(st0 == FSDP_OK && why && strncmp(why, "no GPU: cudaGetDeviceCount: ", 28) == 0,
+               "no GPU: status %d, reason \"%s\"", (int)st0, why ? why : "(null)");
+    int avail0 = -1;
+    char desc0[256] = "";
+    fsdp_status sti = cuda_device_info(&avail0, desc0, sizeof desc0);
+    test_check(sti == FSDP_OK && avail0 == 0 && strcmp(desc0, why ? why : "") == 0, "no GPU: device info %d \"%s\"",
+               avail0, desc0);
+    test_check(device_kernels(FSDP_DEVICE_CUDA) == NULL, "no GPU: nothing registered");
+    emu_set_device_count(2);
+#endif
+    /* a local rank beyond the node's GPUs is an error naming both */
+    fsdp_status st = cuda_backend_init(1000);
+    const char *reason = cuda_unavailable_reason();
+    if (st == FSDP_OK && reason) {
+        printf("SKIPPED: %s\n", reason);
+        return 77;
+    }
+    test_check(st == FSDP_ERR_DEVICE && strstr(fsdp_last_error(), "rank with local rank 1000 has no GPU: this node has"),
+               "local rank 1000: status %d, message \"%s\"", (int)st, fsdp_last_error());
+#ifdef FSDP_CUDA_EMU
+    st = cuda_backend_init(1);
+#else
+    st = cuda_backend_init(0);
+#endif
+    if (st != FSDP_OK || cuda_unavailable_reason()) {
+        printf("FAILED: cuda_backend_init: %s\n", st != FSDP_OK ? fsdp_last_error() : cuda_unavailable_reason());
+        return 1;
+    }
+    G = device_kernels(FSDP_DEVICE_CUDA);
+    test_check(G != NULL, "the CUDA table is registered");
+    if (!G) return test_summary();
+    int avail = 0, def = -1;
+    char desc[256] = "";
+    cuda_device_info(&avail, desc, sizeof desc);
+#ifndef FSDP_CUDA_EMU
+    int pub_avail = 0;
+    char pub_desc[256] = "";
+    fsdp_device_info(FSDP_DEVICE_CUDA, &pub_avail, pub_desc, sizeof pub_desc);
+    test_check(pub_avail == 1 && strcmp(pub_desc, desc) == 0, "fsdp_device_info(cuda): %d \"%s\"", pub_avail, pub_desc);
+#endif
+    fsdp_default_device(&def);
+    const char *want_dev = getenv("FSDP_DEVICE");
+    int want_def = want_dev && strcmp(want_dev, "cpu") == 0 ? FSDP_DEVICE_CPU : FSDP_DEVICE_CUDA;
+    test_check(avail == 1 && strncmp(desc, "cuda:", 5) == 0, "device info: %d \"%s\"", avail, desc);
+    test_check(def == want_def, "default device %d, want %d", def, want_def);
+    printf("%s: %s\n", MODE, desc);
+
+    test_memory();
+    test_cast();
+    test_copy_strided();
+    test_fill();
+    test_matmul();
+    test_binary();
+    test_scalar_ops();
+    test_sum_dim();
+    test_sum_all();
+    test_activations();
+    test_softmax();
+    test_norms();
+    test_embedding();
+    test_cross_entropy();
+    test_attention();
+    test_random();
+    test_optim();
+    test_ops_end_to_end();
+    G->synchronize();
+    fsdp_status last = cuda_last_status();
+    test_check(last == FSDP_OK, "no CUDA error recorded: %s", last == FSDP_OK ? "" : fsdp_last_error());
+    return test_summary();
+}
