@@ -25,7 +25,11 @@
  *   attention: rtol 1e-4, atol 1e-4 (flash tiling and exp differ).
  *   normal init: within 4 ulp (cuda_internal.h: equal but where glibc's
  *   logf/cosf are not correctly rounded, ~0.8% of values, <= 3 ulp).
- * Outputs start as NaN on both sides, so a skipped element fails. */
+ * Outputs start as NaN on both sides, so a skipped element fails.
+ *
+ * Flags: --init-only (start-up checks only), --fault (a failing op must end
+ * the process with a message naming device and op), --bench (time per call
+ * of the main kernels at GPT-2 small sizes; toy sizes in the emulation). */
 #include "cpu_kernels.h"
 #include "cuda_internal.h"
 #include "device.h"
@@ -36,12 +40,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #ifdef FSDP_CUDA_EMU
 void emu_set_device_count(int n);
 #define MODE "emulated CUDA"
 #else
 #define MODE "CUDA"
+#endif
+
+/* Cases of GPT-2 size, on the GPU only (the emulation runs a thread at a time). */
+#if defined(FSDP_CUDA_EMU) && !defined(FSDP_TEST_BIG)
+#define BIG(...)
+#else
+#define BIG(...) __VA_ARGS__,
 #endif
 
 static const fsdp_device_kernels *G, *C;   /* the CUDA table, the CPU table */
@@ -170,22 +182,24 @@ static void check_bound(const char *what, const float *got, const float *want, c
 /* ---- memory ---- */
 
 static void test_memory(void) {
-    int64_t sizes[] = {1, 7, 4099};
+    size_t sizes[] = {1, 7, 4099};
     for (int s = 0; s < 3; s++) {
-        int64_t n = sizes[s];
-        unsigned char *h = halloc((size_t)n), *z = halloc((size_t)n), *r = halloc((size_t)n);
-        for (int64_t i = 0; i < n; i++) h[i] = (unsigned char)(test_rng_uniform(&rng) * 255 + 1);
-        memset(z, 0, (size_t)n);
-        void *d = dup(h, (size_t)n);
+        size_t n = sizes[s];
+        unsigned char *h = halloc(n), *z = halloc(n), *r = halloc(n);
+        for (size_t i = 0; i < n; i++) {
+            h[i] = (unsigned char)(test_rng_uniform(&rng) * 255 + 1);
+            z[i] = 0;
+        }
+        void *d = dup(h, n);
         G->synchronize();
-        G->copy_to_host(r, d, (size_t)n);
+        G->copy_to_host(r, d, n);
         char name[64];
-        snprintf(name, sizeof name, "copy_from_host/copy_to_host n=%lld", (long long)n);
-        check_bits(name, r, h, (size_t)n);
-        G->zero(d, (size_t)n);
-        G->copy_to_host(r, d, (size_t)n);
-        snprintf(name, sizeof name, "zero n=%lld", (long long)n);
-        check_bits(name, r, z, (size_t)n);
+        snprintf(name, sizeof name, "copy_from_host/copy_to_host n=%zu", n);
+        check_bits(name, r, h, n);
+        G->zero(d, n);
+        G->copy_to_host(r, d, n);
+        snprintf(name, sizeof name, "zero n=%zu", n);
+        check_bits(name, r, z, n);
         free_case();
     }
     G->synchronize();
@@ -347,8 +361,9 @@ static void test_matmul(void) {
             };
             for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_matmul(&cs[i]);
         }
-    mm_case k0[] = {{2, 3, 4, 0, 0, 0, 1, 0.5f, 0}, {2, 3, 4, 0, 1, 1, 1, 0, 0}};
-    for (int i = 0; i < 2; i++) run_matmul(&k0[i]);
+    mm_case k0[] = {{2, 3, 4, 0, 0, 0, 1, 0.5f, 0}, {2, 3, 4, 0, 1, 1, 1, 0, 0},
+                    BIG({4, 128, 384, 512, 0, 1, 1, 0, 0}, {1, 512, 768, 1024, 1, 0, 1, 1, 0})};
+    for (size_t i = 0; i < sizeof k0 / sizeof k0[0]; i++) run_matmul(&k0[i]);
 }
 
 /* ---- elementwise ---- */
@@ -421,7 +436,8 @@ static void test_scalar_ops(void) {
 
 static void test_sum_dim(void) {
     int64_t cs[][3] = {{1, 1, 1},   {3, 7, 1},    {5, 100, 1},   {2, 1000, 1}, {1, 5000, 13},
-                       {7, 33, 37}, {1, 70001, 3}, {600, 3, 1},  {2, 0, 5},    {3, 600, 2}};
+                       {7, 33, 37}, {1, 70001, 3}, {600, 3, 1},  {2, 0, 5},    {3, 600, 2},
+                       BIG({1, 65536, 768}, {64, 1024, 1})};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         int64_t outer = cs[i][0], red = cs[i][1], inner = cs[i][2], n = outer * red * inner, no = outer * inner;
         float *x = hrand(n, 1), *ax = halloc((size_t)(n > 0 ? n : 1) * sizeof(float));
@@ -496,7 +512,7 @@ static void test_softmax(void) {
         {"log_softmax", G->log_softmax_forward_f32, C->log_softmax_forward_f32, G->log_softmax_backward_f32,
          C->log_softmax_backward_f32},
     };
-    int64_t cs[][2] = {{1, 1}, {3, 7}, {5, 1000}, {70, 33}, {2, 50257}};
+    int64_t cs[][2] = {{1, 1}, {3, 7}, {5, 1000}, {70, 33}, {2, 50257}, BIG({64, 50257})};
     for (int a = 0; a < 2; a++)
         for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
             int64_t rows = cs[i][0], cols = cs[i][1], n = rows * cols;
@@ -531,7 +547,7 @@ static double dx_scale(const float *dout, const float *w, const float *rstd, int
 }
 
 static void test_norms(void) {
-    int64_t cs[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}, {1000, 5}};
+    int64_t cs[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}, {1000, 5}, BIG({4096, 768})};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         for (int affine = 0; affine < 3; affine++) {   /* 0: none, 1: weight, 2: weight + bias */
             int64_t rows = cs[i][0], cols = cs[i][1], n = rows * cols;
@@ -600,7 +616,7 @@ static void test_norms(void) {
 /* ---- embedding, cross-entropy ---- */
 
 static void test_embedding(void) {
-    int64_t cs[][3] = {{1, 1, 1}, {13, 50, 7}, {1000, 300, 65}, {5, 2000, 33}, {70000, 100, 3}};
+    int64_t cs[][3] = {{1, 1, 1}, {13, 50, 7}, {1000, 300, 65}, {5, 2000, 33}, {70000, 100, 3}, BIG({50257, 8192, 768})};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         int64_t V = cs[i][0], n = cs[i][1], dim = cs[i][2];
         int64_t *ids = halloc((size_t)n * sizeof(int64_t));
@@ -625,7 +641,7 @@ static void test_embedding(void) {
 }
 
 static void test_cross_entropy(void) {
-    int64_t cs[][3] = {{1, 1, 1}, {7, 13, 13}, {5, 1000, 997}, {3, 50304, 50257}, {40, 17, 16}};
+    int64_t cs[][3] = {{1, 1, 1}, {7, 13, 13}, {5, 1000, 997}, {3, 50304, 50257}, {40, 17, 16}, BIG({64, 50304, 50257})};
     const int64_t ignore = -100;
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         int64_t N = cs[i][0], V = cs[i][1], valid = cs[i][2];
@@ -659,7 +675,7 @@ static void test_cross_entropy(void) {
 
 static void test_attention(void) {
     int64_t cs[][4] = {{1, 1, 1, 1}, {2, 3, 17, 8}, {1, 2, 70, 64}, {1, 1, 33, 128},
-                       {1, 1, 5, 200}, {1, 1, 9, 520}, {2, 1, 40, 3}};
+                       {1, 1, 5, 200}, {1, 1, 9, 520}, {2, 1, 40, 3}, BIG({2, 4, 257, 64}, {1, 2, 1024, 64})};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         for (int causal = 0; causal < 2; causal++) {
             int64_t B = cs[i][0], H = cs[i][1], T = cs[i][2], D = cs[i][3], n = B * H * T * D, nl = B * H * T;
@@ -823,7 +839,98 @@ static void test_ops_end_to_end(void) {
 
 /* ---- start-up ---- */
 
-int main(void) {
+/* ---- --bench: time per call at GPT-2 small sizes (B 8, T 1024, C 768, H 12) ---- */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+#define BENCH(label, work, unit, CALL)                                                                  \
+    do {                                                                                                \
+        CALL;                                                                                           \
+        G->synchronize();                                                                               \
+        double t0_ = now_s();                                                                           \
+        for (int r_ = 0; r_ < 10; r_++) CALL;                                                           \
+        G->synchronize();                                                                               \
+        double ms_ = (now_s() - t0_) * 100.0;                                                           \
+        printf("  %-44s %9.3f ms  %8.1f %s\n", label, ms_, (work) / (ms_ * 1e-3) * 1e-9, unit);         \
+    } while (0)
+
+static float *dev_uniform(int64_t n) {
+    float *d = dalloc((size_t)n * sizeof(float));
+    G->init_uniform_f32(d, n, -1.0f, 1.0f, 1, 1, 0);
+    return d;
+}
+
+static int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulation */
+    const int64_t B = tiny ? 2 : 8, T = tiny ? 32 : 1024, Cd = tiny ? 48 : 768, H = tiny ? 3 : 12, D = 16 * (H == 3) + 64 * (H == 12);
+    const int64_t V = tiny ? 97 : 50257, Vp = tiny ? 128 : 50304, N = B * T, P = tiny ? 1000 : 124000000;
+    printf("time per call, mean of 10 after one warm-up (GB/s counts the bytes read and written once):\n");
+    float *x = dev_uniform(N * 4 * Cd), *w = dev_uniform(4 * Cd * Cd), *y = dev_uniform(N * 4 * Cd);
+    BENCH("matmul (8192x768) @ (768x3072)", 2.0 * N * Cd * 4 * Cd, "GFLOP/s",
+          G->matmul_f32(y, x, w, 1, N, 4 * Cd, Cd, 0, 0, 1.0f, 0.0f, 0, 0, 0));
+    BENCH("matmul (8192x3072) @ (768x3072)^T", 2.0 * N * Cd * 4 * Cd, "GFLOP/s",
+          G->matmul_f32(x, y, w, 1, N, Cd, 4 * Cd, 0, 1, 1.0f, 0.0f, 0, 0, 0));
+    float *q = dev_uniform(N * Cd), *k = dev_uniform(N * Cd), *v = dev_uniform(N * Cd), *o = dev_uniform(N * Cd);
+    float *lse = dev_uniform(B * H * T), *dq = dev_uniform(N * Cd), *dk = dev_uniform(N * Cd), *dv = dev_uniform(N * Cd);
+    double att = 4.0 * B * H * T * T * D / 2;   /* causal: half the scores */
+    BENCH("attention forward (8,12,1024,64) causal", att, "GFLOP/s",
+          G->attention_forward_f32(o, lse, q, k, v, B, H, T, D, 1, 0.125f));
+    BENCH("attention backward (8,12,1024,64) causal", 2.5 * att, "GFLOP/s",
+          G->attention_backward_f32(dq, dk, dv, o, q, k, v, o, lse, B, H, T, D, 1, 0.125f));
+    float *mean = dev_uniform(N), *rstd = dev_uniform(N), *g = dev_uniform(Cd), *bb = dev_uniform(Cd);
+    BENCH("layernorm forward (8192, 768)", 8.0 * N * Cd, "GB/s",
+          G->layernorm_forward_f32(y, mean, rstd, x, g, bb, N, Cd, 1e-5f));
+    BENCH("layernorm backward (8192, 768)", 12.0 * N * Cd, "GB/s",
+          G->layernorm_backward_f32(y, dq, dk, q, x, g, mean, rstd, N, Cd));
+    BENCH("gelu forward (8192 x 3072)", 8.0 * N * 4 * Cd, "GB/s", G->gelu_forward_f32(y, x, N * 4 * Cd));
+    BENCH("gelu backward (8192 x 3072)", 12.0 * N * 4 * Cd, "GB/s", G->gelu_backward_f32(y, x, y, N * 4 * Cd));
+    BENCH("softmax forward (8192, 1024)", 8.0 * N * T, "GB/s", G->softmax_forward_f32(y, x, N, T));
+    BENCH("sum_dim bias grad (8192, 3072) -> 3072", 4.0 * N * 4 * Cd, "GB/s",
+          G->sum_dim_f32(y, x, 1, N, 4 * Cd));
+    BENCH("copy_strided (8,1024,12,64) -> (8,12,1024,64)", 8.0 * N * Cd, "GB/s",
+          G->copy_strided(y, (const int64_t[]){H * T * D, D, T * D, 1}, x, (const int64_t[]){T * Cd, Cd, D, 1}, 4,
+                          (const int64_t[]){B, T, H, D}, sizeof(float)));
+    float *logits = dev_uniform(N * Vp), *losses = dev_uniform(N);
+    int64_t *ids = halloc((size_t)N * sizeof(int64_t));
+    for (int64_t i = 0; i < N; i++) ids[i] = (i * 7919) % V;
+    int64_t *dids = dup(ids, (size_t)N * sizeof(int64_t));
+    BENCH("cross_entropy forward (8192, 50304)", 8.0 * N * Vp, "GB/s",
+          G->cross_entropy_forward_f32(losses, lse, logits, dids, N, Vp, V, -100));
+    BENCH("cross_entropy backward (8192, 50304)", 8.0 * N * Vp, "GB/s",
+          G->cross_entropy_backward_f32(logits, logits, lse, dids, N, Vp, V, -100, 1.0f / N));
+    float *table = dev_uniform(Vp * Cd);
+    BENCH("embedding forward (8192 ids, 768)", 8.0 * N * Cd, "GB/s", G->embedding_forward_f32(y, dids, N, table, Cd));
+    BENCH("embedding backward (50257 x 768, 8192 ids)", 4.0 * (V + 2 * N) * Cd, "GB/s",
+          G->embedding_backward_f32(table, V, dids, N, y, Cd));
+    float *p = dev_uniform(P), *pg = dev_uniform(P), *m1 = dev_uniform(P), *m2 = dev_uniform(P);
+    G->scale_f32(m2, m2, 0.0f, P);
+    BENCH("adamw (124M parameters)", 28.0 * P, "GB/s",
+          G->adamw_f32(p, pg, m1, m2, P, 0.9f, 0.999f, 1e-8f, 0.9999f, 1e-4f, 1.0f));
+    BENCH("sumsq (124M)", 4.0 * P, "GB/s", (void)G->sumsq_f32(pg, P));
+    BENCH("init_normal (124M)", 4.0 * P, "GB/s", G->init_normal_f32(p, P, 0.0f, 0.02f, 1, 2, 0));
+    free_case();
+    fsdp_status last = cuda_last_status();
+    return last == FSDP_OK ? 0 : 1;
+}
+
+/* A CUDA failure inside a table entry ends the process with a message
+ * naming the device and the op (here: a matmul too large for cuBLAS). */
+static int fault(void) {
+    float *c = dalloc(sizeof(float)), *a = dalloc(sizeof(float)), *b = dalloc(sizeof(float));
+    G->matmul_f32(c, a, b, 1, (int64_t)1 << 32, 1, 1, 0, 0, 1.0f, 0.0f, 0, 0, 0);
+    printf("still alive after a fatal error\n");
+    return 1;
+}
+
+/* no arguments: everything; --init-only: start-up checks only; --fault: see
+ * fault(); --bench: time the kernels at GPT-2 sizes (on a GPU) */
+int main(int argc, char **argv) {
+    const char *arg = argc > 1 ? argv[1] : "";
+    int init_only = strcmp(arg, "--init-only") == 0, do_fault = strcmp(arg, "--fault") == 0;
+    int do_bench = strcmp(arg, "--bench") == 0;
     C = device_kernels(FSDP_DEVICE_CPU);
     cpu_threads_set(1);
     test_rng_seed(&rng, 20240611);
@@ -878,6 +985,13 @@ int main(void) {
     test_check(avail == 1 && strncmp(desc, "cuda:", 5) == 0, "device info: %d \"%s\"", avail, desc);
     test_check(def == want_def, "default device %d, want %d", def, want_def);
     printf("%s: %s\n", MODE, desc);
+    if (do_fault) return fault();
+#ifdef FSDP_CUDA_EMU
+    if (do_bench) return bench(1);   /* the emulation's times mean nothing: toy sizes, to run the code */
+#else
+    if (do_bench) return bench(0);
+#endif
+    if (init_only) return test_summary();
 
     test_memory();
     test_cast();
