@@ -321,6 +321,13 @@ static fsdp_status finish_backward(void *p) {
         tensor_release(q->reduced);
     }
     s->n_pend = 0;
+    /* a unit prefetched but not used since (a recomputed block's backward
+     * can prefetch one that already ran) would keep values from before the
+     * optimizer step: nothing stays gathered past a backward */
+    for (int k = 0; k < s->n_units; k++) {
+        fsdp_status r = reshard(s, &s->units[k]);
+        if (r != FSDP_OK && st == FSDP_OK) st = r;
+    }
     return st;
 }
 

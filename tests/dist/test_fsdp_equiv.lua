@@ -59,6 +59,7 @@ local ref_params = ref:parameters()
 
 -- sharded: this rank's rows of each micro-batch
 local model = nn.GPT(cfg)
+if opts.checkpoint then nn.checkpoint(model, "Block") end   -- recomputed blocks regather in backward
 local sharded = fsdp.shard(model, {
   policy = policies[policy_name], strategy = strategy, group_size = opts.group_size, seed = SEED,
   mixed_precision = { compute = dtype, reduce = "f32" },
