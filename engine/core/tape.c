@@ -65,6 +65,7 @@ static void drop_bgrads(fsdp_node *node) {
 }
 
 static void tape_reset(tape *tp) {
+    if (tp->paused) grad_enabled = tp->grad_mode_before_pause;   /* a paused Lua backward turned it off */
     for (int64_t k = 0; k < tp->n; k++) {
         if (tp->nodes[k]) {
             drop_bgrads(tp->nodes[k]);
@@ -181,7 +182,7 @@ bool node_needs_grad(fsdp_node *node, int i) { return node->in[i] && node->in[i]
 /* acc += g, where acc is contiguous and g has acc's shape. */
 static fsdp_status add_into(fsdp_tensor *acc, fsdp_tensor *g) {
     int64_t n = tensor_numel(acc);
-    if (acc->dtype == FSDP_F32 && g->dtype == FSDP_F32 && tensor_is_contiguous(g)) {
+    if (acc->dtype == FSDP_F32 && g->dtype == FSDP_F32 && tensor_is_contiguous(acc) && tensor_is_contiguous(g)) {
         KERNELS(acc)->axpy_f32(tensor_data(acc), tensor_data(g), 1.0f, n);
         return FSDP_OK;
     }
@@ -221,7 +222,7 @@ fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g) {
     fsdp_tensor **slot = t->is_leaf ? &t->grad : &t->bgrad;
     if (!*slot) {
         bool reuse = !t->is_leaf && g->dtype == t->dtype && tensor_is_contiguous(g) &&
-                     atomic_load(&g->refcount) == 1 && g->storage != t->storage;
+                     atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1;
         if (reuse) {
             *slot = g;
             return FSDP_OK;
@@ -285,11 +286,16 @@ fsdp_status fsdp_tensor_grad(fsdp_tensor *t, fsdp_tensor **out) {
 
 fsdp_status fsdp_tensor_set_grad(fsdp_tensor *t, fsdp_tensor *grad) {
     if (!t) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_tensor_set_grad: tensor is NULL");
-    if (grad && (grad->ndim != t->ndim || memcmp(grad->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim))) {
-        char a[200], b[200];
+    char a[200], b[200];
+    if (grad && (grad->ndim != t->ndim || memcmp(grad->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim)))
         return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_tensor_set_grad: gradient %s does not match tensor %s",
                               tensor_desc(grad, a, sizeof a), tensor_desc(t, b, sizeof b));
-    }
+    if (grad && (grad->dtype != t->dtype || tensor_device(grad) != tensor_device(t)))
+        return fsdp_set_error(FSDP_ERR_DTYPE, "fsdp_tensor_set_grad: gradient %s must have the dtype and device of %s",
+                              tensor_desc(grad, a, sizeof a), tensor_desc(t, b, sizeof b));
+    if (grad && !tensor_is_contiguous(grad))
+        return fsdp_set_error(FSDP_ERR_LAYOUT, "fsdp_tensor_set_grad: gradient %s must be contiguous (gradients "
+                              "accumulate in place)", tensor_desc(grad, a, sizeof a));
     tensor_retain(grad);
     tensor_release(t->grad);
     t->grad = grad;
@@ -386,8 +392,9 @@ fsdp_status fsdp_backward_step(int *custom_id) {
             if (st != FSDP_OK) {
                 char msg[4096];
                 snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+                const char *op = node->op;   /* static text; the node goes with the reset */
                 tape_reset(tp);
-                return fsdp_set_error(st, "backward at %s: %s", node->op, msg);
+                return fsdp_set_error(st, "backward at %s: %s", op, msg);
             }
             finish_node(tp, tp->pos);
             continue;
@@ -414,8 +421,9 @@ fsdp_status fsdp_backward_step(int *custom_id) {
             if (st != FSDP_OK) {
                 char msg[4096];
                 snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+                const char *op = node->op;
                 tape_reset(tp);
-                return fsdp_set_error(st, "backward of %s: %s", node->op, msg);
+                return fsdp_set_error(st, "backward of %s: %s", op, msg);
             }
         }
         finish_node(tp, tp->pos);
@@ -453,7 +461,6 @@ fsdp_status tape_on_finish(fsdp_status (*fn)(void *ctx), void *ctx, void (*relea
 
 fsdp_status fsdp_backward_abort(void) {
     tape *tp = current_tape();
-    if (tp->paused) grad_enabled = tp->grad_mode_before_pause;
     tape_reset(tp);
     return FSDP_OK;
 }

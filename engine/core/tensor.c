@@ -507,6 +507,7 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
 static fsdp_status init_random(const char *op, fsdp_tensor *t, int uniform, double a, double b, uint64_t seed,
                                uint64_t stream, int64_t offset) {
     CHECK_T(op, t);
+    CHECK_LIVE(op, t);
     char d[200];
     if (!fsdp_dtype_is_float(t->dtype))
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s is not a float tensor", op, tensor_desc(t, d, sizeof d));

@@ -132,7 +132,11 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
         fsdp_tensor *c;
         fsdp_status r = tensor_from_f32(&c, u->master, s->compute_dtype);
         tensor_release(src);
-        if (r != FSDP_OK) return r;
+        if (r != FSDP_OK) {
+            fsdp_free(st->device, st->tag, st->data, st->nbytes);
+            st->data = NULL;
+            return r;
+        }
         src = c;
     }
     fsdp_status r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
@@ -331,8 +335,25 @@ static fsdp_status finish_backward(void *p) {
     return st;
 }
 
+/* Runs after the finish hook, and instead of it when the backward was
+ * abandoned (aborted, or the tape cleared): then partial flat gradients,
+ * pending reductions and gathered units must not leak into the next step. */
 static void finish_release(void *p) {
     fsdp_sched *s = p;
+    for (int k = 0; k < s->n_pend; k++) {
+        if (s->pend[k].work) fsdp_work_free(s->pend[k].work);
+        tensor_release(s->pend[k].reduced);
+    }
+    s->n_pend = 0;
+    for (int k = 0; k < s->n_units; k++) {
+        unit *u = &s->units[k];
+        if (u->flat_grad && s->sync) {
+            unlink_grads(u);
+            tensor_release(u->flat_grad);
+            u->flat_grad = NULL;
+        }
+        reshard(s, u);
+    }
     s->finish_registered = false;
     sched_release(s);
 }
@@ -479,9 +500,16 @@ fsdp_status fsdp_unit_param(fsdp_sched *s, int k, int i, int ndim, const int64_t
     if (i < 0 || i >= u->n_params)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_param(%s): parameter %d out of range (%d)", u->name, i,
                               u->n_params);
+    if (ndim < 0 || ndim > FSDP_MAX_DIMS || (ndim > 0 && !shape))
+        return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_unit_param(%s): %d dims for parameter %d", u->name, ndim, i);
     int64_t n = 1;
-    for (int d = 0; d < ndim; d++) n *= shape[d];
-    if (ndim < 0 || ndim > FSDP_MAX_DIMS || n != u->numels[i])
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0)
+            return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_unit_param(%s): negative size in %s for parameter %d",
+                                  u->name, shape_str(ndim, shape, sb, sizeof sb), i);
+        n *= shape[d];
+    }
+    if (n != u->numels[i])
         return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_unit_param(%s): shape %s for parameter %d of %lld elements",
                               u->name, shape_str(ndim, shape, sb, sizeof sb), i, (long long)u->numels[i]);
     if (!u->views) {

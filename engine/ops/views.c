@@ -3,6 +3,7 @@
  * input's shape. */
 #include "ops_util.h"
 #include "reduce_shape.h"
+#include <stdint.h>
 #include <stdlib.h>
 
 #define NAMES1 const char *names[] = {"t"}; fsdp_tensor *ts[] = {t}
@@ -51,7 +52,7 @@ fsdp_status fsdp_reshape(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int6
     for (int k = 0; k < ndim; k++) {
         want[k] = shape[k];
         if (shape[k] == -1 && infer < 0) infer = k;
-        else if (shape[k] < 0)
+        else if (shape[k] < 0 || (shape[k] > 0 && known > INT64_MAX / 8 / shape[k]))
             return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_reshape(t %s): bad target shape %s",
                                   tensor_desc(t, d, sizeof d), shape_str(ndim, shape, s, sizeof s));
         else known *= shape[k];
@@ -212,6 +213,13 @@ fsdp_status fsdp_expand(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64
                                   tensor_desc(t, d, sizeof d), shape_str(ndim, shape, s, sizeof s), k,
                                   (long long)have);
         strides[k] = (k < lead || have != want[k]) ? 0 : t->strides[k - lead];
+    }
+    int64_t numel = 1;
+    for (int k = 0; k < ndim; k++) {
+        if (want[k] > 0 && numel > INT64_MAX / 8 / want[k])
+            return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_expand(t %s): target %s is too large",
+                                  tensor_desc(t, d, sizeof d), shape_str(ndim, want, s, sizeof s));
+        numel *= want[k];
     }
     fsdp_tensor *v = tensor_view(t, ndim, want, strides, t->offset);
     if (!v) return oom_view("fsdp_expand");

@@ -12,6 +12,9 @@ static fsdp_status check_flat(const char *op, const char *name, fsdp_tensor *t, 
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s %s must be f32", op, name, tensor_desc(t, d, sizeof d));
     if (!fsdp_dtype_is_float(t->dtype))
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s %s must be a float tensor", op, name, tensor_desc(t, d, sizeof d));
+    if (!t->storage->data && t->storage->nbytes > 0)
+        return fsdp_set_error(FSDP_ERR_STATE, "%s: %s %s belongs to a resharded unit (no data until it is gathered "
+                              "again)", op, name, tensor_desc(t, d, sizeof d));
     if (!KERNELS(t))
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s: %s %s: no %s kernels in this build", op, name,
                               tensor_desc(t, d, sizeof d), fsdp_device_name(tensor_device(t)));
@@ -60,6 +63,8 @@ fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out) {
     char d[200];
     if (!fsdp_dtype_is_float(t->dtype))
         return fsdp_set_error(FSDP_ERR_DTYPE, "fsdp_sumsq: t %s must be a float tensor", tensor_desc(t, d, sizeof d));
+    if (!t->storage->data && t->storage->nbytes > 0)
+        return fsdp_set_error(FSDP_ERR_STATE, "fsdp_sumsq: t %s belongs to a resharded unit", tensor_desc(t, d, sizeof d));
     fsdp_tensor *f;
     FSDP_TRY(tensor_as_f32(&f, t));
     *out = KERNELS(f)->sumsq_f32(tensor_data(f), tensor_numel(f));
