@@ -247,7 +247,44 @@ static void check_custom(void) {
     fsdp_tensor_release(s);
 }
 
+/* Gradients that reach two tensors from one buffer (add without
+ * broadcasting) must not share an accumulator: a = 2x, b = 3x, e = 5a,
+ * loss = sum(a + b) + sum(e): dloss/dx = 2 (1 + 5) + 3 = 15. */
+static void check_no_shared_accumulators(void) {
+    int64_t sh[1] = {2};
+    float xv[2] = {1, -1};
+    fsdp_tensor *x = gc_tensor(1, sh, xv), *a, *b, *e, *ab, *s1, *s2, *loss, *g;
+    fsdp_tensor_set_requires_grad(x, 1);
+    fsdp_scale(&a, x, 2.0);
+    fsdp_scale(&b, x, 3.0);
+    fsdp_scale(&e, a, 5.0);
+    fsdp_add(&ab, a, b);
+    fsdp_sum(&s1, ab, 0, NULL, 0);
+    fsdp_sum(&s2, e, 0, NULL, 0);
+    fsdp_add(&loss, s1, s2);
+    int id;
+    fsdp_backward_begin(loss, NULL);
+    do fsdp_backward_step(&id); while (id != -1);
+    fsdp_tensor_grad(x, &g);
+    float gv[2];
+    double want[2] = {15, 15};
+    fsdp_tensor_to_data(g, gv, sizeof gv);
+    test_compare("gradient through add feeding two consumers", gv, want, 2, 0, 1e-6);
+    fsdp_tensor *all[] = {x, a, b, e, ab, s1, s2, loss, g};
+    for (int k = 0; k < 9; k++) fsdp_tensor_release(all[k]);
+    /* a .grad must be contiguous, of the tensor's dtype */
+    int64_t sq[2] = {4, 4}, row[2] = {1, 4};
+    float z[16] = {0};
+    fsdp_tensor *w = gc_tensor(2, sq, z), *r = gc_tensor(2, row, z), *ex;
+    fsdp_expand(&ex, r, 2, sq);
+    test_check(fsdp_tensor_set_grad(w, ex) == FSDP_ERR_LAYOUT, "an expanded .grad is refused: %s", fsdp_last_error());
+    fsdp_tensor_release(w);
+    fsdp_tensor_release(r);
+    fsdp_tensor_release(ex);
+}
+
 int main(void) {
+    check_no_shared_accumulators();
     check_binary();
     check_reduce();
     check_matmul();
