@@ -228,7 +228,10 @@ static fsdp_status mpi_gather_fingerprints(fsdp_comm *c, const fingerprint *mine
 
 static fsdp_status mpi_split(fsdp_comm *parent, int color, int key, fsdp_comm *child) {
     MPI_Comm nc = MPI_COMM_NULL;
-    MPI_CHECK(MPI_Comm_split(parent->mpi, color, key, &nc));
+    MPI_CHECK(MPI_Comm_split(parent->mpi, color < 0 ? MPI_UNDEFINED : color, key, &nc));
+    if (nc == MPI_COMM_NULL)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_split on comm %s(%d): color %d, expected >= 0",
+                              parent->name, parent->size, color);
     child->mpi = nc;
     /* Errors come back as codes here too, as runtime.c sets on the world. */
     MPI_CHECK(MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN));
@@ -631,6 +634,9 @@ static fsdp_status run_doubles(fsdp_work *w) {
 
 static fsdp_status run_split(fsdp_work *w) {
     fsdp_comm *p = w->comm;
+    if (w->color < 0 && p->be != &mpi_backend)   /* alone: nobody waits */
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_split on comm %s(%d): color %d, expected >= 0", p->name,
+                              p->size, w->color);
     fsdp_comm *child = calloc(1, sizeof *child);
     if (!child) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for a communicator");
     fsdp_status st = p->be->split(p, w->color, w->key, child);
@@ -767,8 +773,8 @@ static void run_work(fsdp_work *w) {
     case K_SPLIT: st = run_split(w); break;
     case K_FREE:
 #ifdef FSDP_HAVE_CUDA
-        if (c->gpu) {   /* nothing of it may still run on the GPU */
-            drain_inflight();
+        drain_inflight();   /* nothing of it may still run on the GPU, NCCL or device copies */
+        if (c->gpu) {
             st = gpu_comm_destroy(c->gpu);
             c->gpu = NULL;
         }
@@ -1116,9 +1122,8 @@ fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int k
     if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_split: out is NULL");
     *out = NULL;
     FSDP_TRY(comm_check(parent, "fsdp_comm_split"));
-    if (color < 0)
-        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_split on comm %s(%d): color %d, expected >= 0",
-                              parent->name, parent->size, color);
+    /* A negative color is refused only after the split ran: the other ranks
+     * are in it too, and must not wait for this one forever. */
     fsdp_work *w;
     FSDP_TRY(work_new(&w, K_SPLIT, parent, "", 0, DT_NONE, 0, "fsdp_comm_split"));
     w->color = color;
@@ -1148,6 +1153,13 @@ fsdp_status fsdp_comm_free(fsdp_comm *c) {
             return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_free: the world communicator was freed more often "
                                                     "than fsdp_comm_world handed it out");
         }
+        return FSDP_OK;
+    }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {   /* MPI is gone (handles freed at exit): nothing to tell it */
+        c->magic = 0;
+        free(c);
         return FSDP_OK;
     }
     fsdp_work *w;
@@ -1186,6 +1198,9 @@ static fsdp_status check_tensor(const char *opname, const char *label, const cha
     if (!tensor_is_contiguous(t))
         return fsdp_set_error(FSDP_ERR_LAYOUT, "%s '%s' on comm %s(%d): %s %s is not contiguous", opname, label,
                               c->name, c->size, what, tensor_desc(t, d, sizeof d));
+    if (!t->storage->data && t->storage->nbytes > 0)
+        return fsdp_set_error(FSDP_ERR_STATE, "%s '%s' on comm %s(%d): %s %s belongs to a resharded unit (no data)",
+                              opname, label, c->name, c->size, what, tensor_desc(t, d, sizeof d));
     return FSDP_OK;
 }
 

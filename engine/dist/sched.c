@@ -22,6 +22,7 @@
  * adds them into the gradient shards. Every rank records the same markers
  * in the same order, so collectives match across ranks. */
 #include "ops_util.h"
+#include <stdint.h>
 #include <stdlib.h>
 
 typedef struct unit {
@@ -113,11 +114,20 @@ static fsdp_status check_unit(const char *op, fsdp_sched *s, int k) {
 
 /* ---- gathering ---- */
 
-static fsdp_status wait_gather(unit *u) {
+/* A gather that failed leaves nothing gathered: the next use tries again
+ * instead of reading a buffer that was never filled. */
+static fsdp_status wait_gather(fsdp_sched *s, unit *u) {
     if (!u->gather) return FSDP_OK;
     fsdp_status st = fsdp_work_wait(u->gather);
     fsdp_work_free(u->gather);
     u->gather = NULL;
+    if (st != FSDP_OK && u->gathered) {
+        fsdp_storage *fs = u->full->storage;
+        fsdp_free(fs->device, fs->tag, fs->data, fs->nbytes);
+        fs->data = NULL;
+        u->gathered = false;
+        s->n_gathered--;
+    }
     return st;
 }
 
@@ -154,12 +164,12 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
 
 static fsdp_status gather_now(fsdp_sched *s, unit *u) {
     FSDP_TRY(issue_gather(s, u));
-    return wait_gather(u);
+    return wait_gather(s, u);
 }
 
 static fsdp_status reshard(fsdp_sched *s, unit *u) {
     if (!u->gathered) return FSDP_OK;
-    FSDP_TRY(wait_gather(u));
+    FSDP_TRY(wait_gather(s, u));
     fsdp_storage *st = u->full->storage;
     fsdp_free(st->device, st->tag, st->data, st->nbytes);
     st->data = NULL;
@@ -442,6 +452,11 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
             return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_sched_add_unit(%s): parameter %d has %lld elements", u->name, i,
                                   (long long)numels[i]);
         }
+        if (numels[i] > INT64_MAX / 8 - total) {
+            unit_clear(u);
+            return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_sched_add_unit(%s): %d parameters add up to more elements "
+                                  "than a buffer can hold", u->name, n_params);
+        }
         u->numels[i] = numels[i];
         u->offsets[i] = total;
         total += numels[i];
@@ -589,6 +604,20 @@ fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
 fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync) {
     if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_sync: schedule is NULL");
     s->sync = sync != 0;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sched_zero_grad(fsdp_sched *s) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_zero_grad: schedule is NULL");
+    for (int k = 0; k < s->n_units; k++) {
+        unit *u = &s->units[k];
+        if (u->flat_grad) {
+            unlink_grads(u);
+            tensor_release(u->flat_grad);
+            u->flat_grad = NULL;
+        }
+        FSDP_TRY(fsdp_fill(u->grad, 0.0));
+    }
     return FSDP_OK;
 }
 

@@ -238,14 +238,16 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
  * which collective the rank waits on and ends the job. */
 fsdp_status fsdp_comm_world(fsdp_comm **out);
 /* Ranks passing the same color form a communicator, ordered by key.
- * Collective over parent. */
+ * Collective over parent; a negative color fails on that rank (after taking
+ * part, so the others do not wait). */
 fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int key);
 fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
 fsdp_status fsdp_comm_free(fsdp_comm *c);
 /* dst (size * n elements) <- every rank's src (n elements), in rank order. */
 fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label);
 /* dst (n elements) <- this rank's n-element block of the sum (or average)
- * of every rank's src (size * n elements). f32 and bf16 (bf16 sums in f32). */
+ * of every rank's src (size * n elements). f32 and bf16 (over MPI, bf16
+ * sums in f32 and rounds once; NCCL sums bf16 natively). */
 fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
                                 const char *label);
 fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label);
@@ -296,6 +298,10 @@ fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
  * communication per micro-batch); the next backward with sync = 1 reduces
  * the sum. */
 fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
+/* Zeroes every gradient shard and drops gradients kept locally by
+ * backwards run without sync (a discarded micro-batch must not reach the
+ * next reduction). */
+fsdp_status fsdp_sched_zero_grad(fsdp_sched *s);
 /* Units gathered now, and the most gathered at once since the last reset. */
 fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset);
 

@@ -214,6 +214,8 @@ fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
 
 fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
 
+fsdp_status fsdp_sched_zero_grad(fsdp_sched *s);
+
 fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset);
 
 fsdp_status fsdp_tensor_set_requires_grad(fsdp_tensor *t, int on);

@@ -11,12 +11,15 @@ local raise = fsdp.core.raise
 local M = {}
 
 -- Tensors whose .grad is a fixed buffer (a sharded model's gradient shard
--- slices): zero_grad fills it with zeros instead of dropping it.
+-- slices), mapped to their sharded model: zero_grad asks that model to
+-- zero its gradients (shards, and what no_sync kept) instead of dropping them.
 M.persistent_grad = setmetatable({}, { __mode = "k" })
 
 -- Parameter groups: a list of tensors, or {{params = {...}, weight_decay = ...}, ...}.
 local function make_groups(name, params, defaults)
-  if type(params) ~= "table" or #params == 0 then error(name .. ": expected a non-empty list of parameters", 3) end
+  -- an empty list is allowed: a rank whose shard holds only padding has no
+  -- parameters, and still takes part in the step
+  if type(params) ~= "table" then error(name .. ": expected a list of parameters or groups", 3) end
   local groups = {}
   if fsdp.is_tensor(params[1]) then params = { { params = params } } end
   for gi, g in ipairs(params) do
@@ -115,11 +118,15 @@ end
 -- Both optimizers share these.
 for _, cls in ipairs({ AdamW, SGD }) do
   function cls:zero_grad()
+    local owners = {}
     for _, g in ipairs(self.groups) do
       for _, p in ipairs(g.params) do
-        if M.persistent_grad[p] then
-          local grad = p:get_grad()
-          if grad then grad:fill(0) end
+        local owner = M.persistent_grad[p]
+        if owner then
+          if not owners[owner] then
+            owners[owner] = true
+            owner:zero_grad()
+          end
         else
           p:set_grad(nil)
         end

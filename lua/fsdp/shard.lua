@@ -284,6 +284,10 @@ function M.shard(model, opts)
     self.masters[#self.masters + 1] = u.master
     self.grads[#self.grads + 1] = u.grad
     self:_init_unit(u, seed)
+  end
+  -- only now, with every unit built and initialized, does the model change:
+  -- a failure above leaves it as it was
+  for k, u in ipairs(units) do
     self:_bind_views(u)
     if k > 1 then self:_wrap_forward(u) end
   end
@@ -310,7 +314,7 @@ function Sharded:_init_unit(u, seed)
       -- the optimizer's view of this slice, with its gradient slice
       local g = u.grad:narrow(1, a - lo + 1, b - a)
       dst:set_grad(g)
-      optim.persistent_grad[dst] = true
+      optim.persistent_grad[dst] = self   -- the optimizer's zero_grad asks us
       self.segments[#self.segments + 1] = { tensor = dst, grad = g, dims = #p.shape, path = p.path }
     end
     off = off + p.numel
@@ -346,15 +350,15 @@ function Sharded:__call(...) return self.model(...) end
 
 --- Parameter groups for an optimizer over this rank's shard slices, with
 -- weight decay on matrices and embeddings only.
+-- The two groups are there on every rank, in this order, even when this
+-- rank's slices leave one empty: ranks then agree on group hyperparameters
+-- (and a checkpoint's groups mean the same on every rank count).
 function Sharded:param_groups(weight_decay)
   local decay, other = {}, {}
   for _, s in ipairs(self.segments) do
     if s.dims >= 2 then decay[#decay + 1] = s.tensor else other[#other + 1] = s.tensor end
   end
-  local groups = {}
-  if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = weight_decay or 0 } end
-  if #other > 0 then groups[#groups + 1] = { params = other, weight_decay = 0 } end
-  return groups
+  return { { params = decay, weight_decay = weight_decay or 0 }, { params = other, weight_decay = 0 } }
 end
 
 --- Every shard slice (for an optimizer without groups).
@@ -364,8 +368,9 @@ function Sharded:parameters()
   return ps
 end
 
+--- Zeroes the gradient shards, and drops full gradients kept by no_sync.
 function Sharded:zero_grad()
-  for _, g in ipairs(self.grads) do g:fill(0) end
+  if C.fsdp_sched_zero_grad(self.sched) ~= 0 then raise() end
 end
 
 --- Global gradient norm over all shards (an all-reduce over the shard group).
@@ -414,16 +419,21 @@ function Sharded:summon_full_params(fn, ...)
   return unpack(res, 2)
 end
 
---- {path = full tensor (f32 copy)} gathered unit by unit: every rank gets
--- them, for evaluation or export of small models.
+--- {path = full f32 tensor}: the masters (not the compute-dtype copies),
+-- all-gathered unit by unit; every rank gets them, for evaluation or export
+-- of small models (large ones: fsdp.checkpoint.export streams instead).
 function Sharded:full_state_dict()
-  local sd = {}
-  for _, u in ipairs(self.units) do
-    if C.fsdp_unit_unshard(self.sched, u.index) ~= 0 then raise() end
-    for _, p in ipairs(u.params) do sd[p.path] = p.module[p.name]:float():clone() end
-    if C.fsdp_unit_reshard(self.sched, u.index) ~= 0 then raise() end
-  end
-  return sd
+  return fsdp.no_grad(function()
+    local sd = {}
+    for _, u in ipairs(self.units) do
+      local full = fsdp.empty({ u.padded }, { dtype = "f32", device = u.master:device() })
+      if C.fsdp_all_gather(nil, self.shard_comm, full, u.master, u.name) ~= 0 then raise() end
+      for i, p in ipairs(u.params) do
+        sd[p.path] = full:narrow(1, u.offsets[i] + 1, p.numel):contiguous():view(p.shape)
+      end
+    end
+    return sd
+  end)
 end
 
 --- Traffic and memory of this rank since the last call (reset after).

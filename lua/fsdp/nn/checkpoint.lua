@@ -8,45 +8,76 @@ local layers = require "fsdp.nn.layers"
 
 local M = {}
 
+local unpack = unpack or table.unpack
+local function pack(...) return { n = select("#", ...), ... } end
+
 local Recompute = fsdp.Function {
-  forward = function(ctx, module, x)
-    ctx.module, ctx.x, ctx.rng_offset = module, x, layers.dropout_rng.offset
-    local y = module:forward(x)
+  -- any arguments and results; the tensors among them carry gradients
+  forward = function(ctx, module, ...)
+    ctx.module, ctx.args, ctx.rng_offset = module, pack(...), layers.dropout_rng.offset
+    local res = pack(module:forward(...))
     -- nothing recorded holds the module's intermediates: free them now,
     -- not whenever Lua's collector would get to them
     collectgarbage()
-    return y
+    return unpack(res, 1, res.n)
   end,
-  backward = function(ctx, gy)
+  backward = function(ctx, ...)
+    local grads_out = pack(...)
     local rng = layers.dropout_rng
     local resume = rng.offset
+    local args = ctx.args
     fsdp.tape_push()
-    local ok, gx = pcall(function()
+    local ok, err = pcall(function()
       return fsdp.enable_grad(function()
-        local x = ctx.x:detach()
-        x:requires_grad(true)
+        local inputs = {}
+        for i = 1, args.n do   -- tensors that need gradients, cut from the outer graph
+          local a = args[i]
+          if fsdp.is_tensor(a) and a:requires_grad() then
+            a = a:detach()
+            a:requires_grad(true)
+          end
+          inputs[i] = a
+        end
         rng.offset = ctx.rng_offset
-        local y = ctx.module:forward(x)
+        local outs = pack(ctx.module:forward(unpack(inputs, 1, args.n)))
         rng.offset = resume
-        y:backward(gy)
-        return x:get_grad()
+        -- one backward for all outputs: the sum of each output times its gradient
+        local root
+        for i = 1, outs.n do
+          local y, g = outs[i], grads_out[i]
+          if fsdp.is_tensor(y) and g ~= nil and y:requires_grad() then
+            local term = (y * g):sum()
+            root = root and root + term or term
+          end
+        end
+        if root then root:backward() end
+        local gin = {}
+        for i = 1, args.n do
+          if fsdp.is_tensor(inputs[i]) and inputs[i] ~= args[i] then gin[i] = inputs[i]:get_grad() end
+        end
+        ctx.grads = gin
       end)
     end)
     fsdp.tape_pop()
     collectgarbage()   -- the recomputed activations are dead now
     rng.offset = resume
-    if not ok then error(gx, 0) end
-    return nil, gx
+    if not ok then error(err, 0) end
+    -- one gradient per forward argument: the module first (none)
+    return nil, unpack(ctx.grads, 1, args.n)
   end,
 }
 
---- Runs module(x) checkpointed when gradients are on and x takes part in
--- the graph; otherwise a plain call (nothing would be recorded anyway).
-function M.run(module, x)
-  if fsdp.is_grad_enabled() and fsdp.is_tensor(x) and x:requires_grad() then
-    return Recompute(module, x)
+--- Runs module(...) checkpointed when gradients are on and a tensor
+-- argument takes part in the graph; otherwise a plain call (nothing would
+-- be recorded anyway).
+function M.run(module, ...)
+  if fsdp.is_grad_enabled() then
+    for i = 1, select("#", ...) do
+      local a = select(i, ...)
+      if fsdp.is_tensor(a) and a:requires_grad() then return Recompute(module, ...) end
+    end
   end
-  return module:forward(x)
+  return module:forward(...)
 end
 
 return M

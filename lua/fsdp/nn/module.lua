@@ -94,7 +94,9 @@ function Module:add(name, child)
   if type(child) ~= "table" or getmetatable(child) == nil or not child._param_names then
     error(self.__name .. ":add('" .. tostring(name) .. "'): not a module", 2)
   end
-  if self[name] ~= nil and self[name] ~= child then error(self.__name .. ": child name '" .. name .. "' is taken", 2) end
+  if (self[name] ~= nil and self[name] ~= child) or self._param_specs[name] then
+    error(self.__name .. ": child name '" .. name .. "' is taken", 2)
+  end
   self._child_names[#self._child_names + 1] = name
   self[name] = child
   return child
@@ -114,9 +116,13 @@ function Module:apply(fn, prefix)
 end
 
 --- List of { path=, module=, name=, shape=, init=, tensor= } in declaration order.
-function Module:named_parameters()
-  local list = {}
+-- A module reached by two paths (shared) is listed once, under the first
+-- (as PyTorch does), unless with_duplicates.
+function Module:named_parameters(with_duplicates)
+  local list, seen = {}, {}
   self:apply(function(m, prefix)
+    if seen[m] and not with_duplicates then return end
+    seen[m] = true
     for _, name in ipairs(m._param_names) do
       local spec = m._param_specs[name]
       list[#list + 1] = {
