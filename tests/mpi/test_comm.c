@@ -509,6 +509,17 @@ int main(void) {
     OK(fsdp_comm_info(single, &sr, &ss));
     check(sr == 0 && ss == 1, "split to singles: rank %d size %d", sr, ss);
 
+    /* A negative color fails on that rank only, after taking part: the
+     * others get their communicator and nobody waits forever. */
+    fsdp_comm *partial = NULL;
+    fsdp_status pst = fsdp_comm_split(&partial, world, g_rank == g_world - 1 ? -1 : 0, g_rank);
+    if (g_rank == g_world - 1)
+        check(pst == FSDP_ERR_INVALID && partial == NULL && strstr(fsdp_last_error(), "color -1"),
+              "negative color refused on its rank: %s", fsdp_last_error());
+    else
+        check(pst == FSDP_OK && partial != NULL, "the other ranks split (%d)", pst);
+    if (partial) OK(fsdp_comm_free(partial));
+
     suite("world", world);
     suite("rank%2", odd_even);
     suite("rank/2", pairs);
