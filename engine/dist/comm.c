@@ -1337,6 +1337,24 @@ fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst
     return issue(work, w, name);
 }
 
+/* The collectives that work on one tensor in place (all-reduce, broadcast);
+ * arg is the reduce op or the root. */
+static fsdp_status issue_in_place(fsdp_work **work, work_kind kind, fsdp_comm *c, const char *label, fsdp_tensor *t,
+                                  int arg, const char *name) {
+    fsdp_work *w;
+    int64_t n = tensor_numel(t);
+    FSDP_TRY(work_new(&w, kind, c, label, n * (int64_t)fsdp_dtype_size(t->dtype), t->dtype, arg, name));
+    tensor_retain(t);
+    w->t_dst = t;
+    w->dst = tensor_data(t);
+    w->n = n;
+    w->dtype = t->dtype;
+    if (kind == K_BROADCAST) w->root = arg;
+    else w->op = arg;
+    FSDP_TRY(work_device(w, tensor_device(t), false, name));
+    return issue(work, w, name);
+}
+
 fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label) {
     static const char *name = "fsdp_all_reduce";
     FSDP_TRY(prepare(work, c, name));
@@ -1354,17 +1372,7 @@ fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int 
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): t %s: expected f32, bf16, i32 or i64", name,
                               label, c->name, c->size, tensor_desc(t, a, sizeof a));
     }
-    fsdp_work *w;
-    int64_t n = tensor_numel(t);
-    FSDP_TRY(work_new(&w, K_ALL_REDUCE, c, label, n * (int64_t)fsdp_dtype_size(t->dtype), t->dtype, op, name));
-    tensor_retain(t);
-    w->t_dst = t;
-    w->dst = tensor_data(t);
-    w->n = n;
-    w->dtype = t->dtype;
-    w->op = op;
-    FSDP_TRY(work_device(w, tensor_device(t), false, name));
-    return issue(work, w, name);
+    return issue_in_place(work, K_ALL_REDUCE, c, label, t, op, name);
 }
 
 fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label) {
@@ -1376,17 +1384,7 @@ fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int r
     if (root < 0 || root >= c->size)
         return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): t %s: root %d, expected 0..%d", name, label,
                               c->name, c->size, tensor_desc(t, a, sizeof a), root, c->size - 1);
-    fsdp_work *w;
-    int64_t n = tensor_numel(t);
-    FSDP_TRY(work_new(&w, K_BROADCAST, c, label, n * (int64_t)fsdp_dtype_size(t->dtype), t->dtype, root, name));
-    tensor_retain(t);
-    w->t_dst = t;
-    w->dst = tensor_data(t);
-    w->n = n;
-    w->dtype = t->dtype;
-    w->root = root;
-    FSDP_TRY(work_device(w, tensor_device(t), false, name));
-    return issue(work, w, name);
+    return issue_in_place(work, K_BROADCAST, c, label, t, root, name);
 }
 
 fsdp_status fsdp_barrier(fsdp_comm *c) {

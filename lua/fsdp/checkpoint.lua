@@ -47,6 +47,7 @@ local ffi = require "ffi"
 local bit = require "bit"
 local fsdp = require "fsdp"
 local json = require "fsdp.json"
+local safetensors = require "fsdp.safetensors"
 
 local C = fsdp.C
 local core = fsdp.core
@@ -100,50 +101,37 @@ local function open_file(path, write)
   return fd
 end
 
-local function write_all(fd, ptr, n, path)
-  local p = ffi.cast("const uint8_t *", ptr)
+-- Moves n bytes with call (a write, pwrite or pread), retrying on EINTR,
+-- until done or a call moves nothing (end of file). off nil: at the file's
+-- position. Returns the count moved.
+local function io_loop(call, fd, ptr, n, off, path, verb)
   local done = 0
   while done < n do
-    local w = tonumber(S.fsdp_ckpt_write(fd, p + done, min(n - done, MAX_IO)))
-    if w < 0 then
+    local len = min(n - done, MAX_IO)
+    local k
+    if off then k = tonumber(call(fd, ptr + done, len, off + done)) else k = tonumber(call(fd, ptr + done, len)) end
+    if k < 0 then
       local msg, e = os_error()
-      if e ~= EINTR then error(fmt("%s: write failed: %s", path, msg), 0) end
+      if e ~= EINTR then error(fmt("%s: %s failed: %s", path, verb, msg), 0) end
+    elseif k == 0 then
+      break
     else
-      done = done + w
+      done = done + k
     end
   end
+  return done
 end
 
-local function pwrite_all(fd, ptr, n, off, path)
-  local p = ffi.cast("const uint8_t *", ptr)
-  local done = 0
-  while done < n do
-    local w = tonumber(S.fsdp_ckpt_pwrite(fd, p + done, min(n - done, MAX_IO), off + done))
-    if w < 0 then
-      local msg, e = os_error()
-      if e ~= EINTR then error(fmt("%s: write failed: %s", path, msg), 0) end
-    else
-      done = done + w
-    end
+local function write_all(fd, ptr, n, path, off)
+  local call = off and S.fsdp_ckpt_pwrite or S.fsdp_ckpt_write
+  if io_loop(call, fd, ffi.cast("const uint8_t *", ptr), n, off, path, "write") < n then
+    error(fmt("%s: write failed: nothing written", path), 0)
   end
 end
 
 -- Reads n bytes at off; returns the count read (short at the end of file).
 local function pread_all(fd, ptr, n, off, path)
-  local p = ffi.cast("uint8_t *", ptr)
-  local done = 0
-  while done < n do
-    local r = tonumber(S.fsdp_ckpt_pread(fd, p + done, min(n - done, MAX_IO), off + done))
-    if r < 0 then
-      local msg, e = os_error()
-      if e ~= EINTR then error(fmt("%s: read failed: %s", path, msg), 0) end
-    elseif r == 0 then
-      break
-    else
-      done = done + r
-    end
-  end
-  return done
+  return io_loop(S.fsdp_ckpt_pread, fd, ffi.cast("uint8_t *", ptr), n, off, path, "read")
 end
 
 local function file_size(fd) return tonumber(S.fsdp_ckpt_lseek(fd, 0, SEEK_END)) end
@@ -1208,15 +1196,6 @@ local function export_layout(d, hf)
   return entries
 end
 
-local function le_u64_bytes(n)
-  local b = {}
-  for i = 1, 8 do
-    b[i] = string.char(n % 256)
-    n = floor(n / 256)
-  end
-  return concat(b)
-end
-
 local function apply_ops(t, ops)
   for _, op in ipairs(ops) do
     if op[1] == "transpose" then t = t:transpose(op[2], op[3]) else t = t:narrow(op[2], op[3], op[4]) end
@@ -1257,9 +1236,8 @@ function M.export(path, target, opts)
   end
   for k, v in pairs(opts.metadata or {}) do meta[k] = tostring(v) end
   hdr.__metadata__ = meta
-  local text = json.encode(hdr)
-  text = text .. string.rep(" ", (8 - #text % 8) % 8)
-  local data_start = 8 + #text
+  local head = safetensors.encode_header(hdr)
+  local data_start = #head
   local tmp = path .. ".tmp"
   local rank0 = d.rank == 0
   local fd, failure
@@ -1270,7 +1248,6 @@ function M.export(path, target, opts)
       local e
       fd, e = open_file(tmp, true)
       if not fd then error(fmt("%s: cannot create '%s': %s", what, tmp, e), 0) end
-      local head = le_u64_bytes(#text) .. text
       write_all(fd, head, #head, tmp)
     end)
     if not ok then failure = err end
@@ -1281,7 +1258,7 @@ function M.export(path, target, opts)
     local ok, err = pcall(function()
       for _, e in ipairs(by_path[p.path] or {}) do
         local v = fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end)
-        pwrite_all(fd, v:data_ptr(), 4 * v:numel(), data_start + e.offset, tmp)
+        write_all(fd, v:data_ptr(), 4 * v:numel(), tmp, data_start + e.offset)
       end
     end)
     if not ok then failure = err end
@@ -1370,7 +1347,7 @@ function M.import(path, target, opts)
   opts = opts or {}
   local d = describe(target, what)
   local vals = together(d.comm, function()
-    local st = require "fsdp.safetensors"
+    local st = safetensors
     local info = st.read_header(path)
     local hf = opts.hf
     if hf == nil then

@@ -299,6 +299,15 @@ local function write_tensor(f, t, nbytes)
   return anchor   -- keeps the copy alive until the writes are done
 end
 
+--- The bytes a file starts with, for a header table {name = {dtype=,
+-- shape=, data_offsets=}, __metadata__ = ...}: the 8-byte length and the
+-- JSON, padded with spaces so that the data starts 8-aligned.
+function M.encode_header(hdr)
+  local text = json.encode(hdr)
+  text = text .. string.rep(" ", (8 - #text % 8) % 8)
+  return le_u64_bytes(#text) .. text
+end
+
 --- safetensors.save(path, {name = Tensor, ...}, metadata)
 -- Names are written sorted and the data packed in that order, so equal
 -- inputs give equal files. metadata values must be strings (numbers and
@@ -343,14 +352,13 @@ function M.save(path, tensors, metadata)
     hdr.__metadata__ = m
   end
 
-  local text = json.encode(hdr)
-  text = text .. string.rep(" ", (8 - #text % 8) % 8)   -- data starts 8-aligned
+  local head = M.encode_header(hdr)
 
   local tmp = path .. ".tmp"
   local f, err = io.open(tmp, "wb")
   if not f then raise(fmt("safetensors.save: %s: cannot open for writing: %s", path, tostring(err))) end
   local ok, werr = pcall(function()
-    assert(f:write(le_u64_bytes(#text), text))
+    assert(f:write(head))
     for i, name in ipairs(names) do write_tensor(f, tensors[name], sizes[i]) end
     assert(f:close())
   end)
