@@ -57,26 +57,32 @@ function M.AdamW(params, opts)
   return self
 end
 
-function AdamW:step()
+-- One step: update(group, param, grad, state, first) for every parameter
+-- that has a gradient; state is the parameter's table, made on first use.
+local function step_each(self, update)
   self.step_count = self.step_count + 1
   for _, g in ipairs(self.groups) do
     for _, p in ipairs(g.params) do
       local grad = p:get_grad()
       if grad then
-        local st = self.state[p]
+        local st, first = self.state[p], false
         if not st then
-          st = { exp_avg = state_like(p), exp_avg_sq = state_like(p), step = 0 }
+          st, first = {}, true
           self.state[p] = st
         end
-        st.step = st.step + 1
-        if C.fsdp_adamw_step(p, grad, st.exp_avg, st.exp_avg_sq, g.lr, g.beta1, g.beta2, g.eps, g.weight_decay,
-              st.step) ~= 0 then
-          raise()
-        end
+        if update(g, p, grad, st, first) ~= 0 then raise() end
       end
     end
   end
 end
+
+local function adamw_update(g, p, grad, st, first)
+  if first then st.exp_avg, st.exp_avg_sq, st.step = state_like(p), state_like(p), 0 end
+  st.step = st.step + 1
+  return C.fsdp_adamw_step(p, grad, st.exp_avg, st.exp_avg_sq, g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, st.step)
+end
+
+function AdamW:step() step_each(self, adamw_update) end
 
 --- SGD(params, {lr=, momentum=0, dampening=0, weight_decay=0, nesterov=false})
 local SGD = {}
@@ -93,27 +99,13 @@ function M.SGD(params, opts)
   }, SGD)
 end
 
-function SGD:step()
-  self.step_count = self.step_count + 1
-  for _, g in ipairs(self.groups) do
-    for _, p in ipairs(g.params) do
-      local grad = p:get_grad()
-      if grad then
-        local st = self.state[p]
-        local first = false
-        if not st then
-          st = { buf = g.momentum ~= 0 and state_like(p) or nil }
-          self.state[p] = st
-          first = true
-        end
-        if C.fsdp_sgd_step(p, grad, st.buf, g.lr, g.momentum, g.dampening, g.weight_decay, g.nesterov and 1 or 0,
-              first and 1 or 0) ~= 0 then
-          raise()
-        end
-      end
-    end
-  end
+local function sgd_update(g, p, grad, st, first)
+  if first and g.momentum ~= 0 then st.buf = state_like(p) end
+  return C.fsdp_sgd_step(p, grad, st.buf, g.lr, g.momentum, g.dampening, g.weight_decay, g.nesterov and 1 or 0,
+    first and 1 or 0)
 end
+
+function SGD:step() step_each(self, sgd_update) end
 
 -- Both optimizers share these.
 for _, cls in ipairs({ AdamW, SGD }) do
