@@ -20,20 +20,7 @@ local rank = fsdp.rank()
 local cfg = { vocab_size = 96, n_layer = 2, n_head = 2, n_embd = 16, block_size = 8 }
 local B, T = 4, 8
 
-local function batch(step)
-  local rows, targets = {}, {}
-  local x = (step * 7919 + 17) % 2147483647
-  for b = 1, B do
-    rows[b], targets[b] = {}, {}
-    for i = 1, T + 1 do
-      x = (x * 48271) % 2147483647
-      local tok = x % cfg.vocab_size
-      if i <= T then rows[b][i] = tok end
-      if i > 1 then targets[b][i - 1] = tok end
-    end
-  end
-  return fsdp.tensor(rows, { dtype = "i64" }), fsdp.tensor(targets, { dtype = "i64" })
-end
+local function batch(step) return t.token_batch(step * 7919 + 17, B, T, cfg.vocab_size) end
 
 local model, sh, opt = common.sharded { cfg = cfg, policy = "block", seed = 3 }
 if rank == 0 then os.execute("rm -rf '" .. dir .. "' && mkdir -p '" .. dir .. "'") end

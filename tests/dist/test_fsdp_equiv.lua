@@ -35,20 +35,7 @@ local policies = {
 }
 
 -- the global batch of step s: the same on every rank
-local function batch(step)
-  local rows, targets = {}, {}
-  local x = (step * 7919 + 17) % 2147483647
-  for b = 1, B do
-    rows[b], targets[b] = {}, {}
-    for i = 1, T + 1 do
-      x = (x * 48271) % 2147483647
-      local tok = x % cfg.vocab_size
-      if i <= T then rows[b][i] = tok end
-      if i > 1 then targets[b][i - 1] = tok end
-    end
-  end
-  return fsdp.tensor(rows, { dtype = "i64" }), fsdp.tensor(targets, { dtype = "i64" })
-end
+local function batch(step) return t.token_batch(step * 7919 + 17, B, T, cfg.vocab_size) end
 
 local function adamw(groups) return optim.AdamW(groups, { lr = 3e-3, betas = { 0.9, 0.95 }, eps = 1e-8 }) end
 

@@ -22,20 +22,7 @@ local shard_opts = {
   forward_prefetch = opts.forward_prefetch, prefetch = opts.prefetch,
 }
 
-local function batch(step)
-  local rows, targets = {}, {}
-  local x = (step * 7919 + rank * 104729 + 17) % 2147483647
-  for b = 1, B do
-    rows[b], targets[b] = {}, {}
-    for i = 1, T + 1 do
-      x = (x * 48271) % 2147483647
-      local tok = x % cfg.vocab_size
-      if i <= T then rows[b][i] = tok end
-      if i > 1 then targets[b][i - 1] = tok end
-    end
-  end
-  return fsdp.tensor(rows, { dtype = "i64" }), fsdp.tensor(targets, { dtype = "i64" })
-end
+local function batch(step) return t.token_batch(step * 7919 + rank * 104729 + 17, B, T, cfg.vocab_size) end
 
 local tags = { "param", "grad", "optimizer" }
 local before = {}

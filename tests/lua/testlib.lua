@@ -81,6 +81,24 @@ function M.raises(fn, needles, name)
   return err
 end
 
+--- A deterministic next-token batch: ids (B, T) in [0, vocab) from a
+-- Lehmer generator started at seed, and targets (ids shifted by one), i64.
+function M.token_batch(seed, B, T, vocab)
+  local fsdp = require "fsdp"
+  local rows, targets = {}, {}
+  local x = seed % 2147483647
+  for b = 1, B do
+    rows[b], targets[b] = {}, {}
+    for i = 1, T + 1 do
+      x = (x * 48271) % 2147483647
+      local tok = x % vocab
+      if i <= T then rows[b][i] = tok end
+      if i > 1 then targets[b][i - 1] = tok end
+    end
+  end
+  return fsdp.tensor(rows, { dtype = "i64" }), fsdp.tensor(targets, { dtype = "i64" })
+end
+
 function M.done()
   print(string.format("%d passed, %d failed", M.passed, M.failed))
   io.stdout:flush()
