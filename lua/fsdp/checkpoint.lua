@@ -152,13 +152,7 @@ local function exists(path)
   return false
 end
 
-local function is_dir(path)
-  local f = io.open(path, "rb")
-  if not f then return false end
-  local ok, _, code = f:read(1)
-  f:close()
-  return ok == nil and code == 21      -- EISDIR
-end
+local is_dir = require("fsdp.data").is_dir
 
 local function mkdir_p(path)
   local acc = path:sub(1, 1) == "/" and "/" or ""
