@@ -260,20 +260,29 @@ def save_safetensors(path, tensors, metadata=None):
 
 
 def load_safetensors(path):
-    """Read a safetensors file -> (dict name -> torch.Tensor, metadata)."""
+    """Read a safetensors file -> (dict name -> torch.Tensor, metadata),
+    checking the header against the file's size."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = f.read()
-    meta = header.pop("__metadata__", {})
+        raw = f.read()
+    if len(raw) < 8:
+        raise ValueError(f"{path}: shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if 8 + n > len(raw):
+        raise ValueError(f"{path}: header length {n} runs past the end of the file")
+    header = json.loads(raw[8:8 + n].decode("utf-8"))
+    data = memoryview(raw)[8 + n:]
+    meta = header.pop("__metadata__", {}) or {}
     out = {}
     for name, info in header.items():
         b, e = info["data_offsets"]
         if info["dtype"] == "BF16":
-            bits = np.frombuffer(data[b:e], dtype="<u2").astype(np.int32) << 16
+            bits = np.frombuffer(data[b:e], dtype="<u2").astype(np.uint32) << 16
             arr = bits.view(np.float32)
         else:
             arr = np.frombuffer(data[b:e], dtype=_ST_DTYPES[info["dtype"]])
+        count = int(np.prod(info["shape"])) if info["shape"] else 1
+        if arr.size != count or e > len(data):
+            raise ValueError(f"{path}: tensor {name}: {arr.size} elements for shape {info['shape']}")
         out[name] = torch.from_numpy(arr.copy()).reshape(info["shape"])
     return out, meta
 
