@@ -262,7 +262,7 @@ function M.shard(model, opts)
   local self = setmetatable({
     model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
     sched = ffi.gc(sched_box[0], C.fsdp_sched_free), shard_comm = shard_comm, replica_comm = replica_comm,
-    world = world, rank = rank, masters = {}, grads = {}, segments = {},
+    world = world, rank = rank, grads = {}, segments = {},
   }, Sharded)
   local seed = opts.seed or 0
   local keep_all = strategy == "shard_grad_op"
@@ -281,7 +281,6 @@ function M.shard(model, opts)
     if C.fsdp_unit_shard(self.sched, u.index, mbox, gbox) ~= 0 then raise() end
     u.master = ffi.gc(mbox[0], C.fsdp_tensor_release)
     u.grad = ffi.gc(gbox[0], C.fsdp_tensor_release)
-    self.masters[#self.masters + 1] = u.master
     self.grads[#self.grads + 1] = u.grad
     self:_init_unit(u, seed)
   end
