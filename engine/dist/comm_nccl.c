@@ -29,10 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The stream every kernel of this process's GPU runs on. Provided by the
- * CUDA backend (engine/cuda, declared in cuda_internal.h) with C linkage:
- * extern "C" in the .cu file that defines it. */
-cudaStream_t cuda_compute_stream(void);
+#include "cuda_internal.h"   /* cuda_compute_stream(): the stream every kernel of this GPU runs on */
 
 /* ---- checks: file:line, the call and the library's message ---- */
 

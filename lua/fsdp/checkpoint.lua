@@ -296,7 +296,7 @@ end
 local function broadcast_string(comm, root, s)
   local rank = comm_info(comm)
   local n = allreduce1(comm, rank == root and #s or 0, MAX_OP)
-  local t = fsdp.zeros({ floor((n + 3) / 4) + 1 }, { dtype = "i32" })
+  local t = fsdp.zeros({ floor((n + 3) / 4) + 1 }, { dtype = "i32", device = "cpu" })
   if rank == root then ffi.copy(t:data_ptr(), s, #s) end
   if C.fsdp_broadcast(nil, comm, t, root, "checkpoint.message") ~= 0 then raise() end
   return ffi.string(t:data_ptr(), n)
@@ -308,11 +308,11 @@ local function gather_strings(comm, s)
   if size == 1 then return { s } end
   local n = allreduce1(comm, #s, MAX_OP)
   local words = floor((n + 3) / 4) + 1
-  local src = fsdp.zeros({ words }, { dtype = "i32" })
+  local src = fsdp.zeros({ words }, { dtype = "i32", device = "cpu" })
   local p = ffi.cast("int32_t *", src:data_ptr())
   p[0] = #s
   ffi.copy(p + 1, s, #s)
-  local dst = fsdp.empty({ words * size }, { dtype = "i32" })
+  local dst = fsdp.empty({ words * size }, { dtype = "i32", device = "cpu" })
   if C.fsdp_all_gather(nil, comm, dst, src, "checkpoint.meta") ~= 0 then raise() end
   if rank ~= 0 then return nil end
   local q = ffi.cast("int32_t *", dst:data_ptr())
@@ -363,10 +363,17 @@ local function is_module(x)
   return type(x) == "table" and x._param_names ~= nil and type(x.named_parameters) == "function"
 end
 
-local function check_host_f32(t, what)
-  if t:dtype() ~= "f32" or t:device() ~= "cpu" or not t:is_contiguous() then
-    error(fmt("%s: %s is %s; checkpoints hold contiguous f32 host tensors", what, "tensor", t:describe()), 0)
+local function check_f32(t, what)
+  if t:dtype() ~= "f32" or not t:is_contiguous() then
+    error(fmt("%s: %s is %s; checkpoints hold contiguous f32 tensors", what, "tensor", t:describe()), 0)
   end
+end
+
+-- t's values in host memory, for files: t itself on the CPU, else a copy
+-- (a GPU tensor is staged one shard slice at a time).
+local function on_host(t)
+  if t:device() == "cpu" then return t end
+  return t:cpu()
 end
 
 -- { kind, model, comm, rank, params = { {path, shape, numel} } (model order),
@@ -418,8 +425,8 @@ local function describe(target, what)
         error(fmt("%s: parameter '%s' is not materialized (call model:materialize{} or pass the sharded model)",
           what, p.path), 0)
       end
-      if t:dtype() ~= "f32" or t:device() ~= "cpu" or not t:is_contiguous() then
-        error(fmt("%s: parameter '%s' is %s; checkpoints hold contiguous f32 host tensors", what, p.path,
+      if t:dtype() ~= "f32" or not t:is_contiguous() then
+        error(fmt("%s: parameter '%s' is %s; checkpoints hold contiguous f32 tensors", what, p.path,
           t:describe()), 0)
       end
       local flat = fsdp.no_grad(function() return t:detach():view(-1) end)
@@ -515,7 +522,8 @@ local function write_shard(d, opt, tmp, chunk)
   local rec = { file = name, params = {}, optim = {} }
   local ok, err = pcall(function()
     for _, s in ipairs(d.segments) do
-      local off, sum = put(o, s.flat:data_ptr(), 4 * s.count)
+      local h = on_host(s.flat)
+      local off, sum = put(o, h:data_ptr(), 4 * s.count)
       rec.params[#rec.params + 1] = { s.path, s.start, s.count, off, sum }
     end
     if opt then
@@ -526,12 +534,13 @@ local function write_shard(d, opt, tmp, chunk)
           for _, nm in ipairs(names) do
             local t = st[nm]
             if t then
-              check_host_f32(t, "fsdp.checkpoint.save: optimizer state " .. nm .. " of " .. s.path)
+              check_f32(t, "fsdp.checkpoint.save: optimizer state " .. nm .. " of " .. s.path)
               if t:numel() ~= s.count then
                 error(fmt("optimizer state %s of '%s' has %d elements, its parameter slice %d", nm, s.path,
                   t:numel(), s.count), 0)
               end
-              local off, sum = put(o, t:data_ptr(), 4 * s.count)
+              local h = on_host(t)
+              local off, sum = put(o, h:data_ptr(), 4 * s.count)
               rec.optim[#rec.optim + 1] = { s.path, nm, s.start, s.count, off, st.step or opt.step_count or 0, sum }
             end
           end
@@ -961,7 +970,8 @@ local function read_state(dir, index, d, opt, opts)
   local reads = {}
   local vals = {}
   for i, s in ipairs(d.segments) do
-    local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other" })   -- copied into the shard at commit
+    -- read into host memory; copied into the shard (on its device) at commit
+    local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other", device = "cpu" })
     vals[i] = t
     plan_reads(reads, index.param_map[s.path].ranges, s.start, s.count, t:data_ptr(), "parameter '" .. s.path .. "'",
       where)
@@ -985,10 +995,10 @@ local function read_state(dir, index, d, opt, opts)
         local shape = s.key:shape()
         for _, nm in ipairs(names) do
           if e[nm] then
-            local t = fsdp.empty(shape, { dtype = "f32", tag = "optimizer" })
+            local t = fsdp.empty(shape, { dtype = "f32", tag = "optimizer", device = "cpu" })
             plan_reads(reads, e[nm], s.start, s.count, t:data_ptr(), fmt("optimizer state %s of '%s'", nm, s.path),
               where)
-            st[nm] = t
+            st[nm] = t   -- moved to the parameter's device after the reads (run_reads fills it first)
           end
         end
         ostate[i] = st
@@ -996,6 +1006,17 @@ local function read_state(dir, index, d, opt, opts)
     end
   end
   run_reads(dir, index, reads)
+  if ostate then   -- optimizer state lives where its parameter does
+    for i, st in pairs(ostate) do
+      local dev = d.segments[i].key:device()
+      for nm, t in pairs(st) do
+        if type(t) ~= "number" and t:device() ~= dev then
+          st[nm] = t:to(dev)
+          t:free()
+        end
+      end
+    end
+  end
   return vals, ostate
 end
 
@@ -1251,7 +1272,7 @@ function M.export(path, target, opts)
     if failure then return end
     local ok, err = pcall(function()
       for _, e in ipairs(by_path[p.path] or {}) do
-        local v = fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end)
+        local v = on_host(fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end))
         write_all(fd, v:data_ptr(), 4 * v:numel(), tmp, data_start + e.offset)
       end
     end)
@@ -1307,7 +1328,7 @@ local function import_range(fd, info, e, a, n, dst, cache)
   -- another order (a transpose): read the whole tensor once, undo the ops
   local full = cache[e.fname]
   if not full then
-    local t = fsdp.empty(e.shape, { dtype = "f32" })
+    local t = fsdp.empty(e.shape, { dtype = "f32", device = "cpu" })
     local nb = 4 * numel_of(e.shape)
     local got = pread_all(fd, t:data_ptr(), nb, base, info.path)
     if got ~= nb then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
@@ -1316,7 +1337,7 @@ local function import_range(fd, info, e, a, n, dst, cache)
       if op[1] == "transpose" then
         t = t:transpose(op[2], op[3])
       else   -- rows cut off by the export come back as zeros
-        local z = fsdp.zeros(op[5], { dtype = "f32" })
+        local z = fsdp.zeros(op[5], { dtype = "f32", device = "cpu" })
         z:narrow(op[2], op[3], op[4]):copy(t)
         t = z
       end
@@ -1391,7 +1412,7 @@ function M.import(path, target, opts)
     local out, cache = {}, {}
     local ok, rerr = pcall(function()
       for i, s in ipairs(d.segments) do
-        local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other" })
+        local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other", device = "cpu" })
         fsdp.no_grad(function() import_range(fd, info, by_path[s.path], s.start, s.count, t, cache) end)
         out[i] = t
       end

@@ -415,30 +415,21 @@ local function device_id_of(t)
   return int_box[0]
 end
 
--- Element reader: read(offset in elements) -> number. Host tensors are read
--- in place; a tensor elsewhere (CUDA) is copied to the host first, whole.
+-- Element reader: read(offset in elements) -> number, and the strides to
+-- use. Host tensors are read in place; a tensor elsewhere (CUDA) is copied
+-- to a host tensor first, whole, which the reader then holds on to.
 local function element_reader(t)
+  if device_id_of(t) ~= 0 then t = methods.to(t, "cpu") end
   local dt = dtype_of(t)
-  local base, strides
-  if device_id_of(t) == 0 then
-    if C.fsdp_tensor_data_ptr(t, ptr_box) ~= 0 then raise() end
-    base, strides = ptr_box[0], strides_of(t)
-  else   -- not host memory: read a contiguous copy
-    local dims, n = shape_of(t), numel(t)
-    base = elem_array_t[dt](n > 0 and n or 1)
-    if C.fsdp_tensor_to_data(t, base, n * elem_size[dt]) ~= 0 then raise() end
-    strides = {}
-    local s = 1
-    for d = #dims, 1, -1 do strides[d] = s; s = s * dims[d] end
-  end
-  local p = ffi.cast(elem_ptr_t[dt], base)
+  if C.fsdp_tensor_data_ptr(t, ptr_box) ~= 0 then raise() end
+  local p = ffi.cast(elem_ptr_t[dt], ptr_box[0])
   local read
   if dt == 1 then
-    read = function(off) return bf16_value(p[off]) end
+    read = function(off) local _ = t; return bf16_value(p[off]) end
   else
-    read = function(off) return tonumber(p[off]) end
+    read = function(off) local _ = t; return tonumber(p[off]) end
   end
-  return read, strides, base   -- base keeps a copy alive
+  return read, strides_of(t)
 end
 
 --- t:at(i, j, ...): the value at 1-based indices (a CUDA tensor is copied

@@ -10,6 +10,8 @@ trap 'rm -rf "$TMP"' EXIT
 export OPENBLAS_NUM_THREADS=1 HOME="$TMP"   # history goes to the temp folder
 
 pass=0 fail=0
+# tensors are made on the engine's default device (cuda where a GPU is)
+DEV=$("$L" -e 'io.write(require("fsdp").default_device())' 2>/dev/null)
 ok() { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
 has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
@@ -48,7 +50,7 @@ rc=$?
 [ $rc -eq 0 ] && ok || bad "REPL exits 0 (got $rc)" "$out"
 line "1+2 prints 3" "$out" "3"
 has "tensor expression values" "$out" " 2  4  6"
-has "tensor expression footer" "$out" "[f32 tensor of shape (3) on cpu]"
+has "tensor expression footer" "$out" "[f32 tensor of shape (3) on $DEV]"
 has "error message" "$out" "stdin:1: boom"
 has "error traceback" "$out" "stack traceback"
 line "the line after an error evaluates" "$out" "42"
@@ -81,10 +83,10 @@ printf 'quit(3)\n' | "$L" >/dev/null 2>&1; rc=$?
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3 || true)
 if [ -n "$PY" ]; then
-  out=$("$PY" - "$L" <<'EOF' 2>&1
+  out=$("$PY" - "$L" "$DEV" <<'EOF' 2>&1
 import os, pty, select, subprocess, sys, time
 
-launcher = sys.argv[1]
+launcher, device = sys.argv[1], sys.argv[2]
 master, slave = pty.openpty()
 proc = subprocess.Popen([launcher], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
 os.close(slave)
@@ -126,7 +128,7 @@ expect("100 200")
 print("BLOCK_OK")
 expect("fsdp> ")
 os.write(master, b"fsdp.ones(2) + 1\n")
-expect("[f32 tensor of shape (2) on cpu]")
+expect("[f32 tensor of shape (2) on %s]" % device)
 print("TENSOR_OK")
 expect("fsdp> ")
 os.write(master, b"error('oops')\n")

@@ -1,6 +1,11 @@
 /* cuda_emu.cpp: the host emulation of CUDA described in cuda_emu.h. */
 #include "cuda_emu.h"
+#include <atomic>
+#include <deque>
 #include <map>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -16,9 +21,16 @@
     abort();
 }
 
+/* The compute thread launches kernels; the comm thread only touches memory,
+ * streams and events: one lock for the allocation map and the streams. */
+static std::recursive_mutex g_mu;
+typedef std::lock_guard<std::recursive_mutex> emu_lock;
+
 static cudaError_t g_last = cudaSuccess;
 static long long g_launches;
-static int g_device_count = 1;
+static std::atomic<long long> g_late_runs;
+static int g_device_count = -1;   /* -1: not read from the environment yet */
+static thread_local int t_device;
 static const int g_sm_count = 2;   /* small, so grid-stride loops go round */
 
 static cudaError_t set_error(cudaError_t e, const char *why) {
@@ -27,9 +39,18 @@ static cudaError_t set_error(cudaError_t e, const char *why) {
     return e;
 }
 
+static int device_count(void) {
+    if (g_device_count < 0) {
+        const char *env = getenv("FSDP_EMU_GPUS");
+        g_device_count = env && *env ? atoi(env) : 1;
+    }
+    return g_device_count;
+}
+
 extern "C" void emu_set_device_count(int n) { g_device_count = n; }
-extern "C" int emu_device_count(void) { return g_device_count; }
+extern "C" int emu_device_count(void) { return device_count(); }
 extern "C" long long emu_launch_count(void) { return g_launches; }
+extern "C" long long emu_late_runs(void) { return g_late_runs; }
 
 /* ---- device memory: its own address range, guard pages, no reuse ---- */
 
@@ -59,6 +80,7 @@ static bool in_region(const void *p) {
 
 /* The live allocation holding [p, p + n), or NULL. */
 static const emu_alloc *find_alloc(const void *p, size_t n) {
+    emu_lock lock(g_mu);
     auto it = g_allocs.upper_bound((uintptr_t)p);
     if (it == g_allocs.begin()) return NULL;
     --it;
@@ -84,7 +106,150 @@ static void check_range(const void *p, size_t n, const char *what) {
     }
 }
 
+/* ---- streams and events ---- */
+
+struct emu_stream_s {
+    bool late;                                  /* the comm stream: its own thread runs its work, late */
+    std::mutex mu;
+    std::condition_variable cv;                 /* work arrived, or work ran */
+    std::deque<std::function<void()>> pending;  /* late work not run yet */
+    long long enqueued = 0, ran = 0;            /* work items so far */
+    std::thread worker;
+};
+struct emu_event_s {
+    emu_stream_s *stream;   /* where it was last recorded, or NULL */
+    long long at;           /* complete once the stream ran this many items */
+};
+
+/* A late stream's thread: each item runs a little after it was enqueued,
+ * in order, so that readers who did not wait see the old memory. */
+static void late_worker(emu_stream_s *s) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    for (;;) {
+        s->cv.wait(lock, [s] { return !s->pending.empty(); });
+        std::function<void()> f = std::move(s->pending.front());
+        s->pending.pop_front();
+        lock.unlock();
+        usleep(200);
+        f();
+        lock.lock();
+        s->ran++;
+        g_late_runs++;
+        s->cv.notify_all();
+    }
+}
+
+/* Blocks until s ran `upto` items (all it was given for -1). */
+static void wait_for(emu_stream_s *s, long long upto) {
+    if (!s || !s->late) return;
+    std::unique_lock<std::mutex> lock(s->mu);
+    long long target = upto < 0 ? s->enqueued : upto;
+    s->cv.wait(lock, [s, target] { return s->ran >= target; });
+}
+
+static std::mutex g_streams_mu;
+static std::vector<emu_stream_s *> g_streams;
+
+static void wait_all_streams(void) {
+    std::vector<emu_stream_s *> all;
+    {
+        std::lock_guard<std::mutex> lock(g_streams_mu);
+        all = g_streams;
+    }
+    for (emu_stream_s *s : all) wait_for(s, -1);
+}
+
+static void enqueue(emu_stream_s *s, std::function<void()> f) {
+    if (s && s->late) {
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->pending.push_back(std::move(f));
+        s->enqueued++;
+        s->cv.notify_all();
+        return;
+    }
+    f();
+}
+
+extern "C" cudaError_t emu_stream_enqueue(cudaStream_t s, void (*fn)(void *), void *arg) {
+    enqueue(s, [fn, arg]() { fn(arg); });
+    return cudaSuccess;
+}
+
+static cudaError_t new_stream(cudaStream_t *s, bool late) {
+    if (!s) return cudaErrorInvalidValue;
+    emu_stream_s *st = new emu_stream_s;
+    st->late = late;
+    if (late) {
+        st->worker = std::thread(late_worker, st);
+        st->worker.detach();   /* lives as long as the process, like a CUDA stream nobody destroys */
+    }
+    std::lock_guard<std::mutex> lock(g_streams_mu);
+    g_streams.push_back(st);
+    *s = st;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return new_stream(s, false); }
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned, int) { return new_stream(s, true); }
+cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+    *least = 0;
+    *greatest = -5;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    wait_for(s, -1);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) {
+    if (!e) return cudaErrorInvalidValue;
+    *e = new emu_event_s{NULL, 0};
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    if (!e) return set_error(cudaErrorInvalidResourceHandle, "cudaEventRecord of a NULL event");
+    e->stream = s && s->late ? s : NULL;   /* on the compute stream: complete at once */
+    if (e->stream) {
+        std::lock_guard<std::mutex> lock(s->mu);
+        e->at = s->enqueued;
+    }
+    return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    if (!e) return set_error(cudaErrorInvalidResourceHandle, "cudaEventQuery of a NULL event");
+    if (!e->stream) return cudaSuccess;
+    std::lock_guard<std::mutex> lock(e->stream->mu);
+    return e->stream->ran >= e->at ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (!e) return set_error(cudaErrorInvalidResourceHandle, "cudaEventSynchronize of a NULL event");
+    wait_for(e->stream, e->at);
+    return cudaSuccess;
+}
+/* The waiting stream's later work runs after the event; the compute stream
+ * runs its work at once in the calling thread, so the caller waits here. */
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+    if (!e) return set_error(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent on a NULL event");
+    if (s && s->late) {   /* a late stream waits in its own order */
+        cudaEvent_t copy = new emu_event_s(*e);
+        enqueue(s, [copy]() {
+            wait_for(copy->stream, copy->at);
+            delete copy;
+        });
+        return cudaSuccess;
+    }
+    wait_for(e->stream, e->at);
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;   /* (CUDA lets pending events be destroyed; streams do not refer to them) */
+    return cudaSuccess;
+}
+
+/* ---- memory calls ---- */
+
 cudaError_t cudaMalloc(void **p, size_t n) {
+    emu_lock lock(g_mu);
     region_init();
     if (!p) return cudaErrorInvalidValue;
     size_t user = (n + 15) & ~(size_t)15;
@@ -101,8 +266,11 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     return cudaSuccess;
 }
 
+/* cudaFree waits for the whole device, as CUDA's does. */
 cudaError_t cudaFree(void *p) {
     if (!p) return cudaSuccess;
+    wait_all_streams();
+    emu_lock lock(g_mu);
     auto it = g_allocs.find((uintptr_t)p);
     if (it == g_allocs.end() || !it->second.live) return set_error(cudaErrorInvalidValue, "cudaFree of a pointer it did not allocate");
     it->second.live = false;
@@ -112,15 +280,21 @@ cudaError_t cudaFree(void *p) {
 }
 
 cudaError_t cudaMallocAsync(void **p, size_t n, cudaStream_t) { return cudaMalloc(p, n); }
-cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); }
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
+    if (s && s->late) return set_error(cudaErrorInvalidValue, "cudaFreeAsync on the comm stream is not emulated");
+    return cudaFree(p);
+}
 
-cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) {
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
     check_range(p, n, "cudaMemsetAsync");
-    memset(p, v, n);
+    enqueue(s, [=]() {
+        check_range(p, n, "cudaMemsetAsync (when it ran)");
+        memset(p, v, n);
+    });
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
     if (n == 0) return cudaSuccess;
     bool dd = kind == cudaMemcpyDeviceToDevice || kind == cudaMemcpyHostToDevice;
     bool sd = kind == cudaMemcpyDeviceToDevice || kind == cudaMemcpyDeviceToHost;
@@ -130,13 +304,16 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
     else if (in_region(dst)) emu_fail("cudaMemcpyAsync: a device destination for a copy to the host");
     if (sd) check_range(src, n, "cudaMemcpyAsync source");
     else if (in_region(src)) emu_fail("cudaMemcpyAsync: a device source for a copy from the host");
-    memmove(dst, src, n);
+    enqueue(s, [=]() {
+        if (dd) check_range(dst, n, "cudaMemcpyAsync destination (when it ran)");
+        if (sd) check_range(src, n, "cudaMemcpyAsync source (when it ran)");
+        memmove(dst, src, n);
+    });
     return cudaSuccess;
 }
 
-/* ---- devices, streams, attributes ---- */
+/* ---- devices and attributes ---- */
 
-static struct emu_stream_s { int dummy; } g_stream_obj;
 static struct emu_pool_s { int dummy; } g_pool_obj;
 static struct emu_cublas_s { int dummy; } g_cublas_obj;
 static std::map<const void *, int> g_smem_allowed;
@@ -149,6 +326,8 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorNoDevice: return "no CUDA-capable device is detected (emulated)";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
     }
     return "unknown error";
 }
@@ -161,15 +340,23 @@ cudaError_t cudaGetLastError(void) {
 
 cudaError_t cudaGetDeviceCount(int *n) {
     *n = 0;
-    if (g_device_count <= 0) return cudaErrorNoDevice;
-    *n = g_device_count;
+    if (device_count() <= 0) return cudaErrorNoDevice;
+    *n = device_count();
     return cudaSuccess;
 }
 
-cudaError_t cudaSetDevice(int d) { return d >= 0 && d < g_device_count ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= device_count()) return cudaErrorInvalidDevice;
+    t_device = d;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *d) {
+    *d = t_device;
+    return cudaSuccess;
+}
 
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
-    if (d < 0 || d >= g_device_count) return cudaErrorInvalidDevice;
+    if (d < 0 || d >= device_count()) return cudaErrorInvalidDevice;
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "CUDA emulation on the host");
     p->multiProcessorCount = g_sm_count;
@@ -186,11 +373,6 @@ cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *p, int) {
     return cudaSuccess;
 }
 cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void *) { return cudaSuccess; }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) {
-    *s = &g_stream_obj;
-    return cudaSuccess;
-}
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute a, int v) {
     if (a != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
@@ -201,16 +383,43 @@ cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute a, int v) {
 
 /* ---- fibers ---- */
 
+/* Switching fibers: on x86-64 a few instructions that swap the stack and the
+ * callee-saved registers (swapcontext also saves the signal mask, a system
+ * call per switch, which made kernels 10x slower); ucontext elsewhere. */
+#if defined(__x86_64__)
+#define EMU_FAST_SWITCH 1
+extern "C" void emu_ctx_switch(void **save_sp, void *load_sp);
+__asm__(".text\n"
+        ".globl emu_ctx_switch\n"
+        ".hidden emu_ctx_switch\n"
+        ".type emu_ctx_switch,@function\n"
+        "emu_ctx_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+        "  ret\n"
+        ".size emu_ctx_switch,.-emu_ctx_switch\n");
+#endif
+
 enum { F_READY, F_BLOCK_WAIT, F_WARP_WAIT, F_DONE };
 struct emu_fiber {
+#ifdef EMU_FAST_SWITCH
+    void *sp;
+#else
     ucontext_t ctx;
+#endif
     char *stack;
     int state;
     uint3 idx;
 };
 static const size_t STACK = 256 * 1024;
 static std::vector<emu_fiber> g_fibers;
+#ifdef EMU_FAST_SWITCH
+static void *g_sched_sp;
+#else
 static ucontext_t g_sched;
+#endif
 static int g_cur = -1;            /* the running fiber, -1 outside kernels */
 static unsigned g_nt;             /* threads of the running block */
 static dim3 g_block_dim, g_grid_dim;
@@ -219,10 +428,48 @@ static const std::function<void()> *g_body;
 static std::vector<char> g_smem;
 static unsigned char g_xslot[1024][16];
 
+/* from the running fiber to the scheduler, and back */
+static void to_scheduler(emu_fiber &f) {
+#ifdef EMU_FAST_SWITCH
+    emu_ctx_switch(&f.sp, g_sched_sp);
+#else
+    swapcontext(&f.ctx, &g_sched);
+#endif
+}
+static void to_fiber(emu_fiber &f) {
+#ifdef EMU_FAST_SWITCH
+    emu_ctx_switch(&g_sched_sp, f.sp);
+#else
+    swapcontext(&g_sched, &f.ctx);
+#endif
+}
+
 static void fiber_main(void) {
     (*g_body)();
     g_fibers[g_cur].state = F_DONE;
-}   /* returns to g_sched through uc_link */
+#ifdef EMU_FAST_SWITCH
+    to_scheduler(g_fibers[g_cur]);   /* never resumed */
+    abort();
+#endif
+}   /* (ucontext: returns to g_sched through uc_link) */
+
+/* A fresh fiber that starts in fiber_main at its first switch. */
+static void fiber_reset(emu_fiber &f) {
+#ifdef EMU_FAST_SWITCH
+    uintptr_t top = ((uintptr_t)f.stack + STACK) & ~(uintptr_t)15;
+    void **sp = (void **)top;
+    *--sp = NULL;                      /* fiber_main's return address slot: never used */
+    *--sp = (void *)fiber_main;        /* where emu_ctx_switch's ret goes */
+    for (int i = 0; i < 6; i++) *--sp = NULL;   /* rbp rbx r12-r15 */
+    f.sp = sp;
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = STACK;
+    f.ctx.uc_link = &g_sched;
+    makecontext(&f.ctx, fiber_main, 0);
+#endif
+}
 
 static void need_kernel(const char *what) {
     if (g_cur < 0) {
@@ -244,7 +491,7 @@ void *emu_dyn_smem(void) { return g_smem.data(); }
 static void wait_at(int kind) {
     emu_fiber &f = g_fibers[g_cur];
     f.state = kind;
-    swapcontext(&f.ctx, &g_sched);
+    to_scheduler(f);
 }
 
 void __syncthreads(void) {
@@ -278,14 +525,14 @@ static void run_block(void) {
     for (unsigned t = 0; t < n; t++) {
         emu_fiber &f = g_fibers[t];
         if (!f.stack) {
-            f.stack = (char *)malloc(STACK);
-            if (!f.stack) emu_fail("out of host memory for fiber stacks");
+            /* a guard page under each stack: an overflow faults instead of corrupting the heap */
+            size_t page = (size_t)sysconf(_SC_PAGESIZE);
+            void *m = mmap(NULL, STACK + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) emu_fail("out of memory for fiber stacks");
+            mprotect(m, page, PROT_NONE);
+            f.stack = (char *)m + page;
         }
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack;
-        f.ctx.uc_stack.ss_size = STACK;
-        f.ctx.uc_link = &g_sched;
-        makecontext(&f.ctx, fiber_main, 0);
+        fiber_reset(f);
         f.state = F_READY;
         f.idx = uint3{t % g_block_dim.x, (t / g_block_dim.x) % g_block_dim.y, t / (g_block_dim.x * g_block_dim.y)};
     }
@@ -293,7 +540,7 @@ static void run_block(void) {
         for (unsigned t = 0; t < n; t++)
             if (g_fibers[t].state == F_READY) {
                 g_cur = (int)t;
-                swapcontext(&g_sched, &g_fibers[t].ctx);
+                to_fiber(g_fibers[t]);
                 g_cur = -1;
             }
         unsigned done = 0, at_block = 0;

@@ -20,6 +20,8 @@
  *   inaccessible (use after free faults); new memory is filled with NaN
  *   bytes (reads of unwritten memory show).
  * - cuBLAS: column-major semantics and its leading-dimension rules.
+ * - Streams and events: see include/cuda_runtime.h (a comm stream runs its
+ *   work late); NCCL: include/nccl.h.
  * Not modelled: warp-synchronous code without barriers, timing, memory
  * ordering between blocks (blocks are serial), register or static shared
  * memory limits (ptxas -v reports those). */
@@ -101,69 +103,9 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 
 void *emu_dyn_smem(void);
 
-/* ---- runtime API ---- */
-enum cudaError_t {
-    cudaSuccess = 0,
-    cudaErrorInvalidValue = 1,
-    cudaErrorMemoryAllocation = 2,
-    cudaErrorInvalidConfiguration = 9,
-    cudaErrorInvalidDevice = 101,
-    cudaErrorNoDevice = 100,
-};
-typedef struct emu_stream_s *cudaStream_t;
-typedef struct emu_pool_s *cudaMemPool_t;
-enum cudaMemcpyKind {
-    cudaMemcpyHostToHost = 0,
-    cudaMemcpyHostToDevice = 1,
-    cudaMemcpyDeviceToHost = 2,
-    cudaMemcpyDeviceToDevice = 3,
-    cudaMemcpyDefault = 4
-};
-enum cudaDeviceAttr { cudaDevAttrMemoryPoolsSupported = 115 };
-enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4 };
-enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-#define cudaStreamNonBlocking 0x01
-struct cudaDeviceProp {
-    char name[256];
-    int multiProcessorCount;
-    size_t totalGlobalMem;
-};
-
-const char *cudaGetErrorString(cudaError_t e);
-cudaError_t cudaGetLastError(void);
-cudaError_t cudaGetDeviceCount(int *n);
-cudaError_t cudaSetDevice(int d);
-cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d);
-cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int d);
-cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *p, int d);
-cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t p, cudaMemPoolAttr a, void *v);
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
-cudaError_t cudaStreamSynchronize(cudaStream_t s);
-cudaError_t cudaMalloc(void **p, size_t n);
-cudaError_t cudaFree(void *p);
-cudaError_t cudaMallocAsync(void **p, size_t n, cudaStream_t s);
-cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
-cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s);
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s);
-cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute a, int v);
-
-/* ---- cuBLAS ---- */
-typedef struct emu_cublas_s *cublasHandle_t;
-enum cublasStatus_t {
-    CUBLAS_STATUS_SUCCESS = 0,
-    CUBLAS_STATUS_NOT_INITIALIZED = 1,
-    CUBLAS_STATUS_INVALID_VALUE = 7
-};
-enum cublasOperation_t { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 };
-enum cublasMath_t { CUBLAS_DEFAULT_MATH = 0, CUBLAS_TF32_TENSOR_OP_MATH = 3 };
-cublasStatus_t cublasCreate(cublasHandle_t *h);
-cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s);
-cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t m);
-const char *cublasGetStatusString(cublasStatus_t s);
-cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
-                                         int k, const float *alpha, const float *A, int lda, long long sa,
-                                         const float *B, int ldb, long long sb, const float *beta, float *C, int ldc,
-                                         long long sc, int batch);
+/* ---- runtime API and cuBLAS: C declarations shared with the engine's C files ---- */
+#include "cuda_runtime.h"
+#include "cublas_v2.h"
 
 /* ---- launches: kernel<<<grid, block, smem>>>(args) ---- */
 struct emu_launch_cfg {
@@ -194,13 +136,6 @@ template <class... P> struct emu_launcher<void (*)(P...)> {
 template <class... P>
 emu_launcher<void (*)(P...)> emu_make_launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem) {
     return emu_launcher<void (*)(P...)>{kernel, emu_launch_cfg{grid, block, smem, (const void *)kernel}};
-}
-
-/* ---- test controls ---- */
-extern "C" {
-void emu_set_device_count(int n);   /* what cudaGetDeviceCount reports (default 1) */
-int emu_device_count(void);
-long long emu_launch_count(void);
 }
 
 #endif

@@ -1,0 +1,286 @@
+/* nccl_emu.cpp: the NCCL of include/nccl.h on the host. Every collective is
+ * one work item of the stream it is given, so it reads its input and writes
+ * its output in stream order, after the events the stream waits on; with
+ * several ranks the item runs the matching MPI collective (the stream's own
+ * thread calls MPI, so MPI must give MPI_THREAD_MULTIPLE, as the engine asks).
+ *
+ * Bootstrap: the unique id names the world rank that made it and a number;
+ * in ncclCommInitRank every member sends its world rank to that one, which
+ * answers with the member list; the members then make an MPI communicator of
+ * just themselves (MPI_Comm_create_group), in NCCL rank order. */
+#include "nccl.h"
+#include "cuda_runtime.h"
+#define OMPI_SKIP_MPICXX 1   /* the C API only */
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+struct emu_nccl_comm_s {
+    int nranks, rank;
+    MPI_Comm mpi;   /* MPI_COMM_NULL for one rank */
+};
+
+static int g_comms_made;
+static int g_next_id;
+static thread_local char t_last[256];
+
+extern "C" int emu_nccl_comms_made(void) { return g_comms_made; }
+
+static ncclResult_t fail(ncclResult_t r, const char *why) {
+    snprintf(t_last, sizeof t_last, "%s", why);
+    return r;
+}
+
+const char *ncclGetErrorString(ncclResult_t r) {
+    switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    }
+    return "unknown result code";
+}
+const char *ncclGetLastError(ncclComm_t) { return t_last; }
+
+struct id_body {
+    char magic[8];
+    int root_world_rank;
+    int number;
+};
+
+static bool mpi_up(void) {
+    int up = 0, down = 0;
+    MPI_Initialized(&up);
+    if (up) MPI_Finalized(&down);
+    return up && !down;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+    if (!id) return fail(ncclInvalidArgument, "ncclGetUniqueId: id is NULL");
+    memset(id, 0, sizeof *id);
+    id_body b;
+    memcpy(b.magic, "fsdpemu", 8);
+    b.root_world_rank = 0;
+    if (mpi_up()) MPI_Comm_rank(MPI_COMM_WORLD, &b.root_world_rank);
+    b.number = g_next_id++;
+    memcpy(id->internal, &b, sizeof b);
+    return ncclSuccess;
+}
+
+enum { TAG_BASE = 0x3e00 };   /* bootstrap messages on MPI_COMM_WORLD; the engine sends none */
+
+ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int rank) {
+    if (!out) return fail(ncclInvalidArgument, "ncclCommInitRank: comm is NULL");
+    *out = NULL;
+    id_body b;
+    memcpy(&b, id.internal, sizeof b);
+    if (memcmp(b.magic, "fsdpemu", 8) != 0) return fail(ncclInvalidArgument, "ncclCommInitRank: not a unique id");
+    if (nranks < 1 || rank < 0 || rank >= nranks) return fail(ncclInvalidArgument, "ncclCommInitRank: bad rank");
+    emu_nccl_comm_s *c = new emu_nccl_comm_s{nranks, rank, MPI_COMM_NULL};
+    if (nranks > 1) {
+        if (!mpi_up()) {
+            delete c;
+            return fail(ncclSystemError, "ncclCommInitRank: several ranks need MPI in the emulation");
+        }
+        int tag = TAG_BASE + (b.number & 0xff);
+        int me = 0;
+        MPI_Comm_rank(MPI_COMM_WORLD, &me);
+        std::vector<int> members(nranks, -1);   /* world rank of each NCCL rank */
+        if (rank == 0) {
+            if (me != b.root_world_rank) {
+                delete c;
+                return fail(ncclInvalidUsage, "ncclCommInitRank: rank 0 is not the rank that made the id");
+            }
+            members[0] = me;
+            for (int i = 1; i < nranks; i++) {
+                int msg[2];
+                MPI_Recv(msg, 2, MPI_INT, MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+                if (msg[0] <= 0 || msg[0] >= nranks || members[msg[0]] >= 0) {
+                    delete c;
+                    return fail(ncclInvalidUsage, "ncclCommInitRank: two ranks claim one NCCL rank");
+                }
+                members[msg[0]] = msg[1];
+            }
+            for (int i = 1; i < nranks; i++)
+                MPI_Send(members.data(), nranks, MPI_INT, members[i], tag, MPI_COMM_WORLD);
+        } else {
+            int msg[2] = {rank, me};
+            MPI_Send(msg, 2, MPI_INT, b.root_world_rank, tag, MPI_COMM_WORLD);
+            MPI_Recv(members.data(), nranks, MPI_INT, b.root_world_rank, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        }
+        MPI_Group world, group;
+        MPI_Comm_group(MPI_COMM_WORLD, &world);
+        MPI_Group_incl(world, nranks, members.data(), &group);
+        int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &c->mpi);
+        MPI_Group_free(&group);
+        MPI_Group_free(&world);
+        if (rc != MPI_SUCCESS) {
+            delete c;
+            return fail(ncclSystemError, "ncclCommInitRank: MPI_Comm_create_group failed");
+        }
+    }
+    g_comms_made++;
+    *out = c;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t c) {
+    if (!c) return ncclSuccess;
+    if (c->mpi != MPI_COMM_NULL && mpi_up()) MPI_Comm_free(&c->mpi);
+    delete c;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *async) {
+    if (!c || !async) return fail(ncclInvalidArgument, "ncclCommGetAsyncError: NULL argument");
+    *async = ncclSuccess;
+    return ncclSuccess;
+}
+
+/* ---- collectives ---- */
+
+static size_t type_size(ncclDataType_t t) {
+    switch (t) {
+    case ncclInt8: case ncclUint8: return 1;
+    case ncclFloat16: case ncclBfloat16: return 2;
+    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    }
+    return 0;
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t f32_to_bf16(float f) {   /* round to nearest even, as the engine's casts */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* out[i] = op over ranks of in[r][i], done in double and in rank order (the
+ * real NCCL's order differs by ring or tree; tests bound the difference). */
+static void reduce_rows(const std::vector<char> &all, int nranks, size_t count, size_t stride_elems, size_t offset,
+                        ncclDataType_t t, ncclRedOp_t op, void *out) {
+    size_t es = type_size(t);
+    for (size_t i = 0; i < count; i++) {
+        double acc = 0;
+        for (int r = 0; r < nranks; r++) {
+            const char *p = all.data() + ((size_t)r * stride_elems + offset + i) * es;
+            double v = 0;
+            switch (t) {
+            case ncclFloat32: { float f; memcpy(&f, p, 4); v = f; break; }
+            case ncclBfloat16: { uint16_t h; memcpy(&h, p, 2); v = bf16_to_f32(h); break; }
+            case ncclInt32: { int32_t x; memcpy(&x, p, 4); v = x; break; }
+            case ncclInt64: { int64_t x; memcpy(&x, p, 8); v = (double)x; break; }
+            case ncclFloat64: memcpy(&v, p, 8); break;
+            default: abort();
+            }
+            if (r == 0) acc = v;
+            else if (op == ncclMax) acc = v > acc ? v : acc;
+            else if (op == ncclMin) acc = v < acc ? v : acc;
+            else if (op == ncclProd) acc *= v;
+            else acc += v;
+        }
+        if (op == ncclAvg) acc /= nranks;
+        char *q = (char *)out + i * es;
+        switch (t) {
+        case ncclFloat32: { float f = (float)acc; memcpy(q, &f, 4); break; }
+        case ncclBfloat16: { uint16_t h = f32_to_bf16((float)acc); memcpy(q, &h, 2); break; }
+        case ncclInt32: { int32_t x = (int32_t)acc; memcpy(q, &x, 4); break; }
+        case ncclInt64: { int64_t x = (int64_t)acc; memcpy(q, &x, 8); break; }
+        case ncclFloat64: memcpy(q, &acc, 8); break;
+        default: abort();
+        }
+    }
+}
+
+enum kind { K_GATHER, K_REDUCE_SCATTER, K_ALL_REDUCE, K_BROADCAST };
+struct coll {
+    kind k;
+    const void *send;
+    void *recv;
+    size_t count;   /* per rank for gather and reduce-scatter */
+    ncclDataType_t t;
+    ncclRedOp_t op;
+    int root;
+    ncclComm_t c;
+};
+
+/* Gathers every rank's `bytes` of src into all (rank-major). */
+static void gather_bytes(ncclComm_t c, const void *src, size_t bytes, std::vector<char> &all) {
+    all.resize(bytes * (size_t)c->nranks);
+    if (c->nranks == 1) {
+        memcpy(all.data(), src, bytes);
+        return;
+    }
+    std::vector<char> mine((const char *)src, (const char *)src + bytes);
+    MPI_Allgather(mine.data(), (int)bytes, MPI_BYTE, all.data(), (int)bytes, MPI_BYTE, c->mpi);
+}
+
+static void run_coll(void *arg) {
+    coll *x = (coll *)arg;
+    ncclComm_t c = x->c;
+    size_t es = type_size(x->t), bytes = x->count * es;
+    std::vector<char> all;
+    switch (x->k) {
+    case K_GATHER:
+        gather_bytes(c, x->send, bytes, all);
+        memcpy(x->recv, all.data(), all.size());
+        break;
+    case K_REDUCE_SCATTER:   /* everything to everyone, then each reduces its block */
+        gather_bytes(c, x->send, bytes * (size_t)c->nranks, all);
+        reduce_rows(all, c->nranks, x->count, x->count * (size_t)c->nranks, x->count * (size_t)c->rank, x->t, x->op,
+                    x->recv);
+        break;
+    case K_ALL_REDUCE:
+        gather_bytes(c, x->send, bytes, all);
+        reduce_rows(all, c->nranks, x->count, x->count, 0, x->t, x->op, x->recv);
+        break;
+    case K_BROADCAST:
+        gather_bytes(c, x->send, bytes, all);
+        memcpy(x->recv, all.data() + (size_t)x->root * bytes, bytes);
+        break;
+    }
+    delete x;
+}
+
+static ncclResult_t submit(coll x, cudaStream_t s) {
+    if (!x.c) return fail(ncclInvalidArgument, "collective on a NULL communicator");
+    if (type_size(x.t) == 0) return fail(ncclInvalidArgument, "unknown data type");
+    if ((x.k == K_REDUCE_SCATTER || x.k == K_ALL_REDUCE) &&
+        !(x.t == ncclFloat32 || x.t == ncclBfloat16 || x.t == ncclInt32 || x.t == ncclInt64 || x.t == ncclFloat64))
+        return fail(ncclInvalidArgument, "the emulation reduces f32, bf16, f64, i32 and i64 only");
+    if (x.k == K_BROADCAST && (x.root < 0 || x.root >= x.c->nranks)) return fail(ncclInvalidArgument, "bad root");
+    emu_stream_enqueue(s, run_coll, new coll(x));
+    return ncclSuccess;
+}
+
+ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t, ncclComm_t c,
+                           cudaStream_t s) {
+    return submit(coll{K_GATHER, send, recv, count, t, ncclSum, 0, c}, s);
+}
+ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
+                               ncclComm_t c, cudaStream_t s) {
+    return submit(coll{K_REDUCE_SCATTER, send, recv, count, t, op, 0, c}, s);
+}
+ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
+                           ncclComm_t c, cudaStream_t s) {
+    return submit(coll{K_ALL_REDUCE, send, recv, count, t, op, 0, c}, s);
+}
+ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t t, int root, ncclComm_t c,
+                           cudaStream_t s) {
+    return submit(coll{K_BROADCAST, send, recv, count, t, ncclSum, root, c}, s);
+}
