@@ -31,6 +31,7 @@ local o = options.parse(..., {
   { "forward_prefetch", "bool", false, "prefetch the next unit during forward" },
   { "limit", "int", 2, "gathered units alive at once (besides the root)" },
   { "reduce", { "f32", "bf16" }, "f32", "gradient reduction dtype (sharded runs)" },
+  { "offload", "bool", false, "keep shards and optimizer state in host memory (sharded runs on a GPU)" },
   { "ctx", "int", 64, "tokens per sequence" },
   { "lr", "number", 1e-3, "peak learning rate" },
   { "min_lr", "number", 1e-4, "learning rate at the end of the cosine decay" },
@@ -107,7 +108,7 @@ if sharding then
   sharded = fsdp.shard(model, {
     policy = policies[o.wrap], strategy = strategy, group_size = o.group_size, seed = o.seed,
     mixed_precision = { compute = o.dtype, reduce = o.reduce }, prefetch = o.prefetch,
-    forward_prefetch = o.forward_prefetch, limit = o.limit,
+    forward_prefetch = o.forward_prefetch, limit = o.limit, offload = o.offload,
   })
   opt = optim.AdamW(sharded:param_groups(o.wd), { lr = o.lr, betas = betas, eps = 1e-8 })
   grad_norm = function() return sharded:grad_norm() end

@@ -20,7 +20,12 @@
  * buffers. After the walk, the root's finish hook waits for the pending
  * reductions in issue order, averages them across replicas (hybrid), and
  * adds them into the gradient shards. Every rank records the same markers
- * in the same order, so collectives match across ranks. */
+ * in the same order, so collectives match across ranks.
+ *
+ * Offload (fsdp_sched_set_shard_device with the CPU): the master and
+ * gradient shards, and so the optimizer state and its step, stay in host
+ * memory; each gather copies this rank's shard (cast to the compute dtype
+ * first) to the device, and each reduced gradient shard comes back. */
 #include "ops_util.h"
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,7 +55,8 @@ struct fsdp_sched {
     atomic_int refcount;
     fsdp_comm *shard_comm, *replica_comm;
     int shard_rank, shard_size, replica_size;
-    int device;                    /* where shards and gathered buffers live */
+    int device;                    /* where gathered buffers and gradients during backward live */
+    int shard_device;              /* where master and gradient shards live: device, or the CPU (offload) */
     int compute_dtype, reduce_dtype;
     int backward_prefetch, forward_prefetch, limit;
     bool sync;
@@ -138,18 +144,25 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
     FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
     fsdp_tensor *src = u->master;
     tensor_retain(src);
-    if (s->compute_dtype != FSDP_F32) {
+    fsdp_status r = FSDP_OK;
+    if (s->compute_dtype != FSDP_F32) {   /* cast where the master is: half the bytes to move when offloaded */
         fsdp_tensor *c;
-        fsdp_status r = tensor_from_f32(&c, u->master, s->compute_dtype);
+        r = tensor_from_f32(&c, u->master, s->compute_dtype);
         tensor_release(src);
-        if (r != FSDP_OK) {
-            fsdp_free(st->device, st->tag, st->data, st->nbytes);
-            st->data = NULL;
-            return r;
-        }
-        src = c;
+        src = r == FSDP_OK ? c : NULL;
     }
-    fsdp_status r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
+    if (r == FSDP_OK && s->shard_device != s->device) {
+        fsdp_tensor *d;
+        r = fsdp_tensor_to_device(&d, src, s->device);
+        tensor_release(src);
+        src = r == FSDP_OK ? d : NULL;
+    }
+    if (r != FSDP_OK) {
+        fsdp_free(st->device, st->tag, st->data, st->nbytes);
+        st->data = NULL;
+        return r;
+    }
+    r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
     tensor_release(src);   /* the work holds it until done */
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
@@ -325,6 +338,12 @@ static fsdp_status finish_backward(void *p) {
         if (r == FSDP_OK) {
             fsdp_tensor *g32;
             r = tensor_as_f32(&g32, q->reduced);
+            if (r == FSDP_OK && s->shard_device != s->device) {   /* back to the offloaded shard */
+                fsdp_tensor *h;
+                r = fsdp_tensor_to_device(&h, g32, s->shard_device);
+                tensor_release(g32);
+                g32 = r == FSDP_OK ? h : NULL;
+            }
             if (r == FSDP_OK) {
                 KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
                 tensor_release(g32);
@@ -405,6 +424,7 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     s->replica_size = 1;
     if (s->replica_comm) fsdp_comm_info(s->replica_comm, NULL, &s->replica_size);
     fsdp_default_device(&s->device);
+    s->shard_device = s->device;
     s->compute_dtype = compute_dtype;
     s->reduce_dtype = reduce_dtype;
     s->backward_prefetch = backward_prefetch;
@@ -412,6 +432,18 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     s->limit = limit;
     s->sync = true;
     *out = s;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_shard_device: schedule is NULL");
+    if (device != s->device && device != FSDP_DEVICE_CPU)
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_sched_set_shard_device: shards go on the compute device (%s) or "
+                              "the cpu, not %s", fsdp_device_name(s->device), fsdp_device_name(device));
+    if (s->n_units > 0)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_shard_device: the schedule has %d units already; "
+                              "choose where shards live before adding units", s->n_units);
+    s->shard_device = device;
     return FSDP_OK;
 }
 
@@ -468,8 +500,8 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
     u->shard_n = u->padded / N;
     u->shard_off = s->shard_rank * u->shard_n;
     u->keep = keep != 0;
-    fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, s->device, FSDP_TAG_PARAM, true);
-    if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->device, FSDP_TAG_GRAD, true);
+    fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, true);
+    if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true);
     if (st == FSDP_OK) st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_PARAM, false);
     if (st != FSDP_OK) {
         unit_clear(u);

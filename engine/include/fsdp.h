@@ -277,6 +277,10 @@ fsdp_status fsdp_comm_reset_stats(void);
 fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
                            int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit);
 fsdp_status fsdp_sched_free(fsdp_sched *s);
+/* Where master and gradient shards live (and so the optimizer state): the
+ * compute device (the default) or FSDP_DEVICE_CPU, offloading them to host
+ * memory. Only before the first unit is added. */
+fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device);
 /* A unit of n parameters with these element counts, in order; keep: leave it
  * gathered from forward to backward (the root; shard_grad_op). */
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,

@@ -37,8 +37,9 @@ local function make_groups(name, params, defaults)
   return groups
 end
 
+-- beside its parameter: on the CPU for shards offloaded there
 local function state_like(p)
-  return fsdp.zeros(p:shape(), { dtype = "f32", tag = "optimizer" })
+  return fsdp.zeros(p:shape(), { dtype = "f32", tag = "optimizer", device = p:device() })
 end
 
 --- AdamW(params, {lr=1e-3, betas={0.9, 0.999}, eps=1e-8, weight_decay=0.01})

@@ -13,6 +13,12 @@
 -- optimizer_states: f32 state tensors per parameter element (2 = AdamW,
 -- the default; 1 = SGD with momentum; 0 = none).
 --
+-- With offload = true the master and gradient shards and the optimizer
+-- state are host memory: the per-tag figures are the compute device's
+-- (without them, but with each gather's copy of the shard on the device:
+-- 4*shard_n bytes of param while that gather is in flight, when the compute
+-- dtype is f32; a bf16 copy is untagged), and `host` holds the rest.
+--
 -- How the prediction is made. The shard group has G ranks (G = N for
 -- full_shard and shard_grad_op, 1 for no_shard, group_size for
 -- hybrid_shard). A unit of n parameter elements is padded to
@@ -116,6 +122,9 @@ local function check_options(opts, world)
   else
     G = world
   end
+  if opts.offload ~= nil and type(opts.offload) ~= "boolean" then
+    fail("offload must be true or false, got " .. tostring(opts.offload))
+  end
   local states = opts.optimizer_states or 2
   if type(states) ~= "number" or states < 0 or states ~= math.floor(states) then
     fail("optimizer_states must be a non-negative integer, got " .. tostring(states))
@@ -123,7 +132,8 @@ local function check_options(opts, world)
   return {
     world = world, strategy = strategy, group_size = G, replicas = world / G, compute = compute, reduce = reduce,
     prefetch = prefetch, forward_prefetch = opts.forward_prefetch and true or false, limit = limit,
-    optimizer_states = states,
+    -- (offload on a CPU-only engine changes nothing, as in fsdp.shard)
+    optimizer_states = states, offload = opts.offload == true and require("fsdp").default_device() ~= "cpu",
   }
 end
 
@@ -207,8 +217,10 @@ local function simulate(cfg, us, events, lazy)
   -- fsdp_sched_add_unit: master, gradient shard, and the full buffer's
   -- storage, allocated once and dropped at once
   for _, u in ipairs(us) do
-    alloc("param", u.master_bytes)
-    alloc("grad", u.grad_bytes)
+    if not cfg.offload then   -- (offloaded: host memory)
+      alloc("param", u.master_bytes)
+      alloc("grad", u.grad_bytes)
+    end
     alloc("param", u.full_bytes)
     free("param", u.full_bytes)
   end
@@ -220,7 +232,12 @@ local function simulate(cfg, us, events, lazy)
     if gathered[k] then return end
     alloc("param", us[k].full_bytes)
     gathered[k] = true
-    gather_work[k] = enqueue()
+    if cfg.offload and cfg.compute == "f32" then   -- the shard's copy on the device, held by the gather
+      alloc("param", us[k].master_bytes)
+      gather_work[k] = enqueue(function() free("param", us[k].master_bytes) end)
+    else
+      gather_work[k] = enqueue()
+    end
     n_gathered = n_gathered + 1
     if n_gathered > peak_gathered then peak_gathered = n_gathered end
     t.gathers[phase] = t.gathers[phase] + 1
@@ -403,15 +420,23 @@ function M.plan(model, opts, world)
         off = off + p.numel
       end
     end
+    local host = { param = master, grad = gshard, optimizer = opt_bytes, total = master + gshard + opt_bytes }
+    if cfg.offload then   -- the device keeps none of them
+      master, gshard, opt_bytes = 0, 0, 0
+    else
+      host = nil
+    end
     local r = {
       shard_index = s, owned_numel = owned,
       param = { persistent = master, peak = peak.param },
       grad = { persistent = gshard, peak = peak.grad, peak_if_comm_keeps_up = eager.grad },
       optimizer = { persistent = opt_bytes, peak = opt_bytes },
       comm = { persistent = 0, peak = peak.comm },
+      host = host,
     }
     r.persistent = master + gshard + opt_bytes
     r.peak = peak.param + peak.grad + opt_bytes    -- param + grad + optimizer, each at its peak
+    if host then master, gshard = host.param, host.grad end
     ranks[s + 1] = r
   end
   local max = { param = {}, grad = { peak_if_comm_keeps_up = eager.grad }, optimizer = {}, comm = {}, persistent = 0,
@@ -423,6 +448,7 @@ function M.plan(model, opts, world)
     end
     max.persistent = math.max(max.persistent, r.persistent)
     max.peak = math.max(max.peak, r.peak)
+    if r.host then max.host = math.max(max.host or 0, r.host.total) end
   end
 
   -- the same model without FSDP: every tensor whole, its gradient, its state
@@ -460,7 +486,7 @@ function M.plan(model, opts, world)
   return {
     world = cfg.world, strategy = cfg.strategy, group_size = G, replicas = cfg.replicas, compute = cfg.compute,
     reduce = cfg.reduce, prefetch = cfg.prefetch, forward_prefetch = cfg.forward_prefetch, limit = cfg.limit,
-    optimizer_states = cfg.optimizer_states,
+    optimizer_states = cfg.optimizer_states, offload = cfg.offload,
     units = units, order = order, numel = total_numel, tensors = total_tensors,
     ranks = ranks, rank0 = ranks[1], max = max, unsharded = un, traffic = tr, peak_gathered = peak_gathered,
     warnings = warnings,
@@ -490,8 +516,9 @@ function M.format(p)
       or string.format("shard group of %d rank%s", p.group_size, p.group_size == 1 and "" or "s")
   add("FSDP plan: %d rank%s, %s (%s, %d replica%s), compute %s, reduce %s", p.world, p.world == 1 and "" or "s",
     p.strategy, groups, p.replicas, p.replicas == 1 and "" or "s", p.compute, p.reduce)
-  add("  prefetch %s%s, limit %d gathered units; optimizer state %d x f32 per element", p.prefetch,
-    p.forward_prefetch and " + forward" or "", p.limit, p.optimizer_states)
+  add("  prefetch %s%s, limit %d gathered units; optimizer state %d x f32 per element%s", p.prefetch,
+    p.forward_prefetch and " + forward" or "", p.limit, p.optimizer_states,
+    p.offload and "; shards and optimizer state offloaded to the CPU" or "")
   add("model: %s parameters (%.2f MiB f32) in %d tensors, %d unit%s", commas(p.numel), p.numel * 4 / 2 ^ 20,
     p.tensors, #p.units, #p.units == 1 and "" or "s")
   add("")
@@ -519,6 +546,9 @@ function M.format(p)
   row(string.format("comm       peak, reduce-scatter outputs (%s)", p.reduce), r0.comm.peak, mx.comm.peak)
   row("param + grad + optimizer, persistent", r0.persistent, mx.persistent)
   row("param + grad + optimizer, peak", r0.peak, mx.peak)
+  if p.offload then
+    row("host: shards + optimizer state (offload)", r0.host.total, mx.host)
+  end
   local un = p.unsharded
   add("  %-55s %10s   (param %s + grad %s + optimizer %s)", "unsharded model (no FSDP, one process)", mib(un.total),
     mib(un.param), mib(un.grad), mib(un.optimizer))

@@ -5,6 +5,7 @@
 --     strategy = "full_shard",                   -- shard_grad_op, no_shard, hybrid_shard (+ group_size)
 --     mixed_precision = { compute = "bf16", reduce = "f32" },
 --     prefetch = "backward_pre", forward_prefetch = false, limit = 2, seed = 1,
+--     offload = false,                           -- true: shards, gradients, optimizer state on the CPU
 --   })
 --   local logits, loss = model(x, y)             -- the model is used as before
 --   loss:backward()                              -- gathers, reduce-scatters as it goes
@@ -18,6 +19,13 @@
 -- from (seed, parameter path, element index), so the values equal the
 -- unsharded init. A materialized model is accepted too (its values are
 -- copied into the shards and its tensors dropped).
+--
+-- offload = true keeps the f32 master and gradient shards in host memory
+-- while the model computes on the GPU: the optimizer made over
+-- sharded:parameters() then keeps its state there too and steps on the CPU.
+-- Each gather copies this rank's shard to the GPU first, each reduced
+-- gradient shard comes back (PyTorch's CPUOffload(offload_params=True)).
+-- Where the compute device is the CPU it changes nothing.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local Module = require "fsdp.nn.module"
@@ -246,6 +254,9 @@ function M.shard(model, opts)
     error("fsdp.shard: prefetch must be backward_pre, backward_post or none, got " .. tostring(prefetch), 2)
   end
   local limit = opts.limit or 2
+  if opts.offload ~= nil and type(opts.offload) ~= "boolean" then
+    error("fsdp.shard: offload must be true or false, got " .. tostring(opts.offload), 2)
+  end
   if M.plan_mode then   -- `fsdp-lua --plan`: print the plan for the asked world size and stop
     local planner = require "fsdp.plan"
     print(planner.format(planner.plan(model, opts, M.plan_mode.world)))
@@ -259,9 +270,12 @@ function M.shard(model, opts)
         opts.forward_prefetch and 1 or 0, limit) ~= 0 then
     raise()
   end
+  local sched = ffi.gc(sched_box[0], C.fsdp_sched_free)
+  if opts.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
   local self = setmetatable({
     model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
-    sched = ffi.gc(sched_box[0], C.fsdp_sched_free), shard_comm = shard_comm, replica_comm = replica_comm,
+    offload = opts.offload == true,
+    sched = sched, shard_comm = shard_comm, replica_comm = replica_comm,
     world = world, rank = rank, grads = {}, segments = {},
   }, Sharded)
   local seed = opts.seed or 0

@@ -9,6 +9,8 @@
 -- added to every score of a row), so what it gets is rounding noise, which
 -- AdamW normalizes into full-size updates; any change of summation order,
 -- even the gradient norm's, moves that one tensor by a few 1e-5.
+-- --offload keeps shards and optimizer state on the CPU (the model computes
+-- on the default device: the GPU where there is one).
 --   mpirun -np 3 fsdp-lua tests/dist/test_fsdp_equiv.lua --strategy=full_shard --policy=block
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
@@ -49,9 +51,16 @@ local model = nn.GPT(cfg)
 if opts.checkpoint then nn.checkpoint(model, "Block") end   -- recomputed blocks regather in backward
 local sharded = fsdp.shard(model, {
   policy = policies[policy_name], strategy = strategy, group_size = opts.group_size, seed = SEED,
-  mixed_precision = { compute = dtype, reduce = "f32" },
+  mixed_precision = { compute = dtype, reduce = "f32" }, offload = opts.offload == true,
 })
 local opt = adamw(sharded:param_groups(0.1))
+if opts.offload then
+  -- shards in host memory, the optimizer state made beside them; the model computes on the default device
+  for _, u in ipairs(sharded.units) do
+    t.eq(u.master:device(), "cpu", "offload: master shard of " .. u.name .. " on the cpu")
+    t.eq(u.grad:device(), "cpu", "offload: gradient shard of " .. u.name .. " on the cpu")
+  end
+end
 
 local per_micro = B / MICRO               -- global rows per micro-batch
 local mine = per_micro / world            -- this rank's rows of one
@@ -95,6 +104,10 @@ for step = 1, STEPS do
   local rel = math.abs(loss - ref_loss) / math.abs(ref_loss)
   worst_loss = math.max(worst_loss, rel)
   t.ok(rel <= TOL, string.format("step %d: loss %.8f vs unsharded %.8f (rel %.2g)", step, loss, ref_loss, rel))
+  if opts.offload and step == 1 then
+    local st = opt.state[sharded.segments[1].tensor]
+    t.eq(st and st.exp_avg and st.exp_avg:device(), "cpu", "offload: AdamW state on the cpu")
+  end
 end
 
 -- final parameters, gathered unit by unit

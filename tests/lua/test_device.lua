@@ -115,6 +115,19 @@ t.eq(m:sum():item(), 10, "item of a CUDA tensor")
 t.ok(tostring(m):find("on cuda", 1, true) ~= nil, "printing a CUDA tensor")
 t.raises(function() return m:data_ptr() end, "not in host memory", "data_ptr refuses device memory")
 t.raises(function() return m + fsdp.ones(2, 2, { device = "cpu" }) end, { "cuda", "cpu" }, "mixing devices names both")
+-- the optimizer steps read every tensor with one kernel: one device for all
+do
+  local p, g = fsdp.ones(5, { device = "cpu" }), fsdp.ones(5, { device = "cuda" })
+  local m1, m2 = fsdp.zeros(5, { device = "cpu" }), fsdp.zeros(5, { device = "cpu" })
+  local function adamw(grad, a) return fsdp.C.fsdp_adamw_step(p, grad, a, m2, 0.1, 0.9, 0.99, 1e-8, 0, 1) end
+  t.eq(adamw(g, m1), fsdp.C.FSDP_ERR_DEVICE, "adamw: a gradient on another device is refused")
+  local msg = ffi.string(fsdp.C.fsdp_last_error())
+  t.ok(msg:find("grad f32%[5%] cuda is on cuda, the first tensor f32%[5%] cpu on cpu") ~= nil,
+       "adamw device error names both: " .. msg)
+  t.eq(adamw(p * 0 + 1, fsdp.zeros(5, { device = "cuda" })), fsdp.C.FSDP_ERR_DEVICE, "adamw: state on another device")
+  t.all_near(p:tolist(), { 1, 1, 1, 1, 1 }, 0, "refused steps leave the parameter as it was")
+  t.eq(fsdp.C.fsdp_axpy_(p, g, 1), fsdp.C.FSDP_ERR_DEVICE, "axpy across devices is refused")
+end
 
 -- ops on CUDA equal the same ops on the CPU (f32, within reassociation)
 local x = fsdp.randn(8, 16, { seed = 11, device = "cpu" })
