@@ -127,6 +127,17 @@ for _, p in ipairs(ref:named_parameters()) do
 end
 local global = math.sqrt(all_num / all_den)
 t.ok(global <= TOL, string.format("all parameters after %d steps: relative error %.2g", STEPS, global))
+-- On the CUDA emulation (fsdp-lua-emu) the collectives must have gone
+-- through NCCL on the comm stream, not around it.
+local ffi = require "ffi"
+ffi.cdef [[ int emu_nccl_comms_made(void); long long emu_late_runs(void); ]]
+local on_emu, made = pcall(function() return ffi.C.emu_nccl_comms_made() end)
+if on_emu and fsdp.default_device() == "cuda" then
+  t.ok(made >= 1, string.format("rank %d: %d NCCL communicator(s) made", rank, made))
+  local late = tonumber(ffi.C.emu_late_runs())
+  t.ok(late > 0, string.format("rank %d: %d work items ran late on the comm stream", rank, late))
+end
+
 if rank == 0 then
   print(string.format("%s policy=%s ranks=%d compute=%s accum_sync=%s: worst loss rel %.2g, "
     .. "all params rel %.2g, worst tensor rel %.2g", strategy, policy_name, world, dtype, tostring(accum_sync),
