@@ -30,6 +30,11 @@ typedef struct fsdp_device_kernels {
     void (*matmul_f32)(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                        int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
                        int64_t stride_c);
+    /* The same on bf16 buffers with f32 accumulation (one rounding, at the
+     * end). Optional: NULL where bf16 goes through f32 (the CPU). */
+    void (*matmul_bf16)(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
+                        int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,
+                        int64_t stride_b, int64_t stride_c);
     /* elementwise.c, reduce.c */
     void (*binary_f32)(int op, float *out, const float *a, const int64_t *a_strides, const float *b,
                        const int64_t *b_strides, int ndim, const int64_t *shape);

@@ -149,6 +149,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .copy_strided = cuda_copy_strided,
     .fill_f32 = cuda_fill_f32,
     .matmul_f32 = cuda_matmul_f32,
+    .matmul_bf16 = cuda_matmul_bf16,
     .binary_f32 = cuda_binary_f32,
     .scale_f32 = cuda_scale_f32,
     .add_scalar_f32 = cuda_add_scalar_f32,

@@ -11,14 +11,7 @@
 
 /* ---- casts ---- */
 
-__device__ __forceinline__ float bf16_to_f32_d(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-/* round to nearest even; NaN stays NaN (as cpu_kernels.h) */
-__device__ __forceinline__ uint16_t f32_to_bf16_d(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)((u + rounding) >> 16);
-}
+/* (bf16 <-> f32: cuda_bf16_to_f32, cuda_f32_to_bf16 in cuda_internal.h) */
 
 /* float -> integer truncates toward zero; NaN -> 0, out of range saturates */
 __device__ __forceinline__ int64_t f_to_i64(double v) {
@@ -40,10 +33,10 @@ __device__ __forceinline__ uint16_t f_to_u16(double v) {
 }
 
 __global__ void cast_f32_to_bf16_kernel(uint16_t *out, const float *in, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = f32_to_bf16_d(in[i]);
+    GRID_STRIDE(i, n) out[i] = cuda_f32_to_bf16(in[i]);
 }
 __global__ void cast_bf16_to_f32_kernel(float *out, const uint16_t *in, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = bf16_to_f32_d(in[i]);
+    GRID_STRIDE(i, n) out[i] = cuda_bf16_to_f32(in[i]);
 }
 
 /* Any pair: floats are read as double (exact for f32, bf16), integers as
@@ -55,14 +48,14 @@ __global__ void cast_any_kernel(void *out, int out_dt, const void *in, int in_dt
         int64_t k = 0;
         switch (in_dt) {
         case FSDP_F32: f = ((const float *)in)[i]; break;
-        case FSDP_BF16: f = bf16_to_f32_d(((const uint16_t *)in)[i]); break;
+        case FSDP_BF16: f = cuda_bf16_to_f32(((const uint16_t *)in)[i]); break;
         case FSDP_I32: k = ((const int32_t *)in)[i]; break;
         case FSDP_I64: k = ((const int64_t *)in)[i]; break;
         default: k = ((const uint16_t *)in)[i]; break;
         }
         switch (out_dt) {
         case FSDP_F32: ((float *)out)[i] = in_float ? (float)f : (float)k; break;
-        case FSDP_BF16: ((uint16_t *)out)[i] = f32_to_bf16_d(in_float ? (float)f : (float)k); break;
+        case FSDP_BF16: ((uint16_t *)out)[i] = cuda_f32_to_bf16(in_float ? (float)f : (float)k); break;
         case FSDP_I32: ((int32_t *)out)[i] = in_float ? f_to_i32(f) : (int32_t)k; break;
         case FSDP_I64: ((int64_t *)out)[i] = in_float ? f_to_i64(f) : k; break;
         case FSDP_U16: ((uint16_t *)out)[i] = in_float ? f_to_u16(f) : (uint16_t)k; break;   /* ints wrap, as C */

@@ -183,6 +183,15 @@ fsdp_status fsdp_set_error(fsdp_status st, const char *fmt, ...) __attribute__((
 const char *fsdp_device_name(int device);
 }
 
+__device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+/* round to nearest even; NaN stays NaN (as cpu_kernels.h) */
+__device__ __forceinline__ uint16_t cuda_f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)((u + rounding) >> 16);
+}
+
 /* The stream, handle and size of the device (cuda_device.cu). */
 cudaStream_t cuda_stream(void);
 cublasHandle_t cuda_cublas(void);
@@ -316,6 +325,9 @@ void cuda_scale_f32(float *out, const float *a, float s, int64_t n);
 void cuda_add_scalar_f32(float *out, const float *a, float s, int64_t n);
 void cuda_axpy_f32(float *y, const float *x, float alpha, int64_t n);
 /* cuda_matmul.cu */
+void cuda_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
+                      int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,
+                      int64_t stride_b, int64_t stride_c);
 void cuda_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                      int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
                      int64_t stride_c);

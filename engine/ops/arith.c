@@ -321,9 +321,62 @@ typedef struct {
     bool shared_b;          /* b is 2-D and used by every batch */
 } mm_dims;
 
+/* bf16 operands on a device with a bf16 GEMM (the tensor cores) skip the
+ * f32 staging: contiguous bf16 in, bf16 out, f32 accumulation inside. */
+static bool matmul_in_bf16(fsdp_tensor *a, fsdp_tensor *b) {
+    return a->dtype == FSDP_BF16 && b->dtype == FSDP_BF16 && KERNELS(a)->matmul_bf16 != NULL;
+}
+
+/* The backward of matmul_in_bf16: dA and dB in bf16. Returns false (nothing
+ * done) for a shared b whose gradient sums over a batch loop, which goes
+ * through f32 so that the sum is rounded once. */
+static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int ta, int tb, bool *done) {
+    *done = false;
+    if (m->shared_b && m->batch > 1 && node_needs_grad(node, 1)) return FSDP_OK;
+    fsdp_tensor *g0 = node_grad_out(node, 0), *g = NULL, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
+    *done = true;
+    if (!g0) return FSDP_OK;
+    fsdp_status st;
+    if ((st = tensor_from_f32(&g, g0, FSDP_BF16)) != FSDP_OK) goto out;   /* (bf16 contiguous, whatever came in) */
+    if ((st = tensor_contiguous(&a, node->in[0])) != FSDP_OK) goto out;
+    if ((st = tensor_contiguous(&b, node->in[1])) != FSDP_OK) goto out;
+    int64_t sa = m->M * m->K, sb = m->shared_b ? 0 : m->K * m->N, sc = m->M * m->N;
+    const uint16_t *A = tensor_data(a), *B = tensor_data(b), *G = tensor_data(g);
+    if (node_needs_grad(node, 0)) {
+        if ((st = tensor_new(&ga, FSDP_BF16, a->ndim, a->shape, fsdp_op_device(), fsdp_default_tag(), false)))
+            goto out;
+        if (!ta) KERNELS(ga)->matmul_bf16(tensor_data(ga), G, B, m->batch, m->M, m->K, m->N, 0, !tb, 1, 0, sc, sb, sa);
+        else KERNELS(ga)->matmul_bf16(tensor_data(ga), B, G, m->batch, m->K, m->M, m->N, tb, 1, 1, 0, sb, sc, sa);
+        st = op_give_grad(node, 0, ga);
+        ga = NULL;
+        if (st != FSDP_OK) goto out;
+    }
+    if (node_needs_grad(node, 1)) {   /* (shared b: batch is 1 here) */
+        if ((st = tensor_new(&gb, FSDP_BF16, b->ndim, b->shape, fsdp_op_device(), fsdp_default_tag(), false)))
+            goto out;
+        int64_t per = m->shared_b ? 1 : m->batch;
+        if (!tb) KERNELS(gb)->matmul_bf16(tensor_data(gb), A, G, per, m->K, m->N, m->M, !ta, 0, 1, 0, sa, sc, m->K * m->N);
+        else KERNELS(gb)->matmul_bf16(tensor_data(gb), G, A, per, m->N, m->K, m->M, 1, ta, 1, 0, sc, sa, m->K * m->N);
+        st = op_give_grad(node, 1, gb);
+        gb = NULL;
+    }
+out:
+    tensor_release(g);
+    tensor_release(a);
+    tensor_release(b);
+    tensor_release(ga);
+    tensor_release(gb);
+    return st;
+}
+
 static fsdp_status matmul_backward(fsdp_node *node) {
     int ta = (int)node->i[0], tb = (int)node->i[1];
     mm_dims m = {node->i[2], node->i[3], node->i[4], node->i[5], node->i[6] != 0};
+    if (matmul_in_bf16(node->in[0], node->in[1])) {
+        bool done;
+        FSDP_TRY(matmul_backward_bf16(node, &m, ta, tb, &done));
+        if (done) return FSDP_OK;
+    }
     fsdp_tensor *g, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
     FSDP_TRY(op_grad_out_f32(node, 0, &g));
     if (!g) return FSDP_OK;
@@ -402,8 +455,25 @@ fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int t
         m.batch = 1;
     }
     fsdp_tensor *a32, *b32, *r, *res;
+    fsdp_status st;
+    if (matmul_in_bf16(a, b)) {
+        fsdp_tensor *ac, *bc;
+        FSDP_TRY(tensor_contiguous(&ac, a));
+        fsdp_status st2 = tensor_contiguous(&bc, b);
+        if (st2 == FSDP_OK) {
+            st2 = tensor_new(&res, FSDP_BF16, nd, shape, fsdp_op_device(), fsdp_default_tag(), false);
+            if (st2 == FSDP_OK)
+                KERNELS(res)->matmul_bf16(tensor_data(res), tensor_data(ac), tensor_data(bc), m.batch, m.M, m.N, m.K,
+                                          trans_a != 0, trans_b != 0, 1.0f, 0.0f, m.M * m.K,
+                                          m.shared_b ? 0 : m.K * m.N, m.M * m.N);
+            tensor_release(bc);
+        }
+        tensor_release(ac);
+        FSDP_TRY(st2);
+        goto record;
+    }
     FSDP_TRY(tensor_as_f32(&a32, a));
-    fsdp_status st = tensor_as_f32(&b32, b);
+    st = tensor_as_f32(&b32, b);
     if (st == FSDP_OK) {
         st = op_new_f32(&r, nd, shape);
         if (st == FSDP_OK)
@@ -414,6 +484,8 @@ fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int t
     tensor_release(a32);
     FSDP_TRY(st);
     FSDP_TRY(op_finish(&res, r, a->dtype));
+record:
+    st = FSDP_OK;
     fsdp_node *node = op_record(&st, "matmul", matmul_backward, 2, ts, 1, &res);
     if (st != FSDP_OK) {
         tensor_release(res);

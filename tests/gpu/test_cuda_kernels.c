@@ -348,6 +348,47 @@ static void run_matmul(const mm_case *m) {
     free_case();
 }
 
+/* The bf16 GEMM (tensor cores, f32 accumulation): against the product of
+ * the same bf16 values in double, within one bf16 rounding of the result
+ * (2^-8 relative to sum |a||b|, which also covers f32 accumulation). */
+static void run_matmul_bf16(const mm_case *m) {
+    int64_t sa = m->M * m->K, sb = m->shared_b ? 0 : m->K * m->N, sc = m->M * m->N;
+    int64_t na = m->batch * sa, nb = m->shared_b ? m->K * m->N : m->batch * sb, nc = m->batch * sc;
+    float *a = hrand(na, 1), *b = hrand(nb, 1), *c0 = hrand(nc, 1);
+    uint16_t *ah = halloc((size_t)na * 2), *bh = halloc((size_t)nb * 2), *ch = halloc((size_t)nc * 2);
+    for (int64_t i = 0; i < na; i++) a[i] = bf16_to_f32(ah[i] = f32_to_bf16(a[i]));
+    for (int64_t i = 0; i < nb; i++) b[i] = bf16_to_f32(bh[i] = f32_to_bf16(b[i]));
+    for (int64_t i = 0; i < nc; i++) c0[i] = bf16_to_f32(ch[i] = f32_to_bf16(c0[i]));
+    uint16_t *da = dup(ah, (size_t)na * 2), *db = dup(bh, (size_t)nb * 2), *dc = dup(ch, (size_t)nc * 2);
+    G->matmul_bf16(dc, da, db, m->batch, m->M, m->N, m->K, m->ta, m->tb, m->alpha, m->beta, sa, sb, sc);
+    uint16_t *got16 = halloc((size_t)nc * 2);
+    G->copy_to_host(got16, dc, (size_t)nc * 2);
+    float *got = halloc((size_t)nc * sizeof(float)), *want = halloc((size_t)nc * sizeof(float));
+    double *bound = halloc((size_t)nc * sizeof(double));
+    for (int64_t bi = 0; bi < m->batch; bi++)
+        for (int64_t i = 0; i < m->M; i++)
+            for (int64_t j = 0; j < m->N; j++) {
+                const float *A = a + bi * sa, *B = b + bi * sb;
+                double s = 0, mag = 0;
+                for (int64_t k = 0; k < m->K; k++) {
+                    double x = m->ta ? A[k * m->M + i] : A[i * m->K + k];
+                    double y = m->tb ? B[j * m->K + k] : B[k * m->N + j];
+                    s += x * y;
+                    mag += fabs(x * y);
+                }
+                int64_t at = bi * sc + i * m->N + j;
+                want[at] = (float)(m->alpha * s + m->beta * (double)c0[at]);
+                got[at] = bf16_to_f32(got16[at]);
+                bound[at] = fabs(m->alpha) * mag + fabs(m->beta * c0[at]) + 1e-30;
+            }
+    char name[128];
+    snprintf(name, sizeof name, "matmul_bf16 batch %lld M %lld N %lld K %lld ta %d tb %d alpha %g beta %g%s",
+             (long long)m->batch, (long long)m->M, (long long)m->N, (long long)m->K, m->ta, m->tb, m->alpha, m->beta,
+             m->shared_b ? " shared b" : "");
+    check_bound(name, got, want, bound, nc, 1.0 / 256);
+    free_case();
+}
+
 static void test_matmul(void) {
     for (int ta = 0; ta < 2; ta++)
         for (int tb = 0; tb < 2; tb++) {
@@ -359,7 +400,10 @@ static void test_matmul(void) {
                 {4, 3, 7, 2, ta, tb, -2, 0.25f, 0},
                 {1, 65, 33, 129, ta, tb, 1, 0, 0},
             };
-            for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) run_matmul(&cs[i]);
+            for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+                run_matmul(&cs[i]);
+                if (cs[i].K > 0) run_matmul_bf16(&cs[i]);
+            }
         }
     mm_case k0[] = {{2, 3, 4, 0, 0, 0, 1, 0.5f, 0}, {2, 3, 4, 0, 1, 1, 1, 0, 0},
                     BIG({4, 128, 384, 512, 0, 1, 1, 0, 0}, {1, 512, 768, 1024, 1, 0, 1, 1, 0})};

@@ -146,6 +146,34 @@ same(x:sum(2), xc:sum(2), 1e-5, "sum over a dim")
 same(x:layernorm(nil, nil, 1e-5), xc:layernorm(nil, nil, 1e-5), 1e-4, "layernorm")
 same(x:bf16():float(), xc:bf16():float(), 0, "cast to bf16 and back")
 
+-- bf16 matmul: the CPU stages it through f32, CUDA multiplies bf16 on the
+-- tensor cores with f32 accumulation; both round once to bf16, so they agree
+-- within a bf16 rounding (|values| here stay below 16: 2^-8 * 16 = 0.0625),
+-- forward and backward, plain and batched, transposed operands too
+do
+  local function grads(dev, ta, tb)
+    local a = (ta and x:transpose(1, 2) or x):bf16():to(dev):contiguous():detach():requires_grad(true)
+    local b = (tb and w:transpose(1, 2) or w):bf16():to(dev):contiguous():detach():requires_grad(true)
+    local a_op, b_op = ta and a:transpose(1, 2) or a, tb and b:transpose(1, 2) or b
+    local y = a_op:matmul(b_op)
+    local loss = (y:float() * y:float()):sum()
+    loss:backward()
+    return y, a:get_grad(), b:get_grad()
+  end
+  for _, tr in ipairs({ { false, false }, { true, false }, { false, true } }) do
+    local yc, gac, gbc = grads("cpu", tr[1], tr[2])
+    local yg, gag, gbg = grads("cuda", tr[1], tr[2])
+    local tag = string.format(" (bf16, trans %s %s)", tostring(tr[1]), tostring(tr[2]))
+    t.eq(yg:dtype(), "bf16", "matmul result stays bf16" .. tag)
+    same(yc:float(), yg:float(), 0.0625, "matmul" .. tag)
+    same(gac:float(), gag:float(), 0.5, "matmul grad a" .. tag)
+    same(gbc:float(), gbg:float(), 0.5, "matmul grad b" .. tag)
+  end
+  local xb = fsdp.randn(3, 5, 7, { seed = 21, device = "cpu" }):bf16()
+  local wb = fsdp.randn(3, 7, 4, { seed = 22, device = "cpu" }):bf16()
+  same(xb:matmul(wb):float(), xb:cuda():matmul(wb:cuda()):float(), 0.0625, "batched matmul (bf16)")
+end
+
 -- copies across devices
 local d = fsdp.zeros(2, 3, { device = "cuda" })
 d:copy(fsdp.tensor({ 1, 2, 3 }, { device = "cpu" }))   -- broadcast from the host

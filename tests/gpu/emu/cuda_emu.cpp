@@ -627,10 +627,29 @@ const char *cublasGetStatusString(cublasStatus_t s) {
     return "CUBLAS_STATUS_UNKNOWN";
 }
 
-cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
-                                         int k, const float *alpha, const float *A, int lda, long long sa,
-                                         const float *B, int ldb, long long sb, const float *beta, float *C, int ldc,
-                                         long long sc, int batch) {
+/* One element of a cuBLAS operand as double. */
+static double emu_elem(const void *p, cudaDataType_t t, size_t i) {
+    if (t == CUDA_R_16BF) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        return (double)__uint_as_float(u);
+    }
+    return (double)((const float *)p)[i];
+}
+static void emu_store(void *p, cudaDataType_t t, size_t i, double v) {
+    if (t != CUDA_R_16BF) {
+        ((float *)p)[i] = (float)v;
+        return;
+    }
+    uint32_t u = __float_as_uint((float)v);   /* round to nearest even (NaN stays NaN) */
+    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
+                                                        : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* column-major C = alpha op(A) op(B) + beta C, accumulated in double */
+static cublasStatus_t emu_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                               float alpha, const void *A, cudaDataType_t at, int lda, long long sa, const void *B,
+                               cudaDataType_t bt, int ldb, long long sb, float beta, void *C, cudaDataType_t ct,
+                               int ldc, long long sc, int batch) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     int rows_a = ta == CUBLAS_OP_N ? m : k, rows_b = tb == CUBLAS_OP_N ? k : n;
     if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < (rows_a > 1 ? rows_a : 1) || ldb < (rows_b > 1 ? rows_b : 1) ||
@@ -639,20 +658,36 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
     emu_check_device_ptr(A, "cublas A");
     emu_check_device_ptr(B, "cublas B");
     emu_check_device_ptr(C, "cublas C");
-    for (int b = 0; b < batch; b++) {
-        const float *Ab = A + b * sa, *Bb = B + b * sb;
-        float *Cb = C + b * sc;
+    for (int b = 0; b < batch; b++)
         for (int j = 0; j < n; j++)
             for (int i = 0; i < m; i++) {
                 double acc = 0.0;
                 for (int l = 0; l < k; l++) {
-                    double a = ta == CUBLAS_OP_N ? Ab[i + (size_t)l * lda] : Ab[l + (size_t)i * lda];
-                    double bb = tb == CUBLAS_OP_N ? Bb[l + (size_t)j * ldb] : Bb[j + (size_t)l * ldb];
-                    acc += a * bb;
+                    double x = emu_elem(A, at, b * sa + (ta == CUBLAS_OP_N ? i + (size_t)l * lda : l + (size_t)i * lda));
+                    double y = emu_elem(B, bt, b * sb + (tb == CUBLAS_OP_N ? l + (size_t)j * ldb : j + (size_t)l * ldb));
+                    acc += x * y;
                 }
-                float *c = Cb + i + (size_t)j * ldc;
-                *c = *beta == 0.0f ? (float)(*alpha * acc) : (float)(*alpha * acc + (double)*beta * *c);
+                size_t at_c = b * sc + i + (size_t)j * ldc;
+                double v = beta == 0.0f ? alpha * acc : alpha * acc + (double)beta * emu_elem(C, ct, at_c);
+                emu_store(C, ct, at_c, v);
             }
-    }
     return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                         int k, const float *alpha, const float *A, int lda, long long sa,
+                                         const float *B, int ldb, long long sb, const float *beta, float *C, int ldc,
+                                         long long sc, int batch) {
+    return emu_gemm(h, ta, tb, m, n, k, *alpha, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, *beta, C, CUDA_R_32F,
+                    ldc, sc, batch);
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                          int k, const void *alpha, const void *A, cudaDataType_t at, int lda,
+                                          long long sa, const void *B, cudaDataType_t bt, int ldb, long long sb,
+                                          const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc,
+                                          int batch, cublasComputeType_t compute, cublasGemmAlgo_t) {
+    if (compute != CUBLAS_COMPUTE_32F) return CUBLAS_STATUS_INVALID_VALUE;   /* alpha, beta are floats then */
+    return emu_gemm(h, ta, tb, m, n, k, *(const float *)alpha, A, at, lda, sa, B, bt, ldb, sb, *(const float *)beta,
+                    C, ct, ldc, sc, batch);
 }
