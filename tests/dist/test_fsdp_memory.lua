@@ -39,15 +39,18 @@ local model = nn.GPT(cfg)
 local sharded = fsdp.shard(model, shard_opts)
 local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 1e-3, betas = { 0.9, 0.95 } })
 local losses = {}
-for step = 1, STEPS do
-  local x, y = batch(step)
-  local _, loss = model(x, y)
-  loss:backward()
-  sharded:clip_grad_norm(1.0)
-  opt:step()
-  sharded:zero_grad()
-  losses[step] = loss:item()
+local function train(from, to)
+  for step = from, to do
+    local x, y = batch(step)
+    local _, loss = model(x, y)
+    loss:backward()
+    sharded:clip_grad_norm(1.0)
+    opt:step()
+    sharded:zero_grad()
+    losses[step] = loss:item()
+  end
 end
+train(1, STEPS)
 t.ok(losses[1] > 5 and losses[1] < 7.5, string.format("rank %d: first loss %.4f is about ln(512) = 6.24", rank,
   losses[1]))
 
@@ -122,16 +125,6 @@ end
 -- depends on how far the comm thread lags, so a later step may set a new
 -- high-water mark once (seen: 2.7% of the reserve, once in a dozen runs);
 -- a leak of per-step buffers would grow by far more in four steps.
-local function train(from, to)
-  for step = from, to do
-    local x, y = batch(step)
-    local _, loss = model(x, y)
-    loss:backward()
-    sharded:clip_grad_norm(1.0)
-    opt:step()
-    sharded:zero_grad()
-  end
-end
 train(STEPS + 1, 3)
 local reserved = fsdp.memory.stats().reserved
 train(4, 7)
