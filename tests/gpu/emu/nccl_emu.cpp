@@ -127,6 +127,13 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
         }
     }
     g_comms_made++;
+    static bool told;   /* as NCCL does with NCCL_DEBUG=VERSION (or more): its version, once */
+    const char *dbg = getenv("NCCL_DEBUG");
+    if (dbg && *dbg && !told && rank == 0) {
+        told = true;
+        printf("NCCL version 2.21.5+emulated\n");
+        fflush(stdout);
+    }
     *out = c;
     return ncclSuccess;
 }
