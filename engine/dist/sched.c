@@ -336,14 +336,16 @@ static fsdp_status finish_backward(void *p) {
         if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
             r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
         if (r == FSDP_OK) {
-            fsdp_tensor *g32;
-            r = tensor_as_f32(&g32, q->reduced);
-            if (r == FSDP_OK && s->shard_device != s->device) {   /* back to the offloaded shard */
+            fsdp_tensor *red = q->reduced, *g32 = NULL;
+            tensor_retain(red);
+            if (s->shard_device != s->device) {   /* back to the offloaded shard, in the reduce dtype (fewer bytes) */
                 fsdp_tensor *h;
-                r = fsdp_tensor_to_device(&h, g32, s->shard_device);
-                tensor_release(g32);
-                g32 = r == FSDP_OK ? h : NULL;
+                r = fsdp_tensor_to_device(&h, red, s->shard_device);
+                tensor_release(red);
+                red = r == FSDP_OK ? h : NULL;
             }
+            if (r == FSDP_OK) r = tensor_as_f32(&g32, red);
+            tensor_release(red);
             if (r == FSDP_OK) {
                 KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
                 tensor_release(g32);

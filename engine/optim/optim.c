@@ -5,15 +5,15 @@
 #include <math.h>
 
 /* float (f32 if need_f32), contiguous, with data, n elements (n >= 0), on
- * the device of `with` (when given: one kernel reads them all) */
+ * the device of `with` (named with_name; when given: one kernel reads them all) */
 static fsdp_status check_flat(const char *op, const char *name, fsdp_tensor *t, int64_t n, bool need_f32,
-                              fsdp_tensor *with) {
+                              fsdp_tensor *with, const char *with_name) {
     char d[200], w[200];
     if (!t) return fsdp_set_error(FSDP_ERR_INVALID, "%s: %s is NULL", op, name);
     if (with && tensor_device(t) != tensor_device(with))
-        return fsdp_set_error(FSDP_ERR_DEVICE, "%s: %s %s is on %s, the first tensor %s on %s (one device per step)",
-                              op, name, tensor_desc(t, d, sizeof d), fsdp_device_name(tensor_device(t)),
-                              tensor_desc(with, w, sizeof w), fsdp_device_name(tensor_device(with)));
+        return fsdp_set_error(FSDP_ERR_DEVICE, "%s: %s %s and %s %s are on different devices (one kernel reads "
+                              "them all)", op, name, tensor_desc(t, d, sizeof d), with_name,
+                              tensor_desc(with, w, sizeof w));
     if (need_f32 && t->dtype != FSDP_F32)
         return fsdp_set_error(FSDP_ERR_DTYPE, "%s: %s %s must be f32", op, name, tensor_desc(t, d, sizeof d));
     if (!fsdp_dtype_is_float(t->dtype))
@@ -35,7 +35,7 @@ static fsdp_status check_flat(const char *op, const char *name, fsdp_tensor *t, 
 /* ---- in place ---- */
 
 fsdp_status fsdp_scale_(fsdp_tensor *t, double s) {
-    FSDP_TRY(check_flat("fsdp_scale_", "t", t, -1, false, NULL));
+    FSDP_TRY(check_flat("fsdp_scale_", "t", t, -1, false, NULL, NULL));
     if (t->dtype == FSDP_F32) {
         KERNELS(t)->scale_f32(tensor_data(t), tensor_data(t), (float)s, tensor_numel(t));
         return FSDP_OK;
@@ -49,8 +49,8 @@ fsdp_status fsdp_scale_(fsdp_tensor *t, double s) {
 }
 
 fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha) {
-    FSDP_TRY(check_flat("fsdp_axpy_", "y", y, -1, false, NULL));
-    FSDP_TRY(check_flat("fsdp_axpy_", "x", x, tensor_numel(y), false, y));
+    FSDP_TRY(check_flat("fsdp_axpy_", "y", y, -1, false, NULL, NULL));
+    FSDP_TRY(check_flat("fsdp_axpy_", "x", x, tensor_numel(y), false, y, "y"));
     fsdp_tensor *x32, *y32;
     FSDP_TRY(tensor_as_f32(&x32, x));
     fsdp_status st = tensor_as_f32(&y32, y);
@@ -83,11 +83,11 @@ fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out) {
 fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
                             double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
     const char *op = "fsdp_adamw_step";
-    FSDP_TRY(check_flat(op, "param", param, -1, true, NULL));
+    FSDP_TRY(check_flat(op, "param", param, -1, true, NULL, NULL));
     int64_t n = tensor_numel(param);
-    FSDP_TRY(check_flat(op, "grad", grad, n, false, param));
-    FSDP_TRY(check_flat(op, "exp_avg", exp_avg, n, true, param));
-    FSDP_TRY(check_flat(op, "exp_avg_sq", exp_avg_sq, n, true, param));
+    FSDP_TRY(check_flat(op, "grad", grad, n, false, param, "param"));
+    FSDP_TRY(check_flat(op, "exp_avg", exp_avg, n, true, param, "param"));
+    FSDP_TRY(check_flat(op, "exp_avg_sq", exp_avg_sq, n, true, param, "param"));
     if (step < 1) return fsdp_set_error(FSDP_ERR_INVALID, "%s: step %lld, expected >= 1", op, (long long)step);
     if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && eps >= 0 && lr >= 0 && weight_decay >= 0))
         return fsdp_set_error(FSDP_ERR_INVALID, "%s: lr %g, betas (%g, %g), eps %g, weight decay %g out of range", op,
@@ -107,10 +107,10 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
                           double momentum, double dampening, double weight_decay, int nesterov, int first_step) {
     const char *op = "fsdp_sgd_step";
-    FSDP_TRY(check_flat(op, "param", param, -1, true, NULL));
+    FSDP_TRY(check_flat(op, "param", param, -1, true, NULL, NULL));
     int64_t n = tensor_numel(param);
-    FSDP_TRY(check_flat(op, "grad", grad, n, false, param));
-    if (momentum != 0) FSDP_TRY(check_flat(op, "momentum_buf", momentum_buf, n, true, param));
+    FSDP_TRY(check_flat(op, "grad", grad, n, false, param, "param"));
+    if (momentum != 0) FSDP_TRY(check_flat(op, "momentum_buf", momentum_buf, n, true, param, "param"));
     if (!(lr >= 0 && momentum >= 0 && weight_decay >= 0 && dampening >= 0 && dampening <= 1))
         return fsdp_set_error(FSDP_ERR_INVALID, "%s: lr %g, momentum %g, dampening %g, weight decay %g out of range",
                               op, lr, momentum, dampening, weight_decay);

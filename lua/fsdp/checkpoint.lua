@@ -524,6 +524,7 @@ local function write_shard(d, opt, tmp, chunk)
     for _, s in ipairs(d.segments) do
       local h = on_host(s.flat)
       local off, sum = put(o, h:data_ptr(), 4 * s.count)
+      if h ~= s.flat then h:free() end   -- (also keeps the copy alive until put is done)
       rec.params[#rec.params + 1] = { s.path, s.start, s.count, off, sum }
     end
     if opt then
@@ -541,6 +542,7 @@ local function write_shard(d, opt, tmp, chunk)
               end
               local h = on_host(t)
               local off, sum = put(o, h:data_ptr(), 4 * s.count)
+              if h ~= t then h:free() end
               rec.optim[#rec.optim + 1] = { s.path, nm, s.start, s.count, off, st.step or opt.step_count or 0, sum }
             end
           end
@@ -1274,13 +1276,14 @@ function M.export(path, target, opts)
       for _, e in ipairs(by_path[p.path] or {}) do
         local v = on_host(fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end))
         write_all(fd, v:data_ptr(), 4 * v:numel(), tmp, data_start + e.offset)
+        v:free()   -- (a view or a copy: only this reference goes; keeps it alive until the write is done)
       end
     end)
     if not ok then failure = err end
   end
   if d.sharded and d.writer then   -- the shard group holding rank 0 (other replicas hold the same)
     for _, u in ipairs(d.sharded.units) do
-      local full = fsdp.empty({ u.padded }, { dtype = "f32", tag = "comm" })
+      local full = fsdp.empty({ u.padded }, { dtype = "f32", tag = "comm", device = u.master:device() })
       if C.fsdp_all_gather(nil, d.sharded.shard_comm, full, u.master, "checkpoint.export." .. u.name) ~= 0 then
         raise()
       end

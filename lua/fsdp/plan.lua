@@ -17,7 +17,9 @@
 -- state are host memory: the per-tag figures are the compute device's
 -- (without them, but with each gather's copy of the shard on the device:
 -- 4*shard_n bytes of param while that gather is in flight, when the compute
--- dtype is f32; a bf16 copy is untagged), and `host` holds the rest.
+-- dtype is f32; a bf16 copy is untagged), and `host` holds the rest. It is
+-- planned as asked, for the GPU job it describes, also on a machine without
+-- a GPU (where fsdp.shard's offload changes nothing).
 --
 -- How the prediction is made. The shard group has G ranks (G = N for
 -- full_shard and shard_grad_op, 1 for no_shard, group_size for
@@ -132,8 +134,7 @@ local function check_options(opts, world)
   return {
     world = world, strategy = strategy, group_size = G, replicas = world / G, compute = compute, reduce = reduce,
     prefetch = prefetch, forward_prefetch = opts.forward_prefetch and true or false, limit = limit,
-    -- (offload on a CPU-only engine changes nothing, as in fsdp.shard)
-    optimizer_states = states, offload = opts.offload == true and require("fsdp").default_device() ~= "cpu",
+    optimizer_states = states, offload = opts.offload == true,
   }
 end
 

@@ -274,7 +274,7 @@ function M.shard(model, opts)
   if opts.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
   local self = setmetatable({
     model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
-    offload = opts.offload == true,
+    offload = opts.offload == true and fsdp.default_device() ~= "cpu",   -- (a no-op where the CPU computes)
     sched = sched, shard_comm = shard_comm, replica_comm = replica_comm,
     world = world, rank = rank, grads = {}, segments = {},
   }, Sharded)

@@ -22,14 +22,14 @@ M.policies = {
   custom = function() return function(m, path) return path == "h.1" or m.__name == "MLP" end end,
 }
 
---- A sharded tiny GPT (opts: policy, strategy, group_size, seed, cfg) and
+--- A sharded tiny GPT (opts: policy, strategy, group_size, seed, cfg, offload) and
 -- its AdamW (or SGD with opts.sgd).
 function M.sharded(opts)
   opts = opts or {}
   local model = nn.GPT(opts.cfg or M.cfg)
   local sh = fsdp.shard(model, {
     policy = M.policies[opts.policy or "block"](), strategy = opts.strategy or "full_shard",
-    group_size = opts.group_size, seed = opts.seed or 7,
+    group_size = opts.group_size, seed = opts.seed or 7, offload = opts.offload,
   })
   local opt
   if opts.sgd then

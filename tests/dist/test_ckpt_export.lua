@@ -22,7 +22,8 @@ local B, T = 4, 8
 
 local function batch(step) return t.token_batch(step * 7919 + 17, B, T, cfg.vocab_size) end
 
-local model, sh, opt = common.sharded { cfg = cfg, policy = "block", seed = 3 }
+-- (--offload: the exported model keeps its shards on the CPU)
+local model, sh, opt = common.sharded { cfg = cfg, policy = "block", seed = 3, offload = opts.offload == true }
 if rank == 0 then os.execute("rm -rf '" .. dir .. "' && mkdir -p '" .. dir .. "'") end
 common.barrier(sh)
 -- train a little (on each rank's rows), so the values are not the init's

@@ -63,13 +63,14 @@ for _, tag in ipairs(tags) do
 end
 
 -- predictions for this rank (the planner allocates nothing)
-local p = planner.plan(nn.GPT(cfg), shard_opts, world)
+local plan_opts = setmetatable({ offload = offloaded }, { __index = shard_opts })   -- as fsdp.shard ran
+local p = planner.plan(nn.GPT(cfg), plan_opts, world)
 local mine = planner.for_rank(p, rank)
 local p1 = planner.plan(nn.GPT(cfg), { policy = shard_opts.policy }, 1)   -- the unsharded figure
 local function mib(b) return b / 2 ^ 20 end
 
 if rank == 0 then print(planner.format(p)) end
-t.eq(p.offload, offloaded, "the plan offloads exactly when fsdp.shard does")
+t.eq(sharded.offload, offloaded, "fsdp.shard offloads exactly where a GPU computes")
 if offloaded then
   t.eq(host_now, mine.host.total, string.format("rank %d: host bytes of shards and AdamW state", rank))
 end
@@ -120,17 +121,21 @@ if G > 1 then
 end
 -- the caching allocator reuses its blocks: once the first steps have run
 -- (step 1 has no prefetch order yet, step 2 prefetches from it, step 3 runs
--- as every later one), later steps reserve (almost) nothing new. Not
--- exactly nothing: how many reduce-scatter buffers are alive at once
--- depends on how far the comm thread lags, so a later step may set a new
--- high-water mark once (seen: 2.7% of the reserve, once in a dozen runs);
--- a leak of per-step buffers would grow by far more in four steps.
+-- as every later one), later steps reserve next to nothing. Not exactly
+-- nothing: how many gathered, gradient and reduce-scatter buffers are alive
+-- at once depends on how far the comm thread lags, so a later step can set
+-- a new high-water mark (seen: 0.9 MiB here, under load), by at most a few
+-- unit-sized buffers; a leak of per-step buffers grows past that in four
+-- steps.
+local largest = 0
+for _, u in ipairs(p.units) do largest = math.max(largest, u.full_bytes + u.flat_bytes + u.reduced_bytes) end
 train(STEPS + 1, 3)
 local reserved = fsdp.memory.stats().reserved
 train(4, 7)
 local grown = fsdp.memory.stats().reserved - reserved
-t.ok(grown >= 0 and grown <= 0.05 * reserved, string.format("rank %d: reserved memory (%s) grew by %d B (of %d B) "
-  .. "from step 3 to step 7", rank, fsdp.default_device(), grown, reserved))
+t.ok(grown >= 0 and grown <= 2 * largest, string.format("rank %d: reserved memory (%s) grew by %d B (of %d B) "
+  .. "from step 3 to step 7: at most twice the largest unit's buffers (%d B)", rank, fsdp.default_device(), grown,
+  reserved, 2 * largest))
 lines[#lines + 1] = string.format("  reserved after step 3: %.3f MiB, grown by step 7: %d B", mib(reserved), grown)
 print(table.concat(lines, "\n"))
 t.done()

@@ -266,10 +266,8 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     return cudaSuccess;
 }
 
-/* cudaFree waits for the whole device, as CUDA's does. */
-cudaError_t cudaFree(void *p) {
+static cudaError_t free_now(void *p) {
     if (!p) return cudaSuccess;
-    wait_all_streams();
     emu_lock lock(g_mu);
     auto it = g_allocs.find((uintptr_t)p);
     if (it == g_allocs.end() || !it->second.live) return set_error(cudaErrorInvalidValue, "cudaFree of a pointer it did not allocate");
@@ -279,10 +277,19 @@ cudaError_t cudaFree(void *p) {
     return cudaSuccess;
 }
 
+/* cudaFree waits for the whole device, as CUDA's does. */
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    wait_all_streams();
+    return free_now(p);
+}
+
 cudaError_t cudaMallocAsync(void **p, size_t n, cudaStream_t) { return cudaMalloc(p, n); }
+/* Ordered after the compute stream's work only (which has run): a comm
+ * stream item still using the memory faults when it runs. */
 cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
     if (s && s->late) return set_error(cudaErrorInvalidValue, "cudaFreeAsync on the comm stream is not emulated");
-    return cudaFree(p);
+    return free_now(p);
 }
 
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {

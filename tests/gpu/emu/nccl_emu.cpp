@@ -13,6 +13,7 @@
 #define OMPI_SKIP_MPICXX 1   /* the C API only */
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,22 @@ static int g_next_id;
 static thread_local char t_last[256];
 
 extern "C" int emu_nccl_comms_made(void) { return g_comms_made; }
+
+/* An MPI failure, or a bootstrap that cannot go on, would leave the other
+ * ranks waiting: end the process (mpirun then ends the job). */
+[[noreturn]] static void fatal(const char *what) {
+    fprintf(stderr, "nccl_emu: %s\n", what);
+    fflush(stderr);
+    abort();
+}
+static void mpi_ok(int rc, const char *call) {
+    if (rc == MPI_SUCCESS) return;
+    char e[MPI_MAX_ERROR_STRING] = "", buf[MPI_MAX_ERROR_STRING + 128];
+    int len = 0;
+    MPI_Error_string(rc, e, &len);
+    snprintf(buf, sizeof buf, "%s failed: %s", call, e);
+    fatal(buf);
+}
 
 static ncclResult_t fail(ncclResult_t r, const char *why) {
     snprintf(t_last, sizeof t_last, "%s", why);
@@ -74,7 +91,10 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     return ncclSuccess;
 }
 
-enum { TAG_BASE = 0x3e00 };   /* bootstrap messages on MPI_COMM_WORLD; the engine sends none */
+/* Bootstrap messages on MPI_COMM_WORLD (the engine sends none there), tagged
+ * by the id's number: the tags repeat after 256 ids from one root, which is
+ * safe because the engine's comm thread makes one communicator at a time. */
+enum { TAG_BASE = 0x3e00 };
 
 ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int rank) {
     if (!out) return fail(ncclInvalidArgument, "ncclCommInitRank: comm is NULL");
@@ -90,41 +110,37 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
             return fail(ncclSystemError, "ncclCommInitRank: several ranks need MPI in the emulation");
         }
         int tag = TAG_BASE + (b.number & 0xff);
-        int me = 0;
+        int me = 0, level = 0;
         MPI_Comm_rank(MPI_COMM_WORLD, &me);
+        MPI_Query_thread(&level);
+        if (level < MPI_THREAD_MULTIPLE)   /* the comm stream's thread calls MPI beside the engine's threads */
+            fatal("ncclCommInitRank: the emulation needs MPI_THREAD_MULTIPLE, which this MPI did not provide");
         std::vector<int> members(nranks, -1);   /* world rank of each NCCL rank */
         if (rank == 0) {
-            if (me != b.root_world_rank) {
-                delete c;
-                return fail(ncclInvalidUsage, "ncclCommInitRank: rank 0 is not the rank that made the id");
-            }
+            if (me != b.root_world_rank) fatal("ncclCommInitRank: rank 0 is not the rank that made the id");
             members[0] = me;
             for (int i = 1; i < nranks; i++) {
                 int msg[2];
-                MPI_Recv(msg, 2, MPI_INT, MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-                if (msg[0] <= 0 || msg[0] >= nranks || members[msg[0]] >= 0) {
-                    delete c;
-                    return fail(ncclInvalidUsage, "ncclCommInitRank: two ranks claim one NCCL rank");
-                }
+                mpi_ok(MPI_Recv(msg, 2, MPI_INT, MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE), "MPI_Recv");
+                if (msg[0] <= 0 || msg[0] >= nranks || members[msg[0]] >= 0)
+                    fatal("ncclCommInitRank: two ranks claim one NCCL rank");
                 members[msg[0]] = msg[1];
             }
             for (int i = 1; i < nranks; i++)
-                MPI_Send(members.data(), nranks, MPI_INT, members[i], tag, MPI_COMM_WORLD);
+                mpi_ok(MPI_Send(members.data(), nranks, MPI_INT, members[i], tag, MPI_COMM_WORLD), "MPI_Send");
         } else {
             int msg[2] = {rank, me};
-            MPI_Send(msg, 2, MPI_INT, b.root_world_rank, tag, MPI_COMM_WORLD);
-            MPI_Recv(members.data(), nranks, MPI_INT, b.root_world_rank, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+            mpi_ok(MPI_Send(msg, 2, MPI_INT, b.root_world_rank, tag, MPI_COMM_WORLD), "MPI_Send");
+            mpi_ok(MPI_Recv(members.data(), nranks, MPI_INT, b.root_world_rank, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
+                   "MPI_Recv");
         }
         MPI_Group world, group;
         MPI_Comm_group(MPI_COMM_WORLD, &world);
         MPI_Group_incl(world, nranks, members.data(), &group);
-        int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &c->mpi);
+        mpi_ok(MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &c->mpi), "MPI_Comm_create_group");
         MPI_Group_free(&group);
         MPI_Group_free(&world);
-        if (rc != MPI_SUCCESS) {
-            delete c;
-            return fail(ncclSystemError, "ncclCommInitRank: MPI_Comm_create_group failed");
-        }
+        MPI_Comm_set_errhandler(c->mpi, MPI_ERRORS_RETURN);   /* checked by mpi_ok */
     }
     g_comms_made++;
     static bool told;   /* as NCCL does with NCCL_DEBUG=VERSION (or more): its version, once */
@@ -234,7 +250,8 @@ static void gather_bytes(ncclComm_t c, const void *src, size_t bytes, std::vecto
         return;
     }
     std::vector<char> mine((const char *)src, (const char *)src + bytes);
-    MPI_Allgather(mine.data(), (int)bytes, MPI_BYTE, all.data(), (int)bytes, MPI_BYTE, c->mpi);
+    if (bytes > (size_t)INT_MAX) fatal("a collective of more than 2 GiB per rank is not emulated");
+    mpi_ok(MPI_Allgather(mine.data(), (int)bytes, MPI_BYTE, all.data(), (int)bytes, MPI_BYTE, c->mpi), "MPI_Allgather");
 }
 
 static void run_coll(void *arg) {

@@ -6,12 +6,15 @@
  *
  * Streams: the stream made by cudaStreamCreateWithFlags (the engine's compute
  * stream) runs its work at once, in the calling thread. A stream made with a
- * priority (the engine's comm stream) runs its work late: only when an event
- * recorded after it is waited on (cudaStreamWaitEvent, cudaEventSynchronize),
- * when the stream is synchronized, or on the second cudaEventQuery of such an
- * event (the first answers cudaErrorNotReady). Code that reads a
- * collective's output without ordering itself after the collective reads
- * stale memory, as it could on a GPU. */
+ * priority (the engine's comm stream) runs its work late, in order, on a
+ * thread of its own that waits a little before each item; events recorded on
+ * it complete when the work before them has run (cudaEventQuery answers
+ * cudaErrorNotReady until then), and cudaStreamWaitEvent from the compute
+ * stream blocks until they have. Code that reads a collective's output
+ * without ordering itself after the collective reads stale memory, as it
+ * could on a GPU. cudaFree waits for every stream (as CUDA's does);
+ * cudaFreeAsync on the compute stream frees at once, so late work that
+ * still uses the memory faults. */
 #ifndef FSDP_EMU_CUDA_RUNTIME_H
 #define FSDP_EMU_CUDA_RUNTIME_H
 
