@@ -34,25 +34,7 @@ void cpu_cast_bf16_to_f32(float *out, const uint16_t *in, int64_t n) {
     cpu_parallel_for(n, CAST_GRAIN, bf16_to_f32_range, &c);
 }
 
-/* float -> integer truncates toward zero like a C cast; values a C cast
- * would leave undefined (NaN, out of range) saturate instead (NaN -> 0). */
-static inline int64_t f_to_i64(double v) {
-    if (v != v) return 0;
-    if (v >= 9223372036854775808.0) return INT64_MAX;
-    if (v < -9223372036854775808.0) return INT64_MIN;
-    return (int64_t)v;
-}
-static inline int32_t f_to_i32(double v) {
-    if (v != v) return 0;
-    if (v >= 2147483648.0) return INT32_MAX;
-    if (v <= -2147483649.0) return INT32_MIN;
-    return (int32_t)v;
-}
-static inline uint16_t f_to_u16(double v) {
-    if (v != v || v <= -1.0) return 0;
-    if (v >= 65536.0) return UINT16_MAX;
-    return (uint16_t)v;
-}
+/* (float -> integer: f_to_i64, f_to_i32, f_to_u16 in convert.h) */
 
 /* Load element i of a buffer of dtype dt: floats as double (exact for f32
  * and bf16), integers as int64 (exact for all three). */

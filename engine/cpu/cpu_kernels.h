@@ -11,6 +11,7 @@
 #ifndef FSDP_CPU_KERNELS_H
 #define FSDP_CPU_KERNELS_H
 
+#include "convert.h"
 #include <stdint.h>
 #include <stddef.h>
 
@@ -23,16 +24,7 @@ void cpu_parallel_for(int64_t n, int64_t grain, cpu_range_fn fn, void *ctx);
 int cpu_threads_get(void);
 void cpu_threads_set(int n);       /* also sets OpenBLAS's thread count */
 
-/* ---- bf16 (cast.c) ---- */
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f;
-}
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    union { uint32_t u; float f; } v; v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
+/* ---- bf16 (cast.c; bf16_to_f32, f32_to_bf16 in convert.h) ---- */
 void cpu_cast_f32_to_bf16(uint16_t *out, const float *in, int64_t n);
 void cpu_cast_bf16_to_f32(float *out, const uint16_t *in, int64_t n);
 /* Any dtype to any dtype (fsdp_dtype codes), element by element. */

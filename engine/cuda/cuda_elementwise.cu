@@ -11,32 +11,13 @@
 
 /* ---- casts ---- */
 
-/* (bf16 <-> f32: cuda_bf16_to_f32, cuda_f32_to_bf16 in cuda_internal.h) */
-
-/* float -> integer truncates toward zero; NaN -> 0, out of range saturates */
-__device__ __forceinline__ int64_t f_to_i64(double v) {
-    if (v != v) return 0;
-    if (v >= 9223372036854775808.0) return INT64_MAX;
-    if (v < -9223372036854775808.0) return INT64_MIN;
-    return (int64_t)v;
-}
-__device__ __forceinline__ int32_t f_to_i32(double v) {
-    if (v != v) return 0;
-    if (v >= 2147483648.0) return INT32_MAX;
-    if (v <= -2147483649.0) return INT32_MIN;
-    return (int32_t)v;
-}
-__device__ __forceinline__ uint16_t f_to_u16(double v) {
-    if (v != v || v <= -1.0) return 0;
-    if (v >= 65536.0) return UINT16_MAX;
-    return (uint16_t)v;
-}
+/* (bf16 <-> f32 and float -> integer: convert.h, shared with the CPU) */
 
 __global__ void cast_f32_to_bf16_kernel(uint16_t *out, const float *in, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = cuda_f32_to_bf16(in[i]);
+    GRID_STRIDE(i, n) out[i] = f32_to_bf16(in[i]);
 }
 __global__ void cast_bf16_to_f32_kernel(float *out, const uint16_t *in, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = cuda_bf16_to_f32(in[i]);
+    GRID_STRIDE(i, n) out[i] = bf16_to_f32(in[i]);
 }
 
 /* Any pair: floats are read as double (exact for f32, bf16), integers as
@@ -48,14 +29,14 @@ __global__ void cast_any_kernel(void *out, int out_dt, const void *in, int in_dt
         int64_t k = 0;
         switch (in_dt) {
         case FSDP_F32: f = ((const float *)in)[i]; break;
-        case FSDP_BF16: f = cuda_bf16_to_f32(((const uint16_t *)in)[i]); break;
+        case FSDP_BF16: f = bf16_to_f32(((const uint16_t *)in)[i]); break;
         case FSDP_I32: k = ((const int32_t *)in)[i]; break;
         case FSDP_I64: k = ((const int64_t *)in)[i]; break;
         default: k = ((const uint16_t *)in)[i]; break;
         }
         switch (out_dt) {
         case FSDP_F32: ((float *)out)[i] = in_float ? (float)f : (float)k; break;
-        case FSDP_BF16: ((uint16_t *)out)[i] = cuda_f32_to_bf16(in_float ? (float)f : (float)k); break;
+        case FSDP_BF16: ((uint16_t *)out)[i] = f32_to_bf16(in_float ? (float)f : (float)k); break;
         case FSDP_I32: ((int32_t *)out)[i] = in_float ? f_to_i32(f) : (int32_t)k; break;
         case FSDP_I64: ((int64_t *)out)[i] = in_float ? f_to_i64(f) : k; break;
         case FSDP_U16: ((uint16_t *)out)[i] = in_float ? f_to_u16(f) : (uint16_t)k; break;   /* ints wrap, as C */

@@ -177,19 +177,11 @@ FSDP_HD float fsdp_rng_dropout(uint32_t w0, float x, float p, float scale) {
 #ifdef FSDP_CUDA_SOURCE
 
 extern "C" {
+#include "convert.h"
 #include "device.h"
 /* engine/core/internal.h, which C++ cannot include (stdatomic.h) */
 fsdp_status fsdp_set_error(fsdp_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *fsdp_device_name(int device);
-}
-
-__device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-/* round to nearest even; NaN stays NaN (as cpu_kernels.h) */
-__device__ __forceinline__ uint16_t cuda_f32_to_bf16(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)((u + rounding) >> 16);
 }
 
 /* The stream, handle and size of the device (cuda_device.cu). */

@@ -23,7 +23,7 @@ __global__ void scale_c_kernel(float *c, int64_t batch, int64_t mn, int64_t stri
 __global__ void scale_c_bf16_kernel(uint16_t *c, int64_t batch, int64_t mn, int64_t stride_c, float beta) {
     GRID_STRIDE(i, batch * mn) {
         uint16_t *ci = c + (i / mn) * stride_c + i % mn;
-        *ci = beta == 0.0f ? (uint16_t)0 : cuda_f32_to_bf16(beta * cuda_bf16_to_f32(*ci));
+        *ci = beta == 0.0f ? (uint16_t)0 : f32_to_bf16(beta * bf16_to_f32(*ci));
     }
 }
 

@@ -137,6 +137,16 @@ static fsdp_status wait_gather(fsdp_sched *s, unit *u) {
     return st;
 }
 
+/* *t becomes its dtype (cast) or device (copy) in a new tensor; the old
+ * reference is given back either way, *t is NULL on failure. */
+static fsdp_status convert_to(fsdp_tensor **t, int dtype, int device) {
+    fsdp_tensor *n;
+    fsdp_status r = device >= 0 ? fsdp_tensor_to_device(&n, *t, device) : tensor_from_f32(&n, *t, dtype);
+    tensor_release(*t);
+    *t = r == FSDP_OK ? n : NULL;
+    return r;
+}
+
 /* Allocates the full buffer and issues its all-gather (no wait). */
 static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
     if (u->gathered) return FSDP_OK;
@@ -145,18 +155,9 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
     fsdp_tensor *src = u->master;
     tensor_retain(src);
     fsdp_status r = FSDP_OK;
-    if (s->compute_dtype != FSDP_F32) {   /* cast where the master is: half the bytes to move when offloaded */
-        fsdp_tensor *c;
-        r = tensor_from_f32(&c, u->master, s->compute_dtype);
-        tensor_release(src);
-        src = r == FSDP_OK ? c : NULL;
-    }
-    if (r == FSDP_OK && s->shard_device != s->device) {
-        fsdp_tensor *d;
-        r = fsdp_tensor_to_device(&d, src, s->device);
-        tensor_release(src);
-        src = r == FSDP_OK ? d : NULL;
-    }
+    /* cast where the master is: half the bytes to move when offloaded */
+    if (s->compute_dtype != FSDP_F32) r = convert_to(&src, s->compute_dtype, -1);
+    if (r == FSDP_OK && s->shard_device != s->device) r = convert_to(&src, -1, s->device);
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
         st->data = NULL;
@@ -336,20 +337,13 @@ static fsdp_status finish_backward(void *p) {
         if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
             r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
         if (r == FSDP_OK) {
-            fsdp_tensor *red = q->reduced, *g32 = NULL;
-            tensor_retain(red);
-            if (s->shard_device != s->device) {   /* back to the offloaded shard, in the reduce dtype (fewer bytes) */
-                fsdp_tensor *h;
-                r = fsdp_tensor_to_device(&h, red, s->shard_device);
-                tensor_release(red);
-                red = r == FSDP_OK ? h : NULL;
-            }
-            if (r == FSDP_OK) r = tensor_as_f32(&g32, red);
-            tensor_release(red);
-            if (r == FSDP_OK) {
-                KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
-                tensor_release(g32);
-            }
+            fsdp_tensor *g32 = q->reduced;
+            tensor_retain(g32);
+            /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
+            if (s->shard_device != s->device) r = convert_to(&g32, -1, s->shard_device);
+            if (r == FSDP_OK) r = convert_to(&g32, FSDP_F32, -1);
+            if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+            tensor_release(g32);
         }
         if (r != FSDP_OK && st == FSDP_OK) st = r;
         if (q->work) fsdp_work_free(q->work);

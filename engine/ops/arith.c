@@ -327,14 +327,11 @@ static bool matmul_in_bf16(fsdp_tensor *a, fsdp_tensor *b) {
     return a->dtype == FSDP_BF16 && b->dtype == FSDP_BF16 && KERNELS(a)->matmul_bf16 != NULL;
 }
 
-/* The backward of matmul_in_bf16: dA and dB in bf16. Returns false (nothing
- * done) for a shared b whose gradient sums over a batch loop, which goes
- * through f32 so that the sum is rounded once. */
-static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int ta, int tb, bool *done) {
-    *done = false;
-    if (m->shared_b && m->batch > 1 && node_needs_grad(node, 1)) return FSDP_OK;
+/* The backward of matmul_in_bf16: dA and dB in bf16. Not for a shared b
+ * whose gradient sums over a batch loop: that goes through f32, so that the
+ * sum is rounded once. */
+static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int ta, int tb) {
     fsdp_tensor *g0 = node_grad_out(node, 0), *g = NULL, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
-    *done = true;
     if (!g0) return FSDP_OK;
     fsdp_status st;
     if ((st = tensor_from_f32(&g, g0, FSDP_BF16)) != FSDP_OK) goto out;   /* (bf16 contiguous, whatever came in) */
@@ -372,11 +369,8 @@ out:
 static fsdp_status matmul_backward(fsdp_node *node) {
     int ta = (int)node->i[0], tb = (int)node->i[1];
     mm_dims m = {node->i[2], node->i[3], node->i[4], node->i[5], node->i[6] != 0};
-    if (matmul_in_bf16(node->in[0], node->in[1])) {
-        bool done;
-        FSDP_TRY(matmul_backward_bf16(node, &m, ta, tb, &done));
-        if (done) return FSDP_OK;
-    }
+    bool b_sums_batches = m.shared_b && m.batch > 1 && node_needs_grad(node, 1);
+    if (matmul_in_bf16(node->in[0], node->in[1]) && !b_sums_batches) return matmul_backward_bf16(node, &m, ta, tb);
     fsdp_tensor *g, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
     FSDP_TRY(op_grad_out_f32(node, 0, &g));
     if (!g) return FSDP_OK;

@@ -318,6 +318,29 @@ typedef struct {
     int shared_b;
 } mm_case;
 
+/* For every element of C: the error bound |alpha| sum_k |a_ik b_kj| + |beta c_ij|
+ * and, when exact is given, alpha sum_k a_ik b_kj + beta c_ij in double. */
+static void mm_reference(const mm_case *m, const float *a, const float *b, const float *c0, float *exact,
+                         double *bound) {
+    int64_t sa = m->M * m->K, sb = m->shared_b ? 0 : m->K * m->N, sc = m->M * m->N;
+    for (int64_t bi = 0; bi < m->batch; bi++)
+        for (int64_t i = 0; i < m->M; i++)
+            for (int64_t j = 0; j < m->N; j++) {
+                const float *A = a + bi * sa, *B = b + bi * sb;
+                double s = 0, mag = 0;
+                for (int64_t k = 0; k < m->K; k++) {
+                    double x = m->ta ? A[k * m->M + i] : A[i * m->K + k];
+                    double y = m->tb ? B[j * m->K + k] : B[k * m->N + j];
+                    s += x * y;
+                    mag += fabs(x * y);
+                }
+                int64_t at = bi * sc + i * m->N + j;
+                double c = m->beta != 0 ? (double)c0[at] : 0;
+                if (exact) exact[at] = (float)(m->alpha * s + m->beta * c);
+                bound[at] = fabs(m->alpha) * mag + fabs(m->beta * c) + 1e-30;
+            }
+}
+
 static void run_matmul(const mm_case *m) {
     int64_t sa = m->M * m->K, sb = m->shared_b ? 0 : m->K * m->N, sc = m->M * m->N;
     int64_t na = m->batch * sa, nb = m->shared_b ? m->K * m->N : m->batch * sb, nc = m->batch * sc;
@@ -327,19 +350,7 @@ static void run_matmul(const mm_case *m) {
     C->matmul_f32(want, a, b, m->batch, m->M, m->N, m->K, m->ta, m->tb, m->alpha, m->beta, sa, sb, sc);
     G->matmul_f32(dc, da, db, m->batch, m->M, m->N, m->K, m->ta, m->tb, m->alpha, m->beta, sa, sb, sc);
     double *bound = halloc((size_t)nc * sizeof(double));
-    for (int64_t bi = 0; bi < m->batch; bi++)
-        for (int64_t i = 0; i < m->M; i++)
-            for (int64_t j = 0; j < m->N; j++) {
-                const float *A = a + bi * sa, *B = b + bi * sb;
-                double s = 0;
-                for (int64_t k = 0; k < m->K; k++) {
-                    double x = m->ta ? A[k * m->M + i] : A[i * m->K + k];
-                    double y = m->tb ? B[j * m->K + k] : B[k * m->N + j];
-                    s += fabs(x * y);
-                }
-                int64_t at = bi * sc + i * m->N + j;
-                bound[at] = fabs(m->alpha) * s + (m->beta != 0 ? fabs(m->beta * c0[at]) : 0) + 1e-30;
-            }
+    mm_reference(m, a, b, c0, NULL, bound);
     char name[128];
     snprintf(name, sizeof name, "matmul_f32 batch %lld M %lld N %lld K %lld ta %d tb %d alpha %g beta %g%s",
              (long long)m->batch, (long long)m->M, (long long)m->N, (long long)m->K, m->ta, m->tb, m->alpha, m->beta,
@@ -365,22 +376,8 @@ static void run_matmul_bf16(const mm_case *m) {
     G->copy_to_host(got16, dc, (size_t)nc * 2);
     float *got = halloc((size_t)nc * sizeof(float)), *want = halloc((size_t)nc * sizeof(float));
     double *bound = halloc((size_t)nc * sizeof(double));
-    for (int64_t bi = 0; bi < m->batch; bi++)
-        for (int64_t i = 0; i < m->M; i++)
-            for (int64_t j = 0; j < m->N; j++) {
-                const float *A = a + bi * sa, *B = b + bi * sb;
-                double s = 0, mag = 0;
-                for (int64_t k = 0; k < m->K; k++) {
-                    double x = m->ta ? A[k * m->M + i] : A[i * m->K + k];
-                    double y = m->tb ? B[j * m->K + k] : B[k * m->N + j];
-                    s += x * y;
-                    mag += fabs(x * y);
-                }
-                int64_t at = bi * sc + i * m->N + j;
-                want[at] = (float)(m->alpha * s + m->beta * (double)c0[at]);
-                got[at] = bf16_to_f32(got16[at]);
-                bound[at] = fabs(m->alpha) * mag + fabs(m->beta * c0[at]) + 1e-30;
-            }
+    mm_reference(m, a, b, c0, want, bound);
+    for (int64_t i = 0; i < nc; i++) got[i] = bf16_to_f32(got16[i]);
     char name[128];
     snprintf(name, sizeof name, "matmul_bf16 batch %lld M %lld N %lld K %lld ta %d tb %d alpha %g beta %g%s",
              (long long)m->batch, (long long)m->M, (long long)m->N, (long long)m->K, m->ta, m->tb, m->alpha, m->beta,

@@ -1,5 +1,6 @@
 /* cuda_emu.cpp: the host emulation of CUDA described in cuda_emu.h. */
 #include "cuda_emu.h"
+#include "convert.h"
 #include <atomic>
 #include <deque>
 #include <map>
@@ -23,8 +24,8 @@
 
 /* The compute thread launches kernels; the comm thread only touches memory,
  * streams and events: one lock for the allocation map and the streams. */
-static std::recursive_mutex g_mu;
-typedef std::lock_guard<std::recursive_mutex> emu_lock;
+static std::mutex g_mu;
+typedef std::lock_guard<std::mutex> emu_lock;
 
 static cudaError_t g_last = cudaSuccess;
 static long long g_launches;
@@ -114,7 +115,6 @@ struct emu_stream_s {
     std::condition_variable cv;                 /* work arrived, or work ran */
     std::deque<std::function<void()>> pending;  /* late work not run yet */
     long long enqueued = 0, ran = 0;            /* work items so far */
-    std::thread worker;
 };
 struct emu_event_s {
     emu_stream_s *stream;   /* where it was last recorded, or NULL */
@@ -179,10 +179,7 @@ static cudaError_t new_stream(cudaStream_t *s, bool late) {
     if (!s) return cudaErrorInvalidValue;
     emu_stream_s *st = new emu_stream_s;
     st->late = late;
-    if (late) {
-        st->worker = std::thread(late_worker, st);
-        st->worker.detach();   /* lives as long as the process, like a CUDA stream nobody destroys */
-    }
+    if (late) std::thread(late_worker, st).detach();   /* lives as long as the process, as the stream does */
     std::lock_guard<std::mutex> lock(g_streams_mu);
     g_streams.push_back(st);
     *s = st;
@@ -636,20 +633,12 @@ const char *cublasGetStatusString(cublasStatus_t s) {
 
 /* One element of a cuBLAS operand as double. */
 static double emu_elem(const void *p, cudaDataType_t t, size_t i) {
-    if (t == CUDA_R_16BF) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        return (double)__uint_as_float(u);
-    }
+    if (t == CUDA_R_16BF) return (double)bf16_to_f32(((const uint16_t *)p)[i]);
     return (double)((const float *)p)[i];
 }
 static void emu_store(void *p, cudaDataType_t t, size_t i, double v) {
-    if (t != CUDA_R_16BF) {
-        ((float *)p)[i] = (float)v;
-        return;
-    }
-    uint32_t u = __float_as_uint((float)v);   /* round to nearest even (NaN stays NaN) */
-    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
-                                                        : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    if (t == CUDA_R_16BF) ((uint16_t *)p)[i] = f32_to_bf16((float)v);   /* one rounding, to nearest even */
+    else ((float *)p)[i] = (float)v;
 }
 
 /* column-major C = alpha op(A) op(B) + beta C, accumulated in double */

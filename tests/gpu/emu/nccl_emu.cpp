@@ -9,6 +9,7 @@
  * answers with the member list; the members then make an MPI communicator of
  * just themselves (MPI_Comm_create_group), in NCCL rank order. */
 #include "nccl.h"
+#include "convert.h"
 #include "cuda_runtime.h"
 #define OMPI_SKIP_MPICXX 1   /* the C API only */
 #define MPICH_SKIP_MPICXX 1
@@ -177,20 +178,6 @@ static size_t type_size(ncclDataType_t t) {
     case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
     }
     return 0;
-}
-
-static float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static uint16_t f32_to_bf16(float f) {   /* round to nearest even, as the engine's casts */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
 }
 
 /* out[i] = op over ranks of in[r][i], done in double and in rank order (the
