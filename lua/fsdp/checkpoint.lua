@@ -479,7 +479,7 @@ local function put(o, ptr, n)
   local body = n - n % ALIGN
   local p = ffi.cast(u8p, ptr)
   if kill_hook and fsdp.rank() == 1 and body > 0 then
-    -- test hook: die with part of the file written (tests/dist/test_ckpt_kill.lua)
+    -- test hook: die with part of the file written (tests/distributed/test_ckpt_kill.lua)
     write_all(o.fd, p, floor(body / 2), o.path)
     io.stderr:write("checkpoint test hook: rank 1 killed during save\n")
     os.exit(9)

@@ -25,7 +25,7 @@
 -- full_shard and shard_grad_op, 1 for no_shard, group_size for
 -- hybrid_shard). A unit of n parameter elements is padded to
 -- padded = ceil(n/G)*G (at least G) and each rank owns shard_n = padded/G
--- of them. Then the schedule of engine/dist/sched.c is replayed, allocation
+-- of them. Then the schedule of engine/distributed/sched.c is replayed, allocation
 -- by allocation, for the unit build and two training steps (the second one
 -- with forward prefetch, which needs the order of a previous forward):
 --   param      the f32 master shard (4*shard_n, persistent) and, while a
@@ -186,7 +186,7 @@ local function execution_tree(model, units)
   return events, order, parent, depth
 end
 
--- Replays engine/dist/sched.c: the unit build, then two training steps.
+-- Replays engine/distributed/sched.c: the unit build, then two training steps.
 -- Collectives run in issue order on one comm thread; a work holds its
 -- tensors until it completes. With lazy = true a work completes only when
 -- the main thread waits on it or on a later one (a comm thread that lags

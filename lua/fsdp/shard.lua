@@ -13,7 +13,7 @@
 --
 -- A wrap policy picks the modules that become units; the root unit (the
 -- model) takes every parameter no other unit claimed. Each unit's parameters
--- live in the C schedule (engine/dist/sched.c): this rank holds 1/N of them,
+-- live in the C schedule (engine/distributed/sched.c): this rank holds 1/N of them,
 -- and the module fields become views of the unit's gathered buffer. The
 -- model should not be materialized: each rank initializes only its shard,
 -- from (seed, parameter path, element index), so the values equal the

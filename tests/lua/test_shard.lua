@@ -1,5 +1,5 @@
 -- fsdp.shard on one rank (no mpirun): the bookkeeping around the schedule.
--- Multi-rank behaviour is in tests/dist.
+-- Multi-rank behaviour is in tests/distributed.
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"

@@ -3,8 +3,8 @@
 -- to vocab_size rows), unit by unit; read back into sharded models of
 -- another policy and into an unsharded module. Also writes input ids and the
 -- engine's logits, which tools/check_export.py compares with PyTorch.
---   mpirun -np 2 fsdp-lua tests/dist/test_ckpt_export.lua --dir=build/ckpt_test_export
-package.path = "tests/lua/?.lua;tests/dist/?.lua;" .. package.path
+--   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_export.lua --dir=build/ckpt_test_export
+package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"

@@ -3,8 +3,8 @@
 -- a flipped byte, a truncated file, a missing shard file, an index from
 -- another model, a shape that differs, an index that is not JSON, another
 -- optimizer type.
---   mpirun -np 2 fsdp-lua tests/dist/test_ckpt_errors.lua --dir=build/ckpt_test_errors
-package.path = "tests/lua/?.lua;tests/dist/?.lua;" .. package.path
+--   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_errors.lua --dir=build/ckpt_test_errors
+package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"

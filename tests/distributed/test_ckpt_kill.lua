@@ -5,8 +5,8 @@
 --   --phase=check: latest(root) is still step 10, which loads and equals the
 --                  dump; the interrupted save left only root/step_00000020.tmp;
 --                  later saves clean it up and keep the newest K.
---   mpirun -np 2 fsdp-lua tests/dist/test_ckpt_kill.lua --phase=setup --dir=build/ckpt_test_kill
-package.path = "tests/lua/?.lua;tests/dist/?.lua;" .. package.path
+--   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_kill.lua --phase=setup --dir=build/ckpt_test_kill
+package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local ck = require "fsdp.checkpoint"

@@ -11,7 +11,7 @@
 -- even the gradient norm's, moves that one tensor by a few 1e-5.
 -- --offload keeps shards and optimizer state on the CPU (the model computes
 -- on the default device: the GPU where there is one).
---   mpirun -np 3 fsdp-lua tests/dist/test_fsdp_equiv.lua --strategy=full_shard --policy=block
+--   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_equiv.lua --strategy=full_shard --policy=block
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"

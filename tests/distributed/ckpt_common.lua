@@ -1,4 +1,4 @@
--- Shared pieces of the checkpoint tests (tests/dist/test_ckpt_*.lua): a tiny
+-- Shared pieces of the checkpoint tests (tests/distributed/test_ckpt_*.lua): a tiny
 -- GPT, sharded or not, trained on byte batches of data/corpus.txt; dumps of
 -- what a rank holds, written with plain safetensors (independent of the
 -- checkpoint code) and assembled back into full tensors.

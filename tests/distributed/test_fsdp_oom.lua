@@ -3,11 +3,11 @@
 -- the planner says the unsharded model needs for parameters, gradients and
 -- AdamW state; parameters, gradients and activations fit under it, the
 -- AdamW state does not.
---   fsdp-lua tests/dist/test_fsdp_oom.lua                 one rank: the failure path. Building the model
+--   fsdp-lua tests/distributed/test_fsdp_oom.lua                 one rank: the failure path. Building the model
 --                                                         unsharded and taking an AdamW step must fail with
 --                                                         the allocator's out-of-memory error naming the cap
 --                                                         and the tag; the error is caught and counts as a pass.
---   mpirun -np 4 fsdp-lua tests/dist/test_fsdp_oom.lua    4+ ranks: the success path. The sharded model
+--   mpirun -np 4 fsdp-lua tests/distributed/test_fsdp_oom.lua    4+ ranks: the success path. The sharded model
 --                                                         trains 3 steps under the same cap.
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"

@@ -3,11 +3,11 @@
 -- group writes)
 -- loads on 1, 2 or 3 ranks under another wrap policy, and into an unsharded
 -- module: parameters and AdamW state equal the saved values exactly.
---   mpirun -np 4 fsdp-lua tests/dist/test_ckpt_reshard.lua --phase=save --dir=build/ckpt_test_reshard
---   mpirun -np 3 fsdp-lua tests/dist/test_ckpt_reshard.lua --phase=load --dir=build/ckpt_test_reshard --policy=size
+--   mpirun -np 4 fsdp-lua tests/distributed/test_ckpt_reshard.lua --phase=save --dir=build/ckpt_test_reshard
+--   mpirun -np 3 fsdp-lua tests/distributed/test_ckpt_reshard.lua --phase=load --dir=build/ckpt_test_reshard --policy=size
 -- The save phase also dumps every rank's slices with plain safetensors
 -- (ref_*), which the load phase assembles into the expected full values.
-package.path = "tests/lua/?.lua;tests/dist/?.lua;" .. package.path
+package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local ck = require "fsdp.checkpoint"

@@ -3,7 +3,7 @@
 -- width 128), full_shard, one unit per block, 2 training steps. The
 -- allocator's statistics are process-wide (one process per rank), so this
 -- script builds nothing but the sharded model and its batches.
---   mpirun -np 4 fsdp-lua tests/dist/test_fsdp_memory.lua     (also runs on 1 rank)
+--   mpirun -np 4 fsdp-lua tests/distributed/test_fsdp_memory.lua     (also runs on 1 rank)
 -- Options: --strategy= --group-size= --compute=bf16 --reduce= --limit= --prefetch= --forward-prefetch
 -- --offload (on a GPU: the device figures without shards and optimizer
 -- state, and those in host memory as predicted)

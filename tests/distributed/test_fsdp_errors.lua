@@ -1,15 +1,15 @@
 -- Bad input to fsdp.shard: each case must give a clear error on every rank
 -- and end the job with a non-zero exit, never hang. One case per run:
---   mpirun -np 2 fsdp-lua tests/dist/test_fsdp_errors.lua --case=policy      a policy returning a non-boolean
---   mpirun -np 2 fsdp-lua tests/dist/test_fsdp_errors.lua --case=shared      two units sharing one module
---   mpirun -np 2 fsdp-lua tests/dist/test_fsdp_errors.lua --case=disagree    rank 1 builds a wider model
---   mpirun -np 3 fsdp-lua tests/dist/test_fsdp_errors.lua --case=hybrid      group_size 2 on 3 ranks
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=policy      a policy returning a non-boolean
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=shared      two units sharing one module
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=disagree    rank 1 builds a wider model
+--   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=hybrid      group_size 2 on 3 ranks
 -- Each rank catches its error, prints it, and the ranks count how many of
 -- them raised one (an all-reduce: a rank that did not raise would leave the
 -- others waiting, and the 60 s limit of expect_fail.sh would call it a
 -- hang). Then every rank raises the error again, uncaught: the launcher
 -- ends the job with that message and a non-zero exit, which is what
--- tests/dist/expect_fail.sh requires, together with the expected message.
+-- tests/distributed/expect_fail.sh requires, together with the expected message.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"

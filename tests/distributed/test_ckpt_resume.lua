@@ -1,14 +1,14 @@
 -- Exact resume: 20 steps straight equal 10 steps, save, exit, load in a new
 -- process, 10 more steps. Bit for bit (losses and final parameters) on the
 -- same rank count; within 1e-6 relative after a change of rank count.
---   mpirun -np 2 fsdp-lua tests/dist/test_ckpt_resume.lua --phase=straight --dir=D   (20 steps, the reference)
---   mpirun -np 2 fsdp-lua tests/dist/test_ckpt_resume.lua --phase=first --dir=D      (10 steps, save, exit)
---   mpirun -np 2 fsdp-lua tests/dist/test_ckpt_resume.lua --phase=second --dir=D     (load, 10 steps, compare)
+--   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_resume.lua --phase=straight --dir=D   (20 steps, the reference)
+--   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_resume.lua --phase=first --dir=D      (10 steps, save, exit)
+--   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_resume.lua --phase=second --dir=D     (load, 10 steps, compare)
 -- --dropout=0.1 puts dropout in the model, so the RNG position must be
 -- restored too (only meaningful on the same rank count: masks follow the
 -- local batch). The LR follows a warmup-cosine schedule of the step; the
 -- data loader shuffles, so its position must be restored as well.
-package.path = "tests/lua/?.lua;tests/dist/?.lua;" .. package.path
+package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"
