@@ -687,3 +687,22 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
     return emu_gemm(h, ta, tb, m, n, k, *(const float *)alpha, A, at, lda, sa, B, bt, ldb, sb, *(const float *)beta,
                     C, ct, ldc, sc, batch);
 }
+
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                   const void *alpha, const void *const Aarray[], cudaDataType_t at, int lda,
+                                   const void *const Barray[], cudaDataType_t bt, int ldb, const void *beta,
+                                   void *const Carray[], cudaDataType_t ct, int ldc, int batch,
+                                   cublasComputeType_t compute, cublasGemmAlgo_t) {
+    if (compute != CUBLAS_COMPUTE_32F) return CUBLAS_STATUS_INVALID_VALUE;
+    if (batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    if (batch == 0) return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
+    check_range(Aarray, (size_t)batch * sizeof(void *), "cublasGemmBatchedEx Aarray");
+    check_range(Barray, (size_t)batch * sizeof(void *), "cublasGemmBatchedEx Barray");
+    check_range(Carray, (size_t)batch * sizeof(void *), "cublasGemmBatchedEx Carray");
+    for (int b = 0; b < batch; b++) {
+        cublasStatus_t s = emu_gemm(h, ta, tb, m, n, k, *(const float *)alpha, Aarray[b], at, lda, 0, Barray[b], bt,
+                                    ldb, 0, *(const float *)beta, Carray[b], ct, ldc, 0, 1);
+        if (s != CUBLAS_STATUS_SUCCESS) return s;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}

@@ -29,6 +29,7 @@ typedef enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
 #define cublasGetStatusString emu_cublasGetStatusString
 #define cublasSgemmStridedBatched emu_cublasSgemmStridedBatched
 #define cublasGemmStridedBatchedEx emu_cublasGemmStridedBatchedEx
+#define cublasGemmBatchedEx emu_cublasGemmBatchedEx
 
 cublasStatus_t cublasCreate(cublasHandle_t *h);
 cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s);
@@ -45,6 +46,13 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                                           long long sa, const void *B, cudaDataType_t bt, int ldb, long long sb,
                                           const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc,
                                           int batch, cublasComputeType_t compute, cublasGemmAlgo_t algo);
+/* The same over arrays of matrices: Aarray[i], Barray[i], Carray[i] (the
+ * arrays themselves in device memory, as cuBLAS reads them on the GPU) */
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                   const void *alpha, const void *const Aarray[], cudaDataType_t at, int lda,
+                                   const void *const Barray[], cudaDataType_t bt, int ldb, const void *beta,
+                                   void *const Carray[], cudaDataType_t ct, int ldc, int batch,
+                                   cublasComputeType_t compute, cublasGemmAlgo_t algo);
 
 #ifdef __cplusplus
 }
