@@ -76,6 +76,18 @@ typedef struct fsdp_device_kernels {
     void (*attention_backward_f32)(float *dq, float *dk, float *dv, const float *dout, const float *q,
                                    const float *k, const float *v, const float *out, const float *lse, int64_t B,
                                    int64_t H, int64_t T, int64_t D, int causal, float scale);
+    /* Attention from the packed qkv (B, T, 3C) of a fused projection (head h
+     * of q, k, v at columns h D, C + h D, 2C + h D; C = H D), bf16 in memory,
+     * f32 math, out (B, T, C) with head h at column h D. The forward saves
+     * the probabilities probs (B, H, T, T) bf16; scores, dprobs (f32) and
+     * dscores (bf16), all (B, H, T, T), are scratch the caller provides, and
+     * the backward writes all of dqkv. Optional (NULL: the op layer unpacks
+     * q, k, v and runs attention_*_f32). */
+    void (*attention_qkv_forward_bf16)(uint16_t *out, uint16_t *probs, float *scores, const uint16_t *qkv,
+                                       int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale);
+    void (*attention_qkv_backward_bf16)(uint16_t *dqkv, float *dprobs, uint16_t *dscores, const uint16_t *dout,
+                                        const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,
+                                        int64_t D, int causal, float scale);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);

@@ -358,6 +358,12 @@ void cuda_attention_forward_f32(float *out, float *lse, const float *q, const fl
 void cuda_attention_backward_f32(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
                                  const float *v, const float *out, const float *lse, int64_t B, int64_t H, int64_t T,
                                  int64_t D, int causal, float scale);
+/* cuda_attention_gemm.cu */
+void cuda_attention_qkv_forward_bf16(uint16_t *out, uint16_t *probs, float *scores, const uint16_t *qkv, int64_t B,
+                                     int64_t H, int64_t T, int64_t D, int causal, float scale);
+void cuda_attention_qkv_backward_bf16(uint16_t *dqkv, float *dprobs, uint16_t *dscores, const uint16_t *dout,
+                                      const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,
+                                      int64_t D, int causal, float scale);
 /* cuda_random.cu */
 void cuda_init_normal_f32(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                           int64_t offset);

@@ -201,6 +201,13 @@ fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tens
                                int64_t ignore_index, int64_t valid_vocab);
 /* q, k, v (B, H, T, D): out (B, H, T, D). scale <= 0 means 1/sqrt(D). */
 fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fsdp_tensor *v, int causal, double scale);
+/* Attention from the packed output of a fused q, k, v projection: qkv
+ * (B, T, 3C) holds per token the n_head heads of q, then of k, then of v
+ * (C = n_head D); out (B, T, C) holds head h at columns [h D, (h+1) D), the
+ * layout an output projection reads. The same values as fsdp_attention on
+ * the split heads, without the split and permute copies; on CUDA in bf16 it
+ * runs on the tensor cores. scale <= 0 means 1/sqrt(D). */
+fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale);
 /* Inverted dropout; the mask depends only on (seed, offset + i). */
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset);
 fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype);

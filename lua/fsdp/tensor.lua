@@ -941,4 +941,14 @@ function M.attention(q, k, v, opts)
   return wrap()
 end
 
+--- fsdp.attention_qkv(qkv, n_head, {causal=true, scale=1/sqrt(D)}): qkv (B, T, 3C)
+-- packed as q heads, k heads, v heads; returns (B, T, C), heads side by side.
+function M.attention_qkv(qkv, n_head, opts)
+  local causal = not (opts and opts.causal == false)
+  if C.fsdp_attention_qkv(out, T(qkv, "attention_qkv qkv"), n_head, causal and 1 or 0, opts and opts.scale or 0) ~= 0 then
+    raise()
+  end
+  return wrap()
+end
+
 return M

@@ -748,6 +748,91 @@ static void test_attention(void) {
         }
 }
 
+/* Attention from a packed bf16 qkv (B, T, 3C) on the tensor cores, against
+ * the CPU's f32 attention on the same (bf16) values unpacked to (B, H, T, D).
+ * Tolerance: probabilities and dS are rounded to bf16 (2^-9 relative) before
+ * their products and every result is rounded to bf16 once, so
+ *   out: |err| <= 2^-7 (|want| + max|v|),
+ *   dq, dk, dv: |err| <= 2^-6 (|want| + max|want|)
+ * (a few roundings of 2^-9 each, with room for their sums; a wrong index,
+ * mask or transpose is off by O(1)). */
+static void unpack_heads(float *dst, const uint16_t *src, int64_t B, int64_t H, int64_t T, int64_t D, int64_t ld,
+                         int64_t col0) {   /* dst (B, H, T, D) from columns col0 + h D of src (B, T, ld) */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t d = 0; d < D; d++)
+                    dst[((b * H + h) * T + t) * D + d] = bf16_to_f32(src[(b * T + t) * ld + col0 + h * D + d]);
+}
+
+static uint16_t *bf16_rand(int64_t n) {
+    float *x = hrand(n, 1);
+    uint16_t *h = halloc((size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
+    return h;
+}
+
+static float *back_bf16(const void *d, int64_t n) {
+    uint16_t *h = halloc((size_t)(n > 0 ? n : 1) * 2);
+    float *f = halloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (n > 0) G->copy_to_host(h, d, (size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) f[i] = bf16_to_f32(h[i]);
+    return f;
+}
+
+static void test_attention_qkv(void) {
+    test_check(G->attention_qkv_forward_bf16 && G->attention_qkv_backward_bf16, "CUDA has the packed attention");
+    if (!G->attention_qkv_forward_bf16 || !G->attention_qkv_backward_bf16) return;
+    const fsdp_device_kernels *C_ = C;   /* the CPU table; C below is the width */
+    int64_t cs[][4] = {{1, 1, 1, 1}, {2, 3, 17, 8}, {1, 2, 33, 16}, {2, 2, 9, 5}, {1, 1, 40, 3},
+                       BIG({2, 4, 257, 64}, {2, 12, 1024, 64})};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+        for (int causal = 0; causal < 2; causal++) {
+            int64_t B = cs[i][0], H = cs[i][1], T = cs[i][2], D = cs[i][3], C = H * D, n = B * H * T * D;
+            int64_t nqkv = B * T * 3 * C, ntt = B * H * T * T, nl = B * H * T;
+            float scale = 1.0f / sqrtf((float)D);
+            uint16_t *qkv = bf16_rand(nqkv), *dout16 = bf16_rand(B * T * C);
+            float *q = halloc((size_t)n * 4), *k = halloc((size_t)n * 4), *v = halloc((size_t)n * 4);
+            float *dout = halloc((size_t)n * 4);
+            unpack_heads(q, qkv, B, H, T, D, 3 * C, 0);
+            unpack_heads(k, qkv, B, H, T, D, 3 * C, C);
+            unpack_heads(v, qkv, B, H, T, D, 3 * C, 2 * C);
+            unpack_heads(dout, dout16, B, H, T, D, C, 0);
+            float *o = hnan(n), *lse = hnan(nl), *dq = hnan(n), *dk = hnan(n), *dv = hnan(n);
+            C_->attention_forward_f32(o, lse, q, k, v, B, H, T, D, causal, scale);
+            C_->attention_backward_f32(dq, dk, dv, dout, q, k, v, o, lse, B, H, T, D, causal, scale);
+            uint16_t *gqkv = dup(qkv, (size_t)nqkv * 2), *gdout = dup(dout16, (size_t)B * T * C * 2);
+            uint16_t *gout = (uint16_t *)dnan(B * T * C), *probs = dalloc((size_t)ntt * 2);
+            uint16_t *gdqkv = (uint16_t *)dnan(nqkv), *dscores = dalloc((size_t)ntt * 2);
+            float *scores = dnan(ntt), *dprobs = dnan(ntt);
+            G->attention_qkv_forward_bf16(gout, probs, scores, gqkv, B, H, T, D, causal, scale);
+            G->attention_qkv_backward_bf16(gdqkv, dprobs, dscores, gdout, gqkv, probs, B, H, T, D, causal, scale);
+            /* results unpacked the same way: (B, H, T, D) */
+            float *got_o = back_bf16(gout, B * T * C), *got_dqkv = back_bf16(gdqkv, nqkv);
+            uint16_t *o16 = halloc((size_t)B * T * C * 2), *dqkv16 = halloc((size_t)nqkv * 2);
+            for (int64_t j = 0; j < B * T * C; j++) o16[j] = f32_to_bf16(got_o[j]);
+            for (int64_t j = 0; j < nqkv; j++) dqkv16[j] = f32_to_bf16(got_dqkv[j]);
+            float *go = halloc((size_t)n * 4), *gdq = halloc((size_t)n * 4), *gdk = halloc((size_t)n * 4);
+            float *gdv = halloc((size_t)n * 4);
+            unpack_heads(go, o16, B, H, T, D, C, 0);
+            unpack_heads(gdq, dqkv16, B, H, T, D, 3 * C, 0);
+            unpack_heads(gdk, dqkv16, B, H, T, D, 3 * C, C);
+            unpack_heads(gdv, dqkv16, B, H, T, D, 3 * C, 2 * C);
+            char tag[64], name[128];
+            snprintf(tag, sizeof tag, "(%lld, %lld, %lld, %lld)%s", (long long)B, (long long)H, (long long)T,
+                     (long long)D, causal ? " causal" : "");
+            snprintf(name, sizeof name, "attention_qkv_forward_bf16 out %s", tag);
+            check_f(name, go, o, n, 1.0 / 128, 1.0 / 128, 1.0);
+            snprintf(name, sizeof name, "attention_qkv_backward_bf16 dq %s", tag);
+            check_f(name, gdq, dq, n, 1.0 / 64, 1.0 / 64, -1);
+            snprintf(name, sizeof name, "attention_qkv_backward_bf16 dk %s", tag);
+            check_f(name, gdk, dk, n, 1.0 / 64, 1.0 / 64, -1);
+            snprintf(name, sizeof name, "attention_qkv_backward_bf16 dv %s", tag);
+            check_f(name, gdv, dv, n, 1.0 / 64, 1.0 / 64, -1);
+            free_case();
+        }
+}
+
 /* ---- random ---- */
 
 static void test_random(void) {
@@ -1049,6 +1134,7 @@ int main(int argc, char **argv) {
     test_embedding();
     test_cross_entropy();
     test_attention();
+    test_attention_qkv();
     test_random();
     test_optim();
     test_ops_end_to_end();

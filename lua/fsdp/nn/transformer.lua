@@ -84,11 +84,14 @@ function Attention:forward(x)
   local s = x:shape()
   local B, T, C = s[1], s[2], s[3]
   local H, D = self.n_head, self.head_dim
+  if not self.rotary then   -- straight from the packed projection: no split or permute copies
+    return self.c_proj(fsdp.attention_qkv(self.c_attn(x), H, { causal = true }))   -- (B, T, C)
+  end
   local qkv = self.c_attn(x):view(B, T, 3, H, D):permute(3, 1, 4, 2, 5)   -- (3, B, H, T, D)
   local q = qkv:narrow(1, 1, 1):reshape(B, H, T, D)
   local k = qkv:narrow(1, 2, 1):reshape(B, H, T, D)
   local v = qkv:narrow(1, 3, 1):reshape(B, H, T, D)
-  if self.rotary then q, k = self:rope(q, T), self:rope(k, T) end
+  q, k = self:rope(q, T), self:rope(k, T)
   local y = fsdp.attention(q, k, v, { causal = true })                 -- (B, H, T, D)
   y = y:permute(1, 3, 2, 4):reshape(B, T, C)
   return self.c_proj(y)

@@ -1,0 +1,95 @@
+-- fsdp.attention_qkv: attention from a packed (B, T, 3C) projection, forward
+-- and backward, against fsdp.attention on the split heads (f32 on the CPU,
+-- the reference), on every device and float dtype at hand. On CUDA in bf16
+-- it runs on the tensor cores with bf16 probabilities; elsewhere it unpacks
+-- and runs the f32 kernel, which must give the same values as the split.
+package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+
+local function flat(x) return x:float():cpu():contiguous():view(-1):tolist() end
+
+-- max |a - b| / max(max |b|, 1e-30), and the first index beyond tol
+local function rel_err(a, b)
+  local fa, fb, mb, err = flat(a), flat(b), 0, 0
+  for i = 1, #fb do mb = math.max(mb, math.abs(fb[i])) end
+  for i = 1, #fb do
+    local e = math.abs(fa[i] - fb[i])
+    if e ~= e then return math.huge end   -- NaN
+    err = math.max(err, e)
+  end
+  return err / math.max(mb, 1e-30)
+end
+
+-- The reference: split, permute, fsdp.attention, permute back, on the CPU in f32.
+local function split_attention(qkv, H, causal)
+  local s = qkv:shape()
+  local B, T, C = s[1], s[2], s[3] / 3
+  local D = C / H
+  local x = qkv:view(B, T, 3, H, D):permute(3, 1, 4, 2, 5)   -- (3, B, H, T, D)
+  local q = x:narrow(1, 1, 1):reshape(B, H, T, D)
+  local k = x:narrow(1, 2, 1):reshape(B, H, T, D)
+  local v = x:narrow(1, 3, 1):reshape(B, H, T, D)
+  return fsdp.attention(q, k, v, { causal = causal }):permute(1, 3, 2, 4):reshape(B, T, C)
+end
+
+-- output and qkv gradient under loss = sum(out * w)
+local function run(fn, qkv0, w0, dev, dt)
+  local qkv = qkv0:to(dev):cast(dt):detach():requires_grad(true)
+  local w = w0:to(dev):cast(dt)
+  local y = fn(qkv)
+  ;(y:float() * w:float()):sum():backward()
+  return y, qkv:get_grad()
+end
+
+local devices = { "cpu" }
+if pcall(function() return fsdp.zeros(1, { device = "cpu" }):cuda() end) then devices[2] = "cuda" end
+
+local shapes = { { 1, 1, 1, 1 }, { 2, 3, 7, 4 }, { 1, 2, 16, 8 }, { 2, 1, 5, 3 } }
+for _, sh in ipairs(shapes) do
+  local B, H, T, D = sh[1], sh[2], sh[3], sh[4]
+  local C = H * D
+  local qkv0 = fsdp.randn(B, T, 3 * C, { seed = 11 + T, device = "cpu" })
+  local w0 = fsdp.randn(B, T, C, { seed = 12 + T, device = "cpu" })
+  for _, causal in ipairs({ true, false }) do
+    for _, dev in ipairs(devices) do
+      for _, dt in ipairs({ "f32", "bf16" }) do
+        -- the reference sees the same (rounded) inputs, in f32 on the CPU
+        local q_in, w_in = qkv0:cast(dt):float(), w0:cast(dt):float()
+        local y_ref, g_ref = run(function(x) return split_attention(x, H, causal) end, q_in, w_in, "cpu", "f32")
+        local y, g = run(function(x) return fsdp.attention_qkv(x, H, { causal = causal }) end, q_in, w_in, dev, dt)
+        local tag = string.format(" (%d,%d,%d,%d)%s %s %s", B, H, T, D, causal and " causal" or "", dev, dt)
+        t.eq(y:dtype(), dt, "attention_qkv keeps the dtype" .. tag)
+        t.eq(table.concat(y:shape(), ","), table.concat({ B, T, C }, ","), "attention_qkv shape" .. tag)
+        -- f32: the same kernel on the same values; bf16: output rounded once
+        -- (CPU), or bf16 probabilities and dS (CUDA tensor cores)
+        local tol = dt == "f32" and 1e-5 or 2e-2
+        local ey, eg = rel_err(y, y_ref), rel_err(g, g_ref)
+        t.ok(ey <= tol, string.format("attention_qkv out%s: rel err %.3g <= %g", tag, ey, tol))
+        t.ok(eg <= tol, string.format("attention_qkv grad%s: rel err %.3g <= %g", tag, eg, tol))
+      end
+    end
+  end
+end
+
+-- a custom scale is passed through
+do
+  local qkv = fsdp.randn(1, 4, 6, { seed = 5, device = "cpu" })
+  local a = fsdp.attention_qkv(qkv, 1, { scale = 0.3 })
+  local x = qkv:view(1, 4, 3, 1, 2):permute(3, 1, 4, 2, 5)
+  local b = fsdp.attention(x:narrow(1, 1, 1):reshape(1, 1, 4, 2), x:narrow(1, 2, 1):reshape(1, 1, 4, 2),
+    x:narrow(1, 3, 1):reshape(1, 1, 4, 2), { scale = 0.3 }):reshape(1, 4, 2)
+  t.ok(rel_err(a, b) <= 1e-6, "attention_qkv scale option")
+end
+
+-- bad input names the op and the shapes
+t.raises(function() return fsdp.attention_qkv(fsdp.ones(4, 6), 1) end, { "fsdp_attention_qkv", "f32[4,6]", "3-D" },
+  "attention_qkv: 2-D qkv")
+t.raises(function() return fsdp.attention_qkv(fsdp.ones(1, 2, 12), 3) end,
+  { "fsdp_attention_qkv", "f32[1,2,12]", "3 x 3 heads" }, "attention_qkv: width not 3 x heads")
+t.raises(function() return fsdp.attention_qkv(fsdp.ones(1, 2, 6), 0) end, { "fsdp_attention_qkv", "n_head is 0" },
+  "attention_qkv: no heads")
+t.raises(function() return fsdp.attention_qkv(fsdp.ones(1, 2, 6, { dtype = "i32" }), 1) end,
+  { "fsdp_attention_qkv", "f32 or bf16" }, "attention_qkv: integer qkv")
+
+t.done()
