@@ -1,38 +1,48 @@
--- make_shards.lua: a text file -> byte-level token shards in llm.c's format.
+-- make_shards.lua: a text file -> token shards in llm.c's format.
 --
---   fsdp-lua tools/make_shards.lua --input=data/tiny_corpus.txt --out=shards \
+--   fsdp-lua tools/make_shards.lua --input=data/corpus.txt --out=shards \
+--            [--tokenizer=bytes|gpt2] [--tokenizer-dir=DIR] \
 --            [--val-fraction=0.1] [--shard-tokens=100000000]
 --
--- Tokens are the file's bytes, 0..255 (vocabulary 256: no tokenizer, any
--- text or binary file works; UTF-8 characters become several tokens). Each
--- shard is a 1024-byte header of 256 little-endian int32 — magic 20240520,
--- version 1, token count — then the tokens as little-endian uint16.
+-- --tokenizer=bytes (the default): tokens are the file's bytes, 0..255
+-- (vocabulary 256: any text or binary file works; UTF-8 characters become
+-- several tokens). --tokenizer=gpt2: GPT-2's BPE (vocabulary 50257, from
+-- data/gpt2 or --tokenizer-dir), with <|endoftext|> first, as llm.c's
+-- preparation scripts start each document. Each shard is a 1024-byte
+-- header of 256 little-endian int32 — magic 20240520, version 1, token
+-- count — then the tokens as little-endian uint16.
 --
--- The last val-fraction of the bytes goes to val_000000.bin, ...; the rest
--- to train_000000.bin, ...; at most shard-tokens tokens a shard. This is
--- the same cut data.ByteLoader makes with split = "train" / "val", so
--- training on the shards and on the text file directly see the same tokens.
+-- The last val-fraction of the tokens goes to val_000000.bin, ...; the rest
+-- to train_000000.bin, ...; at most shard-tokens tokens a shard. For bytes
+-- this is the same cut data.ByteLoader makes with split = "train" / "val",
+-- so training on the shards and on the text file directly see the same tokens.
 
 local data = require "fsdp.data"
 
 local function usage(msg)
   if msg then io.stderr:write("make_shards: ", msg, "\n") end
-  io.stderr:write("usage: fsdp-lua tools/make_shards.lua --input=FILE --out=DIR",
-                  " [--val-fraction=0.1] [--shard-tokens=100000000]\n")
+  io.stderr:write("usage: fsdp-lua tools/make_shards.lua --input=FILE --out=DIR [--tokenizer=bytes|gpt2]",
+                  " [--tokenizer-dir=DIR] [--val-fraction=0.1] [--shard-tokens=100000000]\n")
   os.exit(msg and 2 or 0)
 end
 
-local opts = { ["val-fraction"] = "0.1", ["shard-tokens"] = "100000000" }
+local opts = { ["val-fraction"] = "0.1", ["shard-tokens"] = "100000000", tokenizer = "bytes" }
+local known = { input = true, out = true, ["val-fraction"] = true, ["shard-tokens"] = true,
+                tokenizer = true, ["tokenizer-dir"] = true }
 for _, a in ipairs(arg or {}) do
   if a == "--help" or a == "-h" then usage() end
   local k, v = a:match("^%-%-([%w%-]+)=(.*)$")
-  if not k or not (k == "input" or k == "out" or k == "val-fraction" or k == "shard-tokens") then
+  if not k or not known[k] then
     usage("unknown argument '" .. a .. "'")
   end
   opts[k] = v
 end
 if not opts.input then usage("--input=FILE is required") end
 if not opts.out then usage("--out=DIR is required") end
+if opts.tokenizer ~= "bytes" and opts.tokenizer ~= "gpt2" then
+  usage("--tokenizer must be bytes or gpt2, got '" .. opts.tokenizer .. "'")
+end
+if opts["tokenizer-dir"] and opts.tokenizer ~= "gpt2" then usage("--tokenizer-dir needs --tokenizer=gpt2") end
 local frac = tonumber(opts["val-fraction"])
 if not frac or frac < 0 or frac >= 1 then usage("--val-fraction must be a number in [0, 1)") end
 local per = tonumber(opts["shard-tokens"])
@@ -54,16 +64,30 @@ if not data.is_dir(out) then
 end
 
 local ffi = require "ffi"
-local bytes = ffi.cast("const uint8_t *", text)
 
--- Writes text[a..b] (1-based, inclusive) as split_000000.bin, ...
+-- The tokens, 0-based uint16 cdata, and their count.
+local tokens, ntok, vocab
+if opts.tokenizer == "gpt2" then
+  local tokenizer = require "fsdp.tokenizer"
+  local ok, tok = pcall(tokenizer.gpt2, opts["tokenizer-dir"])
+  if not ok then usage(tostring(tok)) end
+  local buf, n = tok:encode_buffer(text)
+  tokens = ffi.new("uint16_t[?]", n + 1)
+  tokens[0] = tok.eot
+  ffi.copy(tokens + 1, buf, 2 * n)
+  ntok, vocab = n + 1, "gpt2, vocab " .. tok.vocab_size
+else
+  tokens, ntok, vocab = ffi.cast("const uint8_t *", text), #text, "byte-level, vocab 256"
+end
+
+-- Writes tokens[a..b] (1-based, inclusive) as split_000000.bin, ...
 local function write_split(split, a, b)
   local n, idx, written = b - a + 1, 0, 0
   while written < n do
     local k = math.min(per, n - written)
     local toks = ffi.new("uint16_t[?]", k)
     local base = a - 1 + written
-    for i = 0, k - 1 do toks[i] = bytes[base + i] end
+    for i = 0, k - 1 do toks[i] = tokens[base + i] end
     local path = string.format("%s/%s_%06d.bin", out, split, idx)
     data.write_shard(path, toks, k)
     print(string.format("wrote %s: %d tokens", path, k))
@@ -72,9 +96,9 @@ local function write_split(split, a, b)
   return idx
 end
 
-local ta, tb = data.split_range(#text, frac, "train")
-local va, vb = data.split_range(#text, frac, "val")
+local ta, tb = data.split_range(ntok, frac, "train")
+local va, vb = data.split_range(ntok, frac, "val")
 local nt = write_split("train", ta, tb)
 local nv = write_split("val", va, vb)
-print(string.format("%s: %d bytes -> %d train tokens in %d shard(s), %d val tokens in %d shard(s) (byte-level, vocab 256)",
-                    opts.input, #text, tb - ta + 1, nt, vb - va + 1, nv))
+print(string.format("%s: %d bytes -> %d train tokens in %d shard(s), %d val tokens in %d shard(s) (%s)",
+                    opts.input, #text, tb - ta + 1, nt, vb - va + 1, nv, vocab))

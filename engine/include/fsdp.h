@@ -120,6 +120,70 @@ fsdp_status fsdp_mem_empty_cache(int device);
 /* Tag given to tensors made by ops on this thread (default ACTIVATION). */
 fsdp_status fsdp_mem_set_default_tag(int tag, int *previous);
 
+/* ---- files and checksums (checkpoints, safetensors, token shards) ----
+ * POSIX file calls behind handles, so that Lua declares no libc: reads and
+ * writes that retry until every byte moved, fsync, renames that are atomic
+ * and durable, mkdir -p, removal of a tree, sorted directory listings.
+ * Every failure names the call, the path and the system's reason. */
+typedef struct fsdp_file fsdp_file;           /* an open file */
+typedef struct fsdp_dir_listing fsdp_dir_listing;   /* the names in a directory */
+typedef struct fsdp_hasher fsdp_hasher;       /* a running XXH64 */
+
+typedef enum fsdp_file_mode {
+    FSDP_FILE_READ = 0,      /* an existing file, for reading */
+    FSDP_FILE_CREATE = 1     /* created or truncated (mode 0644), for writing */
+} fsdp_file_mode;
+
+typedef enum fsdp_path_kind {
+    FSDP_PATH_NONE = 0,      /* nothing there */
+    FSDP_PATH_FILE = 1,
+    FSDP_PATH_DIR = 2,
+    FSDP_PATH_OTHER = 3      /* a device, socket, ... */
+} fsdp_path_kind;
+
+fsdp_status fsdp_file_open(fsdp_file **out, const char *path, fsdp_file_mode mode);
+/* Frees the handle; a failed close of a written file is an error. NULL is fine. */
+fsdp_status fsdp_file_close(fsdp_file *f);
+fsdp_status fsdp_file_size(fsdp_file *f, int64_t *bytes);
+/* Reads n bytes at offset into dst; *got < n only at the end of the file. */
+fsdp_status fsdp_file_pread(fsdp_file *f, void *dst, int64_t n, int64_t offset, int64_t *got);
+/* Writes all n bytes at offset. */
+fsdp_status fsdp_file_pwrite(fsdp_file *f, const void *src, int64_t n, int64_t offset);
+/* Writes all n bytes after the furthest byte this handle has written. */
+fsdp_status fsdp_file_append(fsdp_file *f, const void *src, int64_t n);
+/* fsync: the bytes written are on disk. */
+fsdp_status fsdp_file_sync(fsdp_file *f);
+/* path gets exactly these n bytes or stays as it was: written to path.tmp,
+ * synced, renamed over path, the directory synced. */
+fsdp_status fsdp_file_write_atomic(const char *path, const void *src, int64_t n);
+/* What path names (following links) and, for a file, its size (bytes may be NULL). */
+fsdp_status fsdp_path_stat(const char *path, fsdp_path_kind *kind, int64_t *bytes);
+/* mkdir -p (mode 0755); an existing directory is fine. */
+fsdp_status fsdp_path_mkdirs(const char *path);
+/* rm -rf: a file or a whole tree; links are removed, never followed; a
+ * path that does not exist is fine; "/", "." and ".." are refused. */
+fsdp_status fsdp_path_remove_tree(const char *path);
+/* rename(2) (atomic within one filesystem, replacing a file or an empty
+ * directory at to), then the directory holding to is synced. */
+fsdp_status fsdp_path_rename(const char *from, const char *to);
+/* fsync of a file or directory by name (a directory: the names in it). */
+fsdp_status fsdp_path_sync(const char *path);
+/* The names in a directory, sorted bytewise, without "." and "..". */
+fsdp_status fsdp_dir_list(fsdp_dir_listing **out, const char *path);
+fsdp_status fsdp_dir_listing_count(fsdp_dir_listing *l, int64_t *n);
+/* Name i (0-based), valid until the list is freed. */
+fsdp_status fsdp_dir_listing_name(fsdp_dir_listing *l, int64_t i, const char **name);
+fsdp_status fsdp_dir_listing_free(fsdp_dir_listing *l);
+/* XXH64 (the 64-bit xxHash, digests as xxhsum prints them) of n bytes. */
+fsdp_status fsdp_hash64(const void *data, int64_t n, uint64_t seed, uint64_t *out);
+/* The same over bytes fed in pieces: new (or reset), update..., digest
+ * (the hash of everything fed so far; feeding may go on). */
+fsdp_status fsdp_hasher_new(fsdp_hasher **out, uint64_t seed);
+fsdp_status fsdp_hasher_reset(fsdp_hasher *h, uint64_t seed);
+fsdp_status fsdp_hasher_update(fsdp_hasher *h, const void *data, int64_t n);
+fsdp_status fsdp_hasher_digest(fsdp_hasher *h, uint64_t *out);
+fsdp_status fsdp_hasher_free(fsdp_hasher *h);
+
 /* ---- tensors ---- */
 fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
 fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);

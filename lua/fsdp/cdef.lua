@@ -88,6 +88,61 @@ fsdp_status fsdp_mem_empty_cache(int device);
 
 fsdp_status fsdp_mem_set_default_tag(int tag, int *previous);
 
+typedef struct fsdp_file fsdp_file;
+typedef struct fsdp_dir_listing fsdp_dir_listing;
+typedef struct fsdp_hasher fsdp_hasher;
+
+typedef enum fsdp_file_mode {
+    FSDP_FILE_READ = 0,
+    FSDP_FILE_CREATE = 1
+} fsdp_file_mode;
+
+typedef enum fsdp_path_kind {
+    FSDP_PATH_NONE = 0,
+    FSDP_PATH_FILE = 1,
+    FSDP_PATH_DIR = 2,
+    FSDP_PATH_OTHER = 3
+} fsdp_path_kind;
+
+fsdp_status fsdp_file_open(fsdp_file **out, const char *path, fsdp_file_mode mode);
+
+fsdp_status fsdp_file_close(fsdp_file *f);
+fsdp_status fsdp_file_size(fsdp_file *f, int64_t *bytes);
+
+fsdp_status fsdp_file_pread(fsdp_file *f, void *dst, int64_t n, int64_t offset, int64_t *got);
+
+fsdp_status fsdp_file_pwrite(fsdp_file *f, const void *src, int64_t n, int64_t offset);
+
+fsdp_status fsdp_file_append(fsdp_file *f, const void *src, int64_t n);
+
+fsdp_status fsdp_file_sync(fsdp_file *f);
+
+fsdp_status fsdp_file_write_atomic(const char *path, const void *src, int64_t n);
+
+fsdp_status fsdp_path_stat(const char *path, fsdp_path_kind *kind, int64_t *bytes);
+
+fsdp_status fsdp_path_mkdirs(const char *path);
+
+fsdp_status fsdp_path_remove_tree(const char *path);
+
+fsdp_status fsdp_path_rename(const char *from, const char *to);
+
+fsdp_status fsdp_path_sync(const char *path);
+
+fsdp_status fsdp_dir_list(fsdp_dir_listing **out, const char *path);
+fsdp_status fsdp_dir_listing_count(fsdp_dir_listing *l, int64_t *n);
+
+fsdp_status fsdp_dir_listing_name(fsdp_dir_listing *l, int64_t i, const char **name);
+fsdp_status fsdp_dir_listing_free(fsdp_dir_listing *l);
+
+fsdp_status fsdp_hash64(const void *data, int64_t n, uint64_t seed, uint64_t *out);
+
+fsdp_status fsdp_hasher_new(fsdp_hasher **out, uint64_t seed);
+fsdp_status fsdp_hasher_reset(fsdp_hasher *h, uint64_t seed);
+fsdp_status fsdp_hasher_update(fsdp_hasher *h, const void *data, int64_t n);
+fsdp_status fsdp_hasher_digest(fsdp_hasher *h, uint64_t *out);
+fsdp_status fsdp_hasher_free(fsdp_hasher *h);
+
 fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
 fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
 

@@ -25,16 +25,12 @@
 --                       optimizer type, hyperparameters, step counts; the
 --                       step, schedule, data-loader and RNG state, extra;
 --                       per file its size and checksums.
--- Checksums ("fnv1a64x4"), computed as the bytes are written: a file is cut
--- into chunks of chunk_bytes (1 MiB); a chunk's 64-bit little-endian words
--- are hashed FNV-1a style in 4 lanes (word i into lane i % 4: h = (h xor w)
--- * 0x100000001b3, lane j starting at 0xcbf29ce484222325 xor j), then the
--- chunk hash is FNV over (the lanes, the chunk length); the file checksum is
--- FNV over (its chunk hashes, its length). Each blob (one slice of one
--- tensor) has its own hash too, the same way over its padded extent. A load
--- that reads part of a file verifies every chunk it touches, so a flipped
--- byte is caught without reading whole files; the blob hashes then name the
--- damaged parameter.
+-- Checksums ("xxh64": XXH64, the 64-bit xxHash, from engine/io), computed
+-- as the bytes are written: of each chunk of chunk_bytes (1 MiB) of a file,
+-- of the whole file (as xxhsum prints it), and of each blob (one slice of
+-- one tensor, over its padded extent). A load that reads part of a file
+-- verifies every chunk it touches, so a flipped byte is caught without
+-- reading whole files; the blob hashes then name the damaged parameter.
 --
 -- A save writes into dir .. ".tmp"; after every rank has written and synced
 -- its file, rank 0 writes index.json and renames the directory into place,
@@ -44,231 +40,86 @@
 -- and the optimizer: a bad checkpoint raises the same error on every rank
 -- and leaves memory as it was.
 local ffi = require "ffi"
-local bit = require "bit"
 local fsdp = require "fsdp"
 local json = require "fsdp.json"
 local safetensors = require "fsdp.safetensors"
+local fio = require "fsdp.io"
 
 local C = fsdp.C
 local core = fsdp.core
 local raise = core.raise
 local fmt, concat, sort = string.format, table.concat, table.sort
 local floor, min, max = math.floor, math.min, math.max
-local bxor = bit.bxor
 
 local M = {}
 
 M.FORMAT = "fsdp-lua-checkpoint"
-M.VERSION = 1
+M.VERSION = 2
+M.CHECKSUM = "xxh64"
 M.chunk_bytes = 1048576          -- checksum granularity (a multiple of 64)
 M.stage_bytes = 64 * 1048576     -- read-staging buffer of a load
 local ALIGN = 64                 -- every blob of a shard file starts at a multiple of this
 
--- ---- the OS, through the FFI (names redirected, so nothing clashes) ----
+-- ---- files (engine/io through fsdp.io) ----
 
-ffi.cdef [[
-  int fsdp_ckpt_open(const char *path, int flags, ...) __asm__("open");
-  int fsdp_ckpt_close(int fd) __asm__("close");
-  int64_t fsdp_ckpt_write(int fd, const void *buf, size_t n) __asm__("write");
-  int64_t fsdp_ckpt_pwrite(int fd, const void *buf, size_t n, int64_t off) __asm__("pwrite");
-  int64_t fsdp_ckpt_pread(int fd, void *buf, size_t n, int64_t off) __asm__("pread");
-  int64_t fsdp_ckpt_lseek(int fd, int64_t off, int whence) __asm__("lseek");
-  int fsdp_ckpt_fsync(int fd) __asm__("fsync");
-  int fsdp_ckpt_mkdir(const char *path, unsigned int mode) __asm__("mkdir");
-  char *fsdp_ckpt_strerror(int errnum) __asm__("strerror");
-  void *fsdp_ckpt_malloc(size_t n) __asm__("malloc");
-  void fsdp_ckpt_free(void *p) __asm__("free");
-]]
-local S = ffi.C
-local O_RDONLY, O_WRONLY, O_CREAT, O_TRUNC = 0, 1, 64, 512
-local SEEK_END = 2
-local EINTR, EEXIST = 4, 17
-local MAX_IO = 1073741824        -- bytes per read/write call
+local u8p = ffi.typeof("const uint8_t *")
 
-local function os_error()
-  local e = ffi.errno()
-  return ffi.string(S.fsdp_ckpt_strerror(e)), e
+-- Reads exactly n bytes at off of an open fsdp.io file; returns the count
+-- read (short only at the end of the file).
+local function pread_all(f, ptr, n, off)
+  return f:pread(ptr, n, off)
 end
 
-local function open_file(path, write)
-  local fd
-  if write then
-    fd = S.fsdp_ckpt_open(path, bit.bor(O_WRONLY, O_CREAT, O_TRUNC), ffi.new("int", 420))   -- 0644
-  else
-    fd = S.fsdp_ckpt_open(path, O_RDONLY)
-  end
-  if fd < 0 then return nil, (os_error()) end
-  return fd
-end
-
--- Moves n bytes with call (a write, pwrite or pread), retrying on EINTR,
--- until done or a call moves nothing (end of file). off nil: at the file's
--- position. Returns the count moved.
-local function io_loop(call, fd, ptr, n, off, path, verb)
-  local done = 0
-  while done < n do
-    local len = min(n - done, MAX_IO)
-    local k
-    if off then k = tonumber(call(fd, ptr + done, len, off + done)) else k = tonumber(call(fd, ptr + done, len)) end
-    if k < 0 then
-      local msg, e = os_error()
-      if e ~= EINTR then error(fmt("%s: %s failed: %s", path, verb, msg), 0) end
-    elseif k == 0 then
-      break
-    else
-      done = done + k
-    end
-  end
-  return done
-end
-
-local function write_all(fd, ptr, n, path, off)
-  local call = off and S.fsdp_ckpt_pwrite or S.fsdp_ckpt_write
-  if io_loop(call, fd, ffi.cast("const uint8_t *", ptr), n, off, path, "write") < n then
-    error(fmt("%s: write failed: nothing written", path), 0)
-  end
-end
-
--- Reads n bytes at off; returns the count read (short at the end of file).
-local function pread_all(fd, ptr, n, off, path)
-  return io_loop(S.fsdp_ckpt_pread, fd, ffi.cast("uint8_t *", ptr), n, off, path, "read")
-end
-
-local function file_size(fd) return tonumber(S.fsdp_ckpt_lseek(fd, 0, SEEK_END)) end
-
-local function fsync_path(path)
-  local fd = open_file(path, false)
-  if fd then
-    S.fsdp_ckpt_fsync(fd)
-    S.fsdp_ckpt_close(fd)
-  end
-end
-
-local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() return true end
-  return false
-end
-
-local is_dir = require("fsdp.data").is_dir
-
-local function mkdir_p(path)
-  local acc = path:sub(1, 1) == "/" and "/" or ""
-  for part in path:gmatch("[^/]+") do
-    acc = acc .. part
-    if S.fsdp_ckpt_mkdir(acc, 493) ~= 0 then   -- 0755
-      local msg, e = os_error()
-      if e ~= EEXIST then error(fmt("cannot create directory '%s': %s", acc, msg), 0) end
-    end
-    acc = acc .. "/"
-  end
-end
+local exists = fio.is_file
+local is_dir = fio.is_dir
+local parent_of = fio.parent
 
 local function remove_tree(path)
   if path == "" or path == "/" then error("refusing to remove '" .. path .. "'", 0) end
-  os.execute("rm -rf -- " .. shell_quote(path))
+  fio.remove_tree(path)
 end
 
-local function parent_of(path)
-  local p = path:gsub("/+$", ""):match("^(.*)/[^/]*$")
-  if p == nil then return "." end
-  return p == "" and "/" or p
-end
-
+-- The names in root, or none when root is not a directory.
 local function list_dir(path)
-  local names = {}
-  local p = io.popen("ls -1A " .. shell_quote(path) .. " 2>/dev/null")
-  for name in p:lines() do names[#names + 1] = name end
-  p:close()
-  return names
+  if not is_dir(path) then return {} end
+  return fio.list_dir(path)
 end
 
--- ---- checksums: FNV-1a over 64-bit words, 4 lanes, per chunk ----
+-- A staging buffer for reads (host memory outside the engine's allocator).
+local function new_buffer(n) return ffi.new("uint8_t[?]", n) end
 
-local u64p = ffi.typeof("const uint64_t *")
-local u8p = ffi.typeof("const uint8_t *")
-local PRIME = 0x100000001b3ULL
-local BASIS = 0xcbf29ce484222325ULL
+-- ---- checksums: XXH64 per chunk, per blob and per file ----
 
-local function lanes(p, nw, a, b, c, d)
-  for i = 0, nw - 1, 4 do
-    a = bxor(a, p[i]) * PRIME
-    b = bxor(b, p[i + 1]) * PRIME
-    c = bxor(c, p[i + 2]) * PRIME
-    d = bxor(d, p[i + 3]) * PRIME
-  end
-  return a, b, c, d
-end
+local chunk_hash = fio.hash64
 
-local function hex(h) return bit.tohex(h, 16) end
-
-local function lanes0() return BASIS, bxor(BASIS, 1ULL), bxor(BASIS, 2ULL), bxor(BASIS, 3ULL) end
-
--- The hash of n bytes from four lane states.
-local function finish_lanes(a, b, c, d, n)
-  local h = BASIS
-  h = bxor(h, a) * PRIME
-  h = bxor(h, b) * PRIME
-  h = bxor(h, c) * PRIME
-  h = bxor(h, d) * PRIME
-  return hex(bxor(h, ffi.cast("uint64_t", n)) * PRIME)
-end
-
--- The hash of one whole chunk of n bytes (n a multiple of 32) at ptr.
-local function chunk_hash(ptr, n)
-  local a, b, c, d = lanes0()
-  a, b, c, d = lanes(ffi.cast(u64p, ptr), n / 8, a, b, c, d)
-  return finish_lanes(a, b, c, d, n)
-end
-
--- The file checksum from its chunk hashes (hex strings) and its length.
-local function file_hash(chunks, nbytes)
-  local h = BASIS
-  for _, s in ipairs(chunks) do
-    h = bxor(h, ffi.cast("uint64_t", tonumber(s:sub(1, 8), 16)) * 4294967296ULL + tonumber(s:sub(9, 16), 16))
-      * PRIME
-  end
-  return hex(bxor(h, ffi.cast("uint64_t", nbytes)) * PRIME)
-end
-
--- Incremental form, fed with the bytes as they are written (multiples of 32).
+-- Fed with the bytes of a file as they are written: the hash of every
+-- chunk of chunk bytes, and of the whole file.
 local Hasher = {}
 Hasher.__index = Hasher
 
 local function new_hasher(chunk)
-  local h = setmetatable({ chunk = chunk, pos = 0, total = 0, chunks = {} }, Hasher)
-  h:_reset()
-  return h
-end
-
-function Hasher:_reset()
-  self.a, self.b, self.c, self.d = lanes0()
-  self.pos = 0
-end
-
-function Hasher:_close()
-  self.chunks[#self.chunks + 1] = finish_lanes(self.a, self.b, self.c, self.d, self.pos)
-  self:_reset()
+  return setmetatable({ chunk = chunk, pos = 0, chunks = {}, part = fio.hasher(), whole = fio.hasher() }, Hasher)
 end
 
 function Hasher:update(ptr, n)
   local p = ffi.cast(u8p, ptr)
-  self.total = self.total + n
+  self.whole:update(p, n)
   while n > 0 do
     local m = min(n, self.chunk - self.pos)
-    self.a, self.b, self.c, self.d = lanes(ffi.cast(u64p, p), m / 8, self.a, self.b, self.c, self.d)
+    self.part:update(p, m)
     self.pos, p, n = self.pos + m, p + m, n - m
-    if self.pos == self.chunk then self:_close() end
+    if self.pos == self.chunk then
+      self.chunks[#self.chunks + 1] = self.part:hex()
+      self.part:reset()
+      self.pos = 0
+    end
   end
 end
 
 function Hasher:finish()
-  if self.pos > 0 then self:_close() end
-  return file_hash(self.chunks, self.total), self.chunks
+  if self.pos > 0 then self.chunks[#self.chunks + 1] = self.part:hex() end
+  return self.whole:hex(), self.chunks
 end
-
 -- ---- communication: agreement, strings ----
 
 local MAX_OP = 2
@@ -465,51 +316,50 @@ end
 
 -- A shard file being written: blobs at multiples of ALIGN, hashed as written.
 local function new_out(path, chunk)
-  local fd, err = open_file(path, true)
-  if not fd then error(fmt("cannot create '%s': %s", path, err), 0) end
-  return { fd = fd, path = path, pos = 0, hasher = new_hasher(chunk), tail = ffi.new("uint8_t[?]", ALIGN) }
+  local ok, f = pcall(fio.open, path, "w")
+  if not ok then error(f, 0) end
+  return { f = f, path = path, pos = 0, hasher = new_hasher(chunk), blob = fio.hasher(),
+    tail = ffi.new("uint8_t[?]", ALIGN) }
 end
 
 local kill_hook = os.getenv("FSDP_TEST_KILL_DURING_SAVE") == "1"
 
 -- Writes n bytes at ptr as one blob; returns its offset in the file and
--- the checksum of the blob (its padded extent, hashed as one chunk).
+-- the checksum of the blob (its padded extent).
 local function put(o, ptr, n)
   local off = o.pos
   local body = n - n % ALIGN
   local p = ffi.cast(u8p, ptr)
   if kill_hook and fsdp.rank() == 1 and body > 0 then
     -- test hook: die with part of the file written (tests/distributed/test_ckpt_kill.lua)
-    write_all(o.fd, p, floor(body / 2), o.path)
+    o.f:append(p, floor(body / 2))
     io.stderr:write("checkpoint test hook: rank 1 killed during save\n")
     os.exit(9)
   end
-  local a, b, c, d = lanes0()
+  o.blob:reset()
   if body > 0 then
-    write_all(o.fd, p, body, o.path)
+    o.f:append(p, body)
     o.hasher:update(p, body)
-    a, b, c, d = lanes(ffi.cast(u64p, p), body / 8, a, b, c, d)
+    o.blob:update(p, body)
   end
   local rest = n - body
   if rest > 0 then
     ffi.fill(o.tail, ALIGN, 0)
     ffi.copy(o.tail, p + body, rest)
-    write_all(o.fd, o.tail, ALIGN, o.path)
+    o.f:append(o.tail, ALIGN)
     o.hasher:update(o.tail, ALIGN)
-    a, b, c, d = lanes(ffi.cast(u64p, o.tail), ALIGN / 8, a, b, c, d)
+    o.blob:update(o.tail, ALIGN)
   end
   o.pos = off + body + (rest > 0 and ALIGN or 0)
-  return off, finish_lanes(a, b, c, d, o.pos - off)
+  return off, o.blob:hex()
 end
 
 local function finish_out(o)
-  if S.fsdp_ckpt_fsync(o.fd) ~= 0 then
-    local msg = os_error()
-    S.fsdp_ckpt_close(o.fd)
-    error(fmt("%s: fsync failed: %s", o.path, msg), 0)
-  end
-  S.fsdp_ckpt_close(o.fd)
-  o.fd = nil
+  local ok, err = pcall(function() o.f:sync() end)
+  local f = o.f
+  o.f = nil
+  f:close()
+  if not ok then error(err, 0) end
   local sum, chunks = o.hasher:finish()
   return sum, chunks
 end
@@ -553,7 +403,7 @@ local function write_shard(d, opt, tmp, chunk)
     rec.bytes = o.pos
   end)
   if not ok then
-    if o.fd then S.fsdp_ckpt_close(o.fd) end
+    if o.f then o.f:close() end
     error(err, 0)
   end
   return rec
@@ -586,7 +436,7 @@ local function build_index(d, state, opt, texts, chunk)
     world_size = d.world, num_files = d.nfiles, strategy = d.strategy, group_size = d.group_size,
     model = { type = d.model.__name, num_params = #d.params },
     step = state.step, schedule = state.schedule, data = state.data, rng = state.rng, extra = state.extra,
-    checksum = { algorithm = "fnv1a64x4", chunk_bytes = chunk },
+    checksum = { algorithm = M.CHECKSUM, chunk_bytes = chunk },
     files = json.array({}), params = json.array({}),
   }
   local pranges, oranges, osteps = {}, {}, {}
@@ -642,28 +492,22 @@ local function build_index(d, state, opt, texts, chunk)
 end
 
 local function write_text(path, text)
-  local fd, err = open_file(path, true)
-  if not fd then error(fmt("cannot create '%s': %s", path, err), 0) end
-  local ok, werr = pcall(write_all, fd, text, #text, path)
-  if ok and S.fsdp_ckpt_fsync(fd) ~= 0 then ok, werr = false, path .. ": fsync failed: " .. os_error() end
-  S.fsdp_ckpt_close(fd)
-  if not ok then error(werr, 0) end
+  fio.write_atomic(path, text)
 end
 
 -- Rank 0, after every rank wrote and synced its file: the index, then the
 -- directory into place (an older one of the same name goes aside first).
 local function publish(dir, tmp, index, what)
   write_text(tmp .. "/index.json", json.encode(index, { indent = " " }) .. "\n")
-  fsync_path(tmp)
+  fio.sync_path(tmp)
   local old = dir .. ".old"
   if is_dir(dir) then
     remove_tree(old)
-    local okr, e = os.rename(dir, old)
+    local okr, e = pcall(fio.rename, dir, old)
     if not okr then error(fmt("%s: cannot move the old '%s' aside: %s", what, dir, tostring(e)), 0) end
   end
-  local okr, e = os.rename(tmp, dir)
-  if not okr then error(fmt("%s: cannot rename '%s' to '%s': %s", what, tmp, dir, tostring(e)), 0) end
-  fsync_path(parent_of(dir))
+  local okr, e = pcall(fio.rename, tmp, dir)
+  if not okr then error(fmt("%s: %s", what, tostring(e)), 0) end
   if is_dir(old) then remove_tree(old) end
 end
 
@@ -697,7 +541,7 @@ function M.save(dir, state, opts)
     end
     if rank == 0 then
       remove_tree(tmp)
-      mkdir_p(tmp)
+      fio.mkdirs(tmp)
     end
   end)
   local ok, err = pcall(function()
@@ -729,15 +573,9 @@ function M.read_index(dir)
   if type(dir) ~= "string" then raise("fsdp.checkpoint.read_index: dir must be a string") end
   dir = dir:gsub("/+$", "")
   local path = dir .. "/index.json"
-  local f, err = io.open(path, "rb")
-  if not f then
-    if is_dir(dir) then
-      bad(path, "cannot open: " .. tostring(err):gsub("^.-: ", "") .. " (an incomplete checkpoint?)")
-    end
-    bad(dir, "no such checkpoint directory")
-  end
-  local text = f:read("*a")
-  f:close()
+  if not is_dir(dir) then bad(dir, "no such checkpoint directory") end
+  local okr, text = pcall(fio.read_file, path)
+  if not okr then bad(path, "cannot open: " .. tostring(text) .. " (an incomplete checkpoint?)") end
   local ok, index = pcall(json.decode, text)
   if not ok then bad(path, "not valid JSON: " .. tostring(index)) end
   if not json.is_object(index) or index.format ~= M.FORMAT then
@@ -747,7 +585,7 @@ function M.read_index(dir)
     bad(path, fmt("format version %s, this build reads version %d", tostring(index.version), M.VERSION))
   end
   local ck = index.checksum
-  if type(ck) ~= "table" or ck.algorithm ~= "fnv1a64x4" or not is_uint(ck.chunk_bytes) or ck.chunk_bytes == 0
+  if type(ck) ~= "table" or ck.algorithm ~= M.CHECKSUM or not is_uint(ck.chunk_bytes) or ck.chunk_bytes == 0
       or ck.chunk_bytes % 32 ~= 0 then
     bad(path, "unknown checksum scheme")
   end
@@ -758,8 +596,9 @@ function M.read_index(dir)
         or type(fe.chunks) ~= "table" or type(fe.checksum) ~= "string" then
       bad(path, "bad entry in files")
     end
-    if #fe.chunks ~= math.ceil(fe.bytes / ck.chunk_bytes) or file_hash(fe.chunks, fe.bytes) ~= fe.checksum then
-      bad(path, fmt("the checksums listed for %s do not match its file checksum (the index is damaged)", fe.name))
+    if #fe.chunks ~= math.ceil(fe.bytes / ck.chunk_bytes) then
+      bad(path, fmt("the index lists %d chunk checksums for %s, its %d bytes make %d chunks (the index is damaged)",
+        #fe.chunks, fe.name, fe.bytes, math.ceil(fe.bytes / ck.chunk_bytes)))
     end
     files[fe.name] = fe
   end
@@ -839,19 +678,16 @@ end
 
 -- A chunk failed its checksum: which blobs in it are damaged? (Error path
 -- only: each blob overlapping the chunk is read whole and checked.)
-local function blame(fd, fe, clo, chi)
+local function blame(f, fe, clo, chi)
   local found, near = {}, {}
   for _, b in ipairs(fe.blobs) do
     local padded = math.ceil(b.bytes / ALIGN) * ALIGN
     if b.offset < chi and b.offset + padded > clo then
       near[#near + 1] = b.label
       if type(b.checksum) == "string" and padded > 0 then
-        local buf = S.fsdp_ckpt_malloc(padded)
-        if buf ~= nil then
-          local got = pread_all(fd, buf, padded, b.offset, fe.name)
-          if got ~= padded or chunk_hash(buf, padded) ~= b.checksum then found[#found + 1] = b.label end
-          S.fsdp_ckpt_free(buf)
-        end
+        local buf = new_buffer(padded)
+        local got = pread_all(f, buf, padded, b.offset)
+        if got ~= padded or chunk_hash(buf, padded) ~= b.checksum then found[#found + 1] = b.label end
       end
     end
   end
@@ -864,10 +700,10 @@ end
 local function read_file(dir, fe, pieces, chunk, stage, stage_bytes)
   local path = dir .. "/" .. fe.name
   sort(pieces, function(a, b) return a.off < b.off end)
-  local fd, err = open_file(path, false)
-  if not fd then error(fmt("%s: cannot open: %s (it holds %s)", path, err, pieces[1].label), 0) end
+  local okf, f = pcall(fio.open, path, "r")
+  if not okf then error(fmt("%s: cannot open: %s (it holds %s)", path, f, pieces[1].label), 0) end
   local ok, rerr = pcall(function()
-    local size = file_size(fd)
+    local size = f:size()
     if size ~= fe.bytes then
       error(fmt("%s: the file has %d bytes, index.json says %d (truncated or replaced; it holds %s)", path, size,
         fe.bytes, pieces[1].label), 0)
@@ -891,14 +727,14 @@ local function read_file(dir, fe, pieces, chunk, stage, stage_bytes)
         local cend = min(run[2], c + per - 1)
         local lo = c * chunk
         local hi = min(fe.bytes, (cend + 1) * chunk)
-        local got = pread_all(fd, stage, hi - lo, lo, path)
+        local got = pread_all(f, stage, hi - lo, lo)
         if got ~= hi - lo then error(fmt("%s: short read at byte %d (the file shrank?)", path, lo + got), 0) end
         for ci = c, cend do
           local clo = ci * chunk
           local clen = min(chunk, fe.bytes - clo)
           if chunk_hash(stage + (clo - lo), clen) ~= fe.chunks[ci + 1] then
             error(fmt("%s: checksum mismatch in bytes [%d, %d): the file is corrupted, in %s", path, clo,
-              clo + clen, blame(fd, fe, clo, clo + clen)), 0)
+              clo + clen, blame(f, fe, clo, clo + clen)), 0)
           end
         end
         -- copy out the pieces overlapping [lo, hi)
@@ -914,16 +750,15 @@ local function read_file(dir, fe, pieces, chunk, stage, stage_bytes)
       end
     end
   end)
-  S.fsdp_ckpt_close(fd)
+  f:close()
   if not ok then error(rerr, 0) end
 end
 
 local function with_stage(nbytes, fn)
-  local p = S.fsdp_ckpt_malloc(nbytes)
-  if p == nil then error(fmt("cannot allocate a %d-byte read buffer", nbytes), 0) end
-  local ok, err = pcall(fn, ffi.cast("uint8_t *", p))
-  S.fsdp_ckpt_free(p)
-  if not ok then error(err, 0) end
+  local ok, p = pcall(new_buffer, nbytes)
+  if not ok then error(fmt("cannot allocate a %d-byte read buffer: %s", nbytes, tostring(p)), 0) end
+  local okc, err = pcall(fn, p)
+  if not okc then error(err, 0) end
 end
 
 local function run_reads(dir, index, reads)
@@ -1261,11 +1096,11 @@ function M.export(path, target, opts)
   if rank0 then
     local ok, err = pcall(function()
       local dirp = parent_of(path)
-      if dirp ~= "." then mkdir_p(dirp) end
-      local e
-      fd, e = open_file(tmp, true)
-      if not fd then error(fmt("%s: cannot create '%s': %s", what, tmp, e), 0) end
-      write_all(fd, head, #head, tmp)
+      if dirp ~= "." then fio.mkdirs(dirp) end
+      local okf, e = pcall(fio.open, tmp, "w")
+      if not okf then error(fmt("%s: %s", what, e), 0) end
+      fd = e
+      fd:pwrite(head, #head, 0)
     end)
     if not ok then failure = err end
   end
@@ -1275,7 +1110,7 @@ function M.export(path, target, opts)
     local ok, err = pcall(function()
       for _, e in ipairs(by_path[p.path] or {}) do
         local v = on_host(fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end))
-        write_all(fd, v:data_ptr(), 4 * v:numel(), tmp, data_start + e.offset)
+        fd:pwrite(v:data_ptr(), 4 * v:numel(), data_start + e.offset)
         v:free()   -- (a view or a copy: only this reference goes; keeps it alive until the write is done)
       end
     end)
@@ -1298,15 +1133,20 @@ function M.export(path, target, opts)
   together(d.comm, function()
     if not rank0 then return end
     if failure then
-      if fd then S.fsdp_ckpt_close(fd) end
-      os.remove(tmp)
+      if fd then pcall(fd.close, fd) end
+      pcall(fio.remove_tree, tmp)
       error(failure, 0)
     end
-    local okf = S.fsdp_ckpt_fsync(fd) == 0
-    S.fsdp_ckpt_close(fd)
-    if not okf then error(what .. ": " .. tmp .. ": fsync failed", 0) end
-    local okr, e = os.rename(tmp, path)
-    if not okr then error(fmt("%s: cannot rename '%s' to '%s': %s", what, tmp, path, tostring(e)), 0) end
+    local okf, e = pcall(function()
+      fd:sync()
+      fd:close()
+    end)
+    if not okf then
+      pcall(fd.close, fd)
+      error(what .. ": " .. tostring(e), 0)
+    end
+    local okr, er = pcall(fio.rename, tmp, path)
+    if not okr then error(fmt("%s: %s", what, tostring(er)), 0) end
   end)
   return path
 end
@@ -1410,8 +1250,8 @@ function M.import(path, target, opts)
         end
       end
     end
-    local fd, err = open_file(path, false)
-    if not fd then error(fmt("%s: %s: cannot open: %s", what, path, err), 0) end
+    local okf, fd = pcall(fio.open, path, "r")
+    if not okf then error(fmt("%s: %s: cannot open: %s", what, path, fd), 0) end
     local out, cache = {}, {}
     local ok, rerr = pcall(function()
       for i, s in ipairs(d.segments) do
@@ -1420,7 +1260,7 @@ function M.import(path, target, opts)
         out[i] = t
       end
     end)
-    S.fsdp_ckpt_close(fd)
+    fd:close()
     if not ok then error(rerr, 0) end
     return out
   end)
@@ -1473,9 +1313,8 @@ function M.describe(dir)
   add("  files (checksums %s, %s chunks):", index.checksum.algorithm, human(index.checksum.chunk_bytes))
   local total = 0
   for _, fe in ipairs(index.files) do
-    local f = io.open(index.dir .. "/" .. fe.name, "rb")
-    local on_disk = f and f:seek("end")
-    if f then f:close() end
+    local kind, bytes = fio.stat(index.dir .. "/" .. fe.name)
+    local on_disk = kind == "file" and bytes
     local state = not on_disk and "MISSING" or (on_disk ~= fe.bytes and fmt("SIZE %d ON DISK", on_disk) or "ok")
     add("    %-16s %12d bytes (%s) checksum %s %s", fe.name, fe.bytes, human(fe.bytes), fe.checksum, state)
     total = total + fe.bytes

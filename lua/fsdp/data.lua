@@ -21,6 +21,7 @@
 local ffi = require "ffi"
 local bit = require "bit"
 local core = require "fsdp.core"
+local fio = require "fsdp.io"
 require "fsdp.tensor"          -- the metatype: tensors we make get their methods
 
 local C = core.C
@@ -188,8 +189,6 @@ end
 
 -- ---- globbing ----
 
-local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
-
 -- A glob of the file-name part (*, ?, [abc], [!abc]) as an anchored Lua pattern.
 local function glob_to_pattern(g)
   local p, i = { "^" }, 1
@@ -220,13 +219,7 @@ local function glob_to_pattern(g)
   return concat(p)
 end
 
-local function is_dir(path)
-  local f = io.open(path, "rb")
-  if not f then return false end
-  local ok, _, code = f:read(1)
-  f:close()
-  return ok == nil and code == 21      -- EISDIR
-end
+local is_dir = fio.is_dir
 M.is_dir = is_dir
 
 --- data.glob(pattern) -> sorted list of paths. Wildcards only in the last
@@ -239,16 +232,16 @@ function M.glob(pattern)
   if dir:find("[%*%?%[]") then
     raise("data.glob: '" .. pattern .. "': wildcards are only supported in the file name")
   end
-  local p = io.popen("ls -1A " .. shell_quote(dir == "" and "/" or dir) .. " 2>/dev/null")
+  local where = dir == "" and "/" or dir
+  local names = is_dir(where) and fio.list_dir(where) or {}
   local lp = glob_to_pattern(base)
   local hidden = base:sub(1, 1) == "."
   local res = {}
-  for name in p:lines() do
+  for _, name in ipairs(names) do
     if name:find(lp) and (hidden or name:sub(1, 1) ~= ".") then
       res[#res + 1] = (pattern:find("/") and (dir .. "/") or "") .. name
     end
   end
-  p:close()
   sort(res)
   return res
 end
