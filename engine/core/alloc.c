@@ -34,6 +34,7 @@ typedef struct {
 static device_allocator allocators[FSDP_DEVICE_COUNT] = {
     [FSDP_DEVICE_CPU] = {.lock = PTHREAD_MUTEX_INITIALIZER},
     [FSDP_DEVICE_CUDA] = {.lock = PTHREAD_MUTEX_INITIALIZER},
+    [FSDP_DEVICE_META] = {.lock = PTHREAD_MUTEX_INITIALIZER},
 };
 
 static _Thread_local int default_tag = FSDP_TAG_ACTIVATION;

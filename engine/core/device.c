@@ -8,8 +8,10 @@
 #endif
 
 extern const fsdp_device_kernels cpu_device_kernels;
+extern fsdp_device_kernels meta_device_kernels;   /* engine/meta/meta_device.c */
 
-static const fsdp_device_kernels *tables[FSDP_DEVICE_COUNT] = {[FSDP_DEVICE_CPU] = &cpu_device_kernels};
+static const fsdp_device_kernels *tables[FSDP_DEVICE_COUNT] = {[FSDP_DEVICE_CPU] = &cpu_device_kernels,
+                                                               [FSDP_DEVICE_META] = &meta_device_kernels};
 
 const fsdp_device_kernels *device_kernels(int device) {
     return device >= 0 && device < FSDP_DEVICE_COUNT ? tables[device] : NULL;
@@ -51,7 +53,16 @@ fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t siz
         if (desc && size > 0) snprintf(desc, (size_t)size, "not built");
         return FSDP_OK;
 #endif
+    case FSDP_DEVICE_META: {
+        *available = 1;
+        int mimic = FSDP_DEVICE_CPU;
+        fsdp_meta_mimicked(&mimic);
+        if (desc && size > 0)
+            snprintf(desc, (size_t)size, "meta (counts, computes nothing; the %s kernel set)", fsdp_device_name(mimic));
+        return FSDP_OK;
+    }
     default:
-        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_device_info: no device %d (expected 0 = cpu or 1 = cuda)", device);
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_device_info: no device %d (expected 0 = cpu, 1 = cuda or "
+                              "2 = meta)", device);
     }
 }

@@ -21,7 +21,7 @@ const char *fsdp_last_error(void) { return last_error[0] ? last_error : "no erro
 
 static const char *const dtype_names[] = {"f32", "bf16", "i32", "i64", "u16"};
 static const size_t dtype_sizes[] = {4, 2, 4, 8, 2};
-static const char *const device_names[] = {"cpu", "cuda"};
+static const char *const device_names[] = {"cpu", "cuda", "meta"};
 static const char *const tag_names[] = {"param", "grad", "optimizer", "activation", "comm", "other"};
 
 const char *fsdp_dtype_name(int dtype) {

@@ -50,7 +50,8 @@ typedef enum fsdp_dtype {
 typedef enum fsdp_device {
     FSDP_DEVICE_CPU = 0,
     FSDP_DEVICE_CUDA = 1,
-    FSDP_DEVICE_COUNT = 2
+    FSDP_DEVICE_META = 2,     /* counts what kernels would cost, computes nothing (see below) */
+    FSDP_DEVICE_COUNT = 3
 } fsdp_device;
 
 /* What an allocation is for; the allocator keeps statistics per tag. */
@@ -183,6 +184,28 @@ fsdp_status fsdp_hasher_reset(fsdp_hasher *h, uint64_t seed);
 fsdp_status fsdp_hasher_update(fsdp_hasher *h, const void *data, int64_t n);
 fsdp_status fsdp_hasher_digest(fsdp_hasher *h, uint64_t *out);
 fsdp_status fsdp_hasher_free(fsdp_hasher *h);
+
+/* ---- the counting ("meta") device (DESIGN.md, decisions 11 and 13) ----
+ * Tensors on FSDP_DEVICE_META hold no data: its allocator is the engine's
+ * caching allocator with per-tag statistics as on any device, over address
+ * space nobody can read, and its kernels compute nothing. Each kernel table
+ * entry counts calls, bytes read and written, FLOPs, kernel launches and
+ * host syncs, as the kernel would cost on a GPU. Values read back (item,
+ * copies to the host, sums) are zeros. The planner runs real steps on it. */
+/* Offer the kernel set of device (cpu, the default, or cuda: entries that
+ * device lacks are missing here too, so the op layer takes the same path,
+ * e.g. bf16 matmul natively on CUDA, through f32 on the CPU). cuda fails
+ * when the CUDA table is not built in (no nvcc at build time). */
+fsdp_status fsdp_meta_mimic(int device);
+fsdp_status fsdp_meta_mimicked(int *device);
+fsdp_status fsdp_meta_reset(void);                /* zeroes every counter */
+/* Entries are numbered 0 .. *n - 1 (raw_alloc, raw_free, then the table's). */
+fsdp_status fsdp_meta_entry_count(int *n);
+/* Entry i's name ("matmul_bf16"), family ("gemm_bf16"), whether the table
+ * offers it now (present 0/1) and counters[6]: calls, bytes read, bytes
+ * written, FLOPs, launches, host syncs since the last reset. Any out may
+ * be NULL. */
+fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
 /* ---- tensors ---- */
 fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);

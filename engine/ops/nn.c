@@ -431,7 +431,9 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
     if (!dout) return FSDP_OK;
     int64_t N = node->in[0]->shape[0], V = node->in[0]->shape[1], count = node->i[2];
     /* the loss is a mean: each row's share of dloss is dloss / count */
-    float dloss = count ? f32p(dout)[0] / (float)count : 0.0f;
+    float g = 0.0f;   /* dout lives on the op's device: read it through the table */
+    if (count) KERNELS(dout)->copy_to_host(&g, f32p(dout), sizeof g);
+    float dloss = count ? g / (float)count : 0.0f;
     tensor_release(dout);
     fsdp_status st = tensor_as_f32(&logits, node->in[0]);
     if (st == FSDP_OK) st = tensor_as_i64(&targets, node->in[1]);

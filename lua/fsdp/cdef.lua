@@ -27,7 +27,8 @@ typedef enum fsdp_dtype {
 typedef enum fsdp_device {
     FSDP_DEVICE_CPU = 0,
     FSDP_DEVICE_CUDA = 1,
-    FSDP_DEVICE_COUNT = 2
+    FSDP_DEVICE_META = 2,
+    FSDP_DEVICE_COUNT = 3
 } fsdp_device;
 
 typedef enum fsdp_tag {
@@ -142,6 +143,14 @@ fsdp_status fsdp_hasher_reset(fsdp_hasher *h, uint64_t seed);
 fsdp_status fsdp_hasher_update(fsdp_hasher *h, const void *data, int64_t n);
 fsdp_status fsdp_hasher_digest(fsdp_hasher *h, uint64_t *out);
 fsdp_status fsdp_hasher_free(fsdp_hasher *h);
+
+fsdp_status fsdp_meta_mimic(int device);
+fsdp_status fsdp_meta_mimicked(int *device);
+fsdp_status fsdp_meta_reset(void);
+
+fsdp_status fsdp_meta_entry_count(int *n);
+
+fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
 fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
 fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);

@@ -80,7 +80,7 @@ function M.tag_id(tag, default)
         " (expected param, grad, optimizer, activation, comm or other)")
 end
 
-M.device_names = { [0] = "cpu", "cuda" }
+M.device_names = { [0] = "cpu", "cuda", "meta" }
 local default_box = ffi.new("int[1]")
 --- A device name or id as the engine's id; nil means the default device
 -- (CUDA when built and a GPU is there, else the CPU).
@@ -91,7 +91,8 @@ function M.device_id(d)
   end
   if d == "cpu" or d == 0 then return 0 end
   if d == "cuda" or d == 1 then return 1 end
-  raise("unknown device " .. tostring(d) .. " (expected cpu or cuda)")
+  if d == "meta" or d == 2 then return 2 end
+  raise("unknown device " .. tostring(d) .. " (expected cpu, cuda or meta)")
 end
 
 -- ---- tensor handles ----

@@ -1,0 +1,461 @@
+/* meta_device.c: the counting device (DESIGN.md, decisions 11 and 13).
+ *
+ * A kernel table whose entries compute nothing: each call only adds to its
+ * entry's counters (calls, bytes read and written, FLOPs, kernel launches,
+ * host syncs) what the kernel would cost on a GPU. Its memory comes from the
+ * engine's real caching allocator (alloc.c), so sizes, tags, caching and
+ * peaks are exactly those of a real run, but raw_alloc hands out address
+ * space that can never be read or written (PROT_NONE): no memory is
+ * touched, and host code that reads a meta tensor by mistake faults at once
+ * instead of reading garbage. Values that go back to the host (copies,
+ * sums, counts) are zeros, so a recipe's control flow goes on as usual.
+ *
+ * The planner (`fsdp-lua --plan`) runs the real model, schedule and
+ * optimizer on it; tools/gpu-model prices its counts. fsdp_meta_mimic picks
+ * whose kernel set the table offers: an entry the mimicked device lacks
+ * (NULL there) is NULL here too, so the op layer takes exactly the path it
+ * takes on that device (bf16 matmul natively on CUDA, staged through f32 on
+ * the CPU, ...).
+ *
+ * Adding a table entry to device.h: add one line to META_ENTRIES below with
+ * its signature and its cost (bytes read, bytes written, FLOPs, launches,
+ * host syncs). Until then the meta table has no such entry, which
+ * fsdp_meta_mimic reports (and a test fails for the CUDA table). */
+#define _DEFAULT_SOURCE   /* MAP_ANONYMOUS, MAP_NORESERVE under -std=c11 */
+#include "internal.h"
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+/* ---- bytes of broadcast and strided operands ---- */
+
+/* Elements a strided view over shape actually holds (dims of stride 0 are
+ * read once: the broadcast value stays in cache). */
+static int64_t distinct_elems(int ndim, const int64_t *shape, const int64_t *strides) {
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        if (strides[d] != 0) n *= shape[d];
+    return n;
+}
+
+static int64_t numel_of(int ndim, const int64_t *shape) {
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    return n;
+}
+
+static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
+
+/* ---- the cost table ----
+ * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
+ * Bytes are device memory traffic in the dtypes the kernel sees: f32 = 4,
+ * bf16 = 2, i64 ids = 8. FLOPs count multiply-adds as 2; elementwise
+ * transcendentals as the few FLOPs they take (they are memory-bound
+ * anyway). Attention counts the products it computes (a causal one half of
+ * them). A sync is a point where the host waits for the device: a value
+ * or a copy coming back. */
+#define F32 4
+#define BF16 2
+#define META_ENTRIES(X)                                                                                             \
+    X(void, zero, "copy", (void *dst, size_t nbytes), 0, nbytes, 0, 1, 0, )                                        \
+    X(void, copy_from_host, "transfer", (void *dst, const void *host_src, size_t nbytes), nbytes, nbytes, 0, 1, 0, ) \
+    X(void, copy_to_host, "transfer", (void *host_dst, const void *src, size_t nbytes), nbytes, nbytes, 0, 1, 1,     \
+      memset(host_dst, 0, nbytes))                                                                                 \
+    X(void, synchronize, "sync", (void), 0, 0, 0, 0, 1, )                                                          \
+    X(void, cast_any, "cast", (void *out, int out_dtype, const void *in, int in_dtype, int64_t n),                 \
+      n * dtype_bytes(in_dtype), n * dtype_bytes(out_dtype), 0, 1, 0, )                                            \
+    X(void, copy_strided, "copy", (void *dst, const int64_t *dst_strides, const void *src,                        \
+      const int64_t *src_strides, int ndim, const int64_t *shape, size_t elem_size),                               \
+      distinct_elems(ndim, shape, src_strides) * elem_size, numel_of(ndim, shape) * elem_size, 0, 1, 0, )          \
+    X(void, fill_f32, "copy", (float *out, float v, int64_t n), 0, F32 * n, 0, 1, 0, )                             \
+    X(void, matmul_f32, "gemm_f32", (float *c, const float *a, const float *b, int64_t batch, int64_t M,          \
+      int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b, \
+      int64_t stride_c), F32 * (batch * M * K + (stride_b ? batch : 1) * K * N + (beta != 0) * batch * M * N),     \
+      F32 * batch * M * N, 2 * batch * M * N * K, 1, 0, )                                                          \
+    X(void, matmul_bf16, "gemm_bf16", (uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch,          \
+      int64_t M, int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,        \
+      int64_t stride_b, int64_t stride_c),                                                                         \
+      BF16 * (batch * M * K + (stride_b ? batch : 1) * K * N + (beta != 0) * batch * M * N), BF16 * batch * M * N, \
+      2 * batch * M * N * K, 1, 0, )                                                                               \
+    X(void, binary_f32, "elementwise", (int op, float *out, const float *a, const int64_t *a_strides,             \
+      const float *b, const int64_t *b_strides, int ndim, const int64_t *shape),                                   \
+      F32 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)),                     \
+      F32 * numel_of(ndim, shape), numel_of(ndim, shape), 1, 0, )                                                  \
+    X(void, scale_f32, "elementwise", (float *out, const float *a, float s, int64_t n), F32 * n, F32 * n, n, 1, 0, ) \
+    X(void, add_scalar_f32, "elementwise", (float *out, const float *a, float s, int64_t n), F32 * n, F32 * n, n,  \
+      1, 0, )                                                                                                      \
+    X(void, axpy_f32, "elementwise", (float *y, const float *x, float alpha, int64_t n), 2 * F32 * n, F32 * n,     \
+      2 * n, 1, 0, )                                                                                               \
+    X(void, sum_dim_f32, "reduce", (float *out, const float *in, int64_t outer, int64_t red, int64_t inner),       \
+      F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, 1, 0, )                                 \
+    X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 1, 1, 0)                         \
+    X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 1, 1, 0)                       \
+    X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
+    X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
+      2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \
+    X(void, silu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 4 * n, 1, 0, ) \
+    X(void, silu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
+      2 * F32 * n, F32 * n, 8 * n, 1, 0, )                                                                         \
+    X(void, softmax_forward_f32, "softmax", (float *out, const float *x, int64_t rows, int64_t cols),             \
+      F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0, )                                               \
+    X(void, softmax_backward_f32, "softmax", (float *dx, const float *y, const float *dy, int64_t rows,           \
+      int64_t cols), 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, 0, )                            \
+    X(void, log_softmax_forward_f32, "softmax", (float *out, const float *x, int64_t rows, int64_t cols),         \
+      F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0, )                                               \
+    X(void, log_softmax_backward_f32, "softmax", (float *dx, const float *y, const float *dy, int64_t rows,       \
+      int64_t cols), 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, 0, )                            \
+    X(void, layernorm_forward_f32, "norm", (float *out, float *mean, float *rstd, const float *x,                 \
+      const float *weight, const float *bias, int64_t rows, int64_t cols, float eps),                              \
+      F32 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), F32 * (rows * cols + 2 * rows),       \
+      8 * rows * cols, 1, 0, )                                                                                     \
+    X(void, layernorm_backward_f32, "norm", (float *dx, float *dweight, float *dbias, const float *dout,          \
+      const float *x, const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t cols),     \
+      F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows),                                                \
+      F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols, 1, 0, )           \
+    X(void, rmsnorm_forward_f32, "norm", (float *out, float *rstd, const float *x, const float *weight,           \
+      int64_t rows, int64_t cols, float eps), F32 * (rows * cols + (weight != NULL) * cols),                       \
+      F32 * (rows * cols + rows), 5 * rows * cols, 1, 0, )                                                         \
+    X(void, rmsnorm_backward_f32, "norm", (float *dx, float *dweight, const float *dout, const float *x,          \
+      const float *weight, const float *rstd, int64_t rows, int64_t cols),                                         \
+      F32 * (2 * rows * cols + (weight != NULL) * cols + rows), F32 * (rows * cols + (dweight != NULL) * cols),    \
+      8 * rows * cols, 1, 0, )                                                                                     \
+    X(void, embedding_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n, const float *table,   \
+      int64_t dim), 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                               \
+    X(void, embedding_backward_f32, "embedding", (float *dtable, int64_t vocab, const int64_t *ids, int64_t n,    \
+      const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim, F32 * n * dim, n * dim, 1, 0, )                  \
+    X(int64_t, cross_entropy_forward_f32, "loss", (float *losses, float *lse, const float *logits,                \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
+      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                          \
+    X(void, cross_entropy_backward_f32, "loss", (float *dlogits, const float *logits, const float *lse,           \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss),           \
+      F32 * N * V + F32 * N + 8 * N, F32 * N * V, 3 * N * valid_v, 1, 0, )                                         \
+    X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
+      const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
+      3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \
+    X(void, attention_backward_f32, "attention", (float *dq, float *dk, float *dv, const float *dout,             \
+      const float *q, const float *k, const float *v, const float *out, const float *lse, int64_t B, int64_t H,   \
+      int64_t T, int64_t D, int causal, float scale), F32 * (5 * B * H * T * D + B * H * T),                       \
+      3 * F32 * B * H * T * D, (causal ? 5 : 10) * B * H * T * T * D, 1, 0, )                                      \
+    X(void, init_normal_f32, "init", (float *out, int64_t n, float mean, float std, uint64_t seed,                \
+      uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
+    X(void, init_uniform_f32, "init", (float *out, int64_t n, float low, float high, uint64_t seed,               \
+      uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
+    X(void, dropout_f32, "elementwise", (float *out, const float *x, int64_t n, float p, uint64_t seed,           \
+      int64_t offset), F32 * n, F32 * n, 2 * n, 1, 0, )                                                            \
+    X(void, adamw_f32, "optimizer", (float *p, const float *g, float *m, float *v, int64_t n, float beta1,        \
+      float beta2, float eps, float decay, float step_size, float inv_sqrt_bc2), 4 * F32 * n, 3 * F32 * n, 12 * n, \
+      1, 0, )                                                                                                      \
+    X(void, sgd_f32, "optimizer", (float *p, const float *g, float *buf, int64_t n, float lr, float momentum,     \
+      float dampening, float weight_decay, int nesterov, int first), F32 * n * (buf ? 3 : 2),                     \
+      F32 * n * (buf ? 2 : 1), 4 * n, 1, 0, )
+
+/* ---- counters ---- */
+
+enum {
+    E_RAW_ALLOC, E_RAW_FREE,
+#define X_ENUM(ret, name, ...) E_##name,
+    META_ENTRIES(X_ENUM)
+#undef X_ENUM
+    E_COUNT
+};
+
+static const char *const entry_names[E_COUNT] = {
+    "raw_alloc", "raw_free",
+#define X_NAME(ret, name, ...) #name,
+    META_ENTRIES(X_NAME)
+#undef X_NAME
+};
+
+static const char *const entry_families[E_COUNT] = {
+    "memory", "memory",
+#define X_FAMILY(ret, name, family, ...) family,
+    META_ENTRIES(X_FAMILY)
+#undef X_FAMILY
+};
+
+typedef struct {
+    int64_t calls, bytes_read, bytes_written, flops, launches, syncs;
+} entry_counts;
+
+static pthread_mutex_t counts_mu = PTHREAD_MUTEX_INITIALIZER;
+static entry_counts counts[E_COUNT];
+
+static void record(int e, int64_t rd, int64_t wr, int64_t flops, int64_t launches, int64_t syncs) {
+    pthread_mutex_lock(&counts_mu);
+    entry_counts *c = &counts[e];
+    c->calls++;
+    c->bytes_read += rd;
+    c->bytes_written += wr;
+    c->flops += flops;
+    c->launches += launches;
+    c->syncs += syncs;
+    pthread_mutex_unlock(&counts_mu);
+}
+
+/* ---- memory: address space nobody can touch ---- */
+
+/* Each block is its own PROT_NONE mapping; a small open-addressing table
+ * remembers its length for munmap. */
+#define BLOCKS_MIN 1024
+static pthread_mutex_t blocks_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct block { void *ptr; size_t len; } *blocks;
+static size_t blocks_cap, blocks_used;
+
+static size_t block_slot(void *p, size_t cap) { return ((uintptr_t)p >> 12) * 0x9e3779b97f4a7c15ull % cap; }
+
+static bool blocks_put(void *p, size_t len) {
+    if ((blocks_used + 1) * 2 > blocks_cap) {
+        size_t cap = blocks_cap ? blocks_cap * 2 : BLOCKS_MIN;
+        struct block *nb = calloc(cap, sizeof *nb);
+        if (!nb) return false;
+        for (size_t i = 0; i < blocks_cap; i++) {
+            if (!blocks[i].ptr) continue;
+            size_t s = block_slot(blocks[i].ptr, cap);
+            while (nb[s].ptr) s = (s + 1) % cap;
+            nb[s] = blocks[i];
+        }
+        free(blocks);
+        blocks = nb;
+        blocks_cap = cap;
+    }
+    size_t s = block_slot(p, blocks_cap);
+    while (blocks[s].ptr) s = (s + 1) % blocks_cap;
+    blocks[s].ptr = p;
+    blocks[s].len = len;
+    blocks_used++;
+    return true;
+}
+
+/* Removes p; returns its length (0 when unknown). */
+static size_t blocks_take(void *p) {
+    if (!blocks_cap) return 0;
+    size_t s = block_slot(p, blocks_cap);
+    while (blocks[s].ptr && blocks[s].ptr != p) s = (s + 1) % blocks_cap;
+    if (!blocks[s].ptr) return 0;
+    size_t len = blocks[s].len;
+    blocks[s].ptr = NULL;
+    blocks_used--;
+    /* re-insert the rest of the probe chain */
+    for (size_t t = (s + 1) % blocks_cap; blocks[t].ptr; t = (t + 1) % blocks_cap) {
+        struct block b = blocks[t];
+        blocks[t].ptr = NULL;
+        size_t u = block_slot(b.ptr, blocks_cap);
+        while (blocks[u].ptr) u = (u + 1) % blocks_cap;
+        blocks[u] = b;
+    }
+    return len;
+}
+
+static void *meta_raw_alloc(size_t nbytes) {
+    record(E_RAW_ALLOC, 0, 0, 0, 0, 0);
+    size_t len = nbytes ? nbytes : 1;
+    void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return NULL;   /* the allocator reports it as out of memory */
+    pthread_mutex_lock(&blocks_mu);
+    bool ok = blocks_put(p, len);
+    pthread_mutex_unlock(&blocks_mu);
+    if (!ok) {
+        munmap(p, len);
+        return NULL;
+    }
+    return p;
+}
+
+/* cudaFree waits for the device: a sync where the meta device mimics one. */
+static void meta_raw_free(void *ptr) {
+    record(E_RAW_FREE, 0, 0, 0, 0, 1);
+    if (!ptr) return;
+    pthread_mutex_lock(&blocks_mu);
+    size_t len = blocks_take(ptr);
+    pthread_mutex_unlock(&blocks_mu);
+    if (len) munmap(ptr, len);
+}
+
+/* ---- the counting entries ---- */
+
+#define META_RETURN_void(v) v; return
+#define META_RETURN_double(v) return (double)(v)
+#define META_RETURN_int64_t(v) return (int64_t)(v)
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+#define X_FN(ret, name, family, params, rd, wr, fl, launches, syncs, result)                                        \
+    static ret meta_##name params {                                                                               \
+        record(E_##name, (int64_t)(rd), (int64_t)(wr), (int64_t)(fl), launches, syncs);                             \
+        META_RETURN_##ret(result);                                                                                \
+    }
+META_ENTRIES(X_FN)
+#undef X_FN
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/* Every entry this file knows. */
+static const fsdp_device_kernels meta_full = {
+    .name = "meta",
+    .raw_alloc = meta_raw_alloc,
+    .raw_free = meta_raw_free,
+#define X_INIT(ret, name, ...) .name = meta_##name,
+    META_ENTRIES(X_INIT)
+#undef X_INIT
+};
+
+/* What the device offers now: meta_full less what the mimicked device lacks. */
+fsdp_device_kernels meta_device_kernels = {
+    .name = "meta",
+    .raw_alloc = meta_raw_alloc,
+    .raw_free = meta_raw_free,
+#define X_INIT(ret, name, ...) .name = meta_##name,
+    META_ENTRIES(X_INIT)
+#undef X_INIT
+};
+
+static int g_mimic = FSDP_DEVICE_CPU;
+
+/* ---- the table as slots (every member after .name is a function pointer) ---- */
+
+typedef void (*slot_fn)(void);
+#define N_SLOTS ((sizeof(fsdp_device_kernels) - offsetof(fsdp_device_kernels, raw_alloc)) / sizeof(slot_fn))
+_Static_assert(offsetof(fsdp_device_kernels, raw_alloc) == sizeof(const char *),
+               "device.h: the kernel table starts with its name, then function pointers");
+_Static_assert((sizeof(fsdp_device_kernels) - sizeof(const char *)) % sizeof(slot_fn) == 0,
+               "device.h: the kernel table holds only function pointers after its name");
+
+static slot_fn slot_get(const fsdp_device_kernels *k, size_t i) {
+    slot_fn f;
+    memcpy(&f, (const char *)k + offsetof(fsdp_device_kernels, raw_alloc) + i * sizeof f, sizeof f);
+    return f;
+}
+static void slot_set(fsdp_device_kernels *k, size_t i, slot_fn f) {
+    memcpy((char *)k + offsetof(fsdp_device_kernels, raw_alloc) + i * sizeof f, &f, sizeof f);
+}
+
+/* The name of the entry in slot i, or of the nearest one before it this
+ * file knows (for messages about entries it does not). */
+static const char *slot_name(size_t i, bool *exact) {
+    static const struct { const char *name; size_t off; } known[] = {
+        {"raw_alloc", offsetof(fsdp_device_kernels, raw_alloc)},
+        {"raw_free", offsetof(fsdp_device_kernels, raw_free)},
+#define X_OFF(ret, name, ...) {#name, offsetof(fsdp_device_kernels, name)},
+        META_ENTRIES(X_OFF)
+#undef X_OFF
+    };
+    size_t off = offsetof(fsdp_device_kernels, raw_alloc) + i * sizeof(slot_fn), best = 0;
+    const char *name = "name";
+    *exact = false;
+    for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) {
+        if (known[k].off == off) {
+            *exact = true;
+            return known[k].name;
+        }
+        if (known[k].off < off && known[k].off >= best) {
+            best = known[k].off;
+            name = known[k].name;
+        }
+    }
+    return name;
+}
+
+#ifdef FSDP_HAVE_CUDA
+#include "cuda_internal.h"   /* (names the emulation's table in the emulated build) */
+extern const fsdp_device_kernels cuda_device_kernels;
+#endif
+
+static const fsdp_device_kernels *mimic_table(int device) {
+    if (device == FSDP_DEVICE_CPU) return device_kernels(FSDP_DEVICE_CPU);
+#ifdef FSDP_HAVE_CUDA
+    /* the CUDA table's entry set, whether or not a GPU is there */
+    if (device == FSDP_DEVICE_CUDA) return &cuda_device_kernels;
+#endif
+    return NULL;
+}
+
+/* ---- public ---- */
+
+fsdp_status fsdp_meta_mimic(int device) {
+    if (device != FSDP_DEVICE_CPU && device != FSDP_DEVICE_CUDA)
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_meta_mimic: device %d (%s), expected cpu (0) or cuda (1)",
+                              device, fsdp_device_name(device));
+    const fsdp_device_kernels *target = mimic_table(device);
+    if (!target)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "fsdp_meta_mimic: the CUDA kernel table is not built into this "
+                              "engine (no nvcc at build time), so the meta device cannot take its kernel set");
+    /* entries the target has but this file has no cost for */
+    char missing[512] = "";
+    size_t k = 0;
+    int n_missing = 0;
+    for (size_t i = 0; i < N_SLOTS; i++) {
+        if (!slot_get(target, i) || slot_get(&meta_full, i)) continue;
+        bool exact;
+        const char *near = slot_name(i, &exact);
+        if (k < sizeof missing)
+            k += (size_t)snprintf(missing + k, sizeof missing - k, "%sthe entry after %s", n_missing ? ", " : "",
+                                  near);
+        n_missing++;
+    }
+    if (n_missing)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "fsdp_meta_mimic(%s): %d entr%s of the %s table ha%s no cost "
+                              "formula on the meta device (%s); add %s to META_ENTRIES in engine/meta/meta_device.c",
+                              fsdp_device_name(device), n_missing, n_missing == 1 ? "y" : "ies",
+                              fsdp_device_name(device), n_missing == 1 ? "s" : "ve", missing,
+                              n_missing == 1 ? "a line" : "one line each");
+    for (size_t i = 0; i < N_SLOTS; i++) {
+        bool exact;
+        const char *nm = slot_name(i, &exact);
+        /* memory stays the meta device's own whatever it mimics */
+        if (exact && (strcmp(nm, "raw_alloc") == 0 || strcmp(nm, "raw_free") == 0)) continue;
+        slot_set(&meta_device_kernels, i, slot_get(target, i) ? slot_get(&meta_full, i) : NULL);
+    }
+    g_mimic = device;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_meta_mimicked(int *device) {
+    if (!device) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_meta_mimicked: out is NULL");
+    *device = g_mimic;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_meta_reset(void) {
+    pthread_mutex_lock(&counts_mu);
+    memset(counts, 0, sizeof counts);
+    pthread_mutex_unlock(&counts_mu);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_meta_entry_count(int *n) {
+    if (!n) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_meta_entry_count: out is NULL");
+    *n = E_COUNT;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters) {
+    if (i < 0 || i >= E_COUNT)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_meta_entry: entry %d, expected 0..%d", i, E_COUNT - 1);
+    if (name) *name = entry_names[i];
+    if (family) *family = entry_families[i];
+    if (present) {
+        bool exact = false;
+        *present = 0;
+        for (size_t s = 0; s < N_SLOTS; s++)
+            if (strcmp(slot_name(s, &exact), entry_names[i]) == 0 && exact) {
+                *present = slot_get(&meta_device_kernels, s) != NULL;
+                break;
+            }
+    }
+    if (counters) {
+        pthread_mutex_lock(&counts_mu);
+        const entry_counts *c = &counts[i];
+        counters[0] = c->calls;
+        counters[1] = c->bytes_read;
+        counters[2] = c->bytes_written;
+        counters[3] = c->flops;
+        counters[4] = c->launches;
+        counters[5] = c->syncs;
+        pthread_mutex_unlock(&counts_mu);
+    }
+    return FSDP_OK;
+}

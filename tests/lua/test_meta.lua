@@ -1,0 +1,160 @@
+-- The counting device ("meta"): its counts for a few ops against figures
+-- worked out by hand, its memory against the CPU allocator's for the same
+-- training step (the same caching allocator, so equal to the byte), the
+-- kernel set it mimics, and its errors.
+package.path = "tests/lua/?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local nn = require "fsdp.nn"
+local optim = require "fsdp.optim"
+local meta = require "fsdp.meta"
+
+local prev_default = fsdp.default_device()
+meta.mimic("cpu")
+t.eq(meta.mimicked(), "cpu", "the CPU kernel set by default")
+
+local function counts_of(fn)
+  meta.reset()
+  fn()
+  return meta.by_name()
+end
+
+-- ---- counts, by hand ----
+do
+  local a = fsdp.randn(3, 5, { seed = 1, device = "meta" })
+  local b = fsdp.randn(5, 7, { seed = 2, device = "meta" })
+  t.eq(a:device(), "meta", "a tensor on the meta device")
+  local e = counts_of(function() a:matmul(b) end)
+  t.eq(e.matmul_f32.calls, 1, "matmul: one call")
+  t.eq(e.matmul_f32.bytes_read, 4 * (3 * 5 + 5 * 7), "matmul: reads a and b (f32)")
+  t.eq(e.matmul_f32.bytes_written, 4 * 3 * 7, "matmul: writes c")
+  t.eq(e.matmul_f32.flops, 2 * 3 * 7 * 5, "matmul: 2 M N K")
+  t.eq(e.matmul_f32.launches, 1, "matmul: one launch")
+  t.eq(e.matmul_f32.syncs, 0, "matmul: no host sync")
+  -- a batch of 4 against one shared 2-D b: b read once
+  local a3 = fsdp.randn(4, 3, 5, { seed = 3, device = "meta" })
+  e = counts_of(function() a3:matmul(b) end)
+  t.eq(e.matmul_f32.bytes_read, 4 * (4 * 3 * 5 + 5 * 7), "batched matmul: shared b read once")
+  t.eq(e.matmul_f32.flops, 2 * 4 * 3 * 7 * 5, "batched matmul FLOPs")
+
+  -- broadcasting add: (4, 6) + (6): the row is read once
+  local x = fsdp.randn(4, 6, { seed = 4, device = "meta" })
+  local r = fsdp.randn(6, { seed = 5, device = "meta" })
+  e = counts_of(function() local _ = x + r end)
+  t.eq(e.binary_f32.calls, 1, "add: one call")
+  t.eq(e.binary_f32.bytes_read, 4 * (24 + 6), "add: 24 + 6 elements read")
+  t.eq(e.binary_f32.bytes_written, 4 * 24, "add: 24 written")
+  t.eq(e.binary_f32.flops, 24, "add: one FLOP per output")
+
+  -- layernorm (8, 16) with weight and bias
+  local h = fsdp.randn(8, 16, { seed = 6, device = "meta" })
+  local w, bias = fsdp.ones(16, { device = "meta" }), fsdp.zeros(16, { device = "meta" })
+  e = counts_of(function() h:layernorm(w, bias, 1e-5) end)
+  t.eq(e.layernorm_forward_f32.bytes_read, 4 * (8 * 16 + 16 + 16), "layernorm: x, weight, bias")
+  t.eq(e.layernorm_forward_f32.bytes_written, 4 * (8 * 16 + 2 * 8), "layernorm: out, mean, rstd")
+
+  -- causal attention, B=2 H=3 T=5 D=4: q k^T and p v over half the pairs
+  local q = fsdp.randn(2, 3, 5, 4, { seed = 7, device = "meta" })
+  e = counts_of(function() fsdp.attention(q, q, q, { causal = true }) end)
+  t.eq(e.attention_forward_f32.flops, 2 * 2 * 3 * 5 * 5 * 4, "causal attention: 2 B H T^2 D")
+  t.eq(e.attention_forward_f32.bytes_read, 4 * 3 * 2 * 3 * 5 * 4, "attention: q, k, v")
+  t.eq(e.attention_forward_f32.bytes_written, 4 * (2 * 3 * 5 * 4 + 2 * 3 * 5), "attention: out and lse")
+
+  -- a value to the host: one sync, and it reads zero
+  local s = x:sum()
+  e = counts_of(function() t.eq(s:item(), 0, "item on meta reads 0") end)
+  t.eq(e.copy_to_host.syncs, 1, "item: one host sync")
+  t.eq(e.copy_to_host.bytes_read, 4, "item: 4 bytes")
+  -- a cast: bytes in both dtypes
+  e = counts_of(function() x:cast("bf16") end)
+  t.eq(e.cast_any.bytes_read, 4 * 24, "cast reads f32")
+  t.eq(e.cast_any.bytes_written, 2 * 24, "cast writes bf16")
+  -- AdamW over 10 elements: p, g, m, v read; p, m, v written
+  local p, g = fsdp.zeros(10, { device = "meta" }), fsdp.zeros(10, { device = "meta" })
+  local m1, m2 = fsdp.zeros(10, { device = "meta" }), fsdp.zeros(10, { device = "meta" })
+  e = counts_of(function()
+    if fsdp.C.fsdp_adamw_step(p, g, m1, m2, 1e-3, 0.9, 0.999, 1e-8, 0, 1) ~= 0 then fsdp.core.raise() end
+  end)
+  t.eq(e.adamw_f32.bytes_read, 16 * 10, "adamw reads 4 f32 per element")
+  t.eq(e.adamw_f32.bytes_written, 12 * 10, "adamw writes 3 f32 per element")
+end
+
+-- ---- host memory is never touched ----
+do
+  local x = fsdp.zeros(4, { device = "meta" })
+  t.raises(function() x:data_ptr() end, { "not in host memory" }, "a meta tensor has no host address")
+end
+
+-- ---- memory: the same step on the CPU and on the meta device ----
+-- GPT tiny, forward + backward + AdamW: every tag's current and peak bytes
+-- are the CPU allocator's exactly (same sizes, same caching, same order).
+local function step_memory(device)
+  fsdp.set_default_device(device)
+  fsdp.memory.empty_cache(device)
+  local base = fsdp.memory.all(device)
+  fsdp.memory.reset_peak(device)
+  local cfg = { vocab_size = 64, n_layer = 2, n_head = 2, n_embd = 32, block_size = 16 }
+  local model = nn.GPT(cfg):materialize { seed = 1 }
+  local opt = optim.AdamW(optim.decay_groups(model:named_parameters(), 0.1), { lr = 1e-3 })
+  local x, y = t.token_batch(11, 2, 16, 64)
+  for _ = 1, 2 do
+    local _, loss = model(x, y)
+    loss:backward()
+    optim.clip_grad_norm(model:parameters(), 1.0)
+    opt:step()
+    opt:zero_grad()
+  end
+  local now = fsdp.memory.all(device)
+  local res = {}
+  for _, tag in ipairs(fsdp.memory.tags) do
+    res[tag] = { peak = now[tag].peak - base[tag].current, current = now[tag].current - base[tag].current,
+      reserved = now[tag].reserved - base[tag].reserved }
+  end
+  model, opt, x, y = nil, nil, nil, nil
+  collectgarbage()
+  collectgarbage()
+  return res
+end
+local cpu = step_memory("cpu")
+meta.reset()
+local mem = step_memory("meta")
+fsdp.set_default_device(prev_default)
+for _, tag in ipairs(fsdp.memory.tags) do
+  t.eq(mem[tag].peak, cpu[tag].peak, "GPT tiny step: " .. tag .. " peak, meta = cpu")
+  t.eq(mem[tag].current, cpu[tag].current, "GPT tiny step: " .. tag .. " in use after, meta = cpu")
+end
+t.ok(cpu.activation.peak > 0 and cpu.param.peak > 0 and cpu.optimizer.peak > 0, "the step allocated")
+do
+  local e = meta.by_name()
+  t.eq(e.adamw_f32.calls % 2, 0, "AdamW ran once per step per tensor, twice")
+  t.ok(e.matmul_f32.calls > 0 and e.attention_forward_f32.calls == 4 and e.attention_backward_f32.calls == 4,
+    "2 steps x 2 layers of attention forward and backward")
+  t.eq(e.matmul_bf16.present, false, "the CPU set has no bf16 matmul")
+end
+
+-- ---- the CUDA kernel set ----
+local ok, err = pcall(meta.mimic, "cuda")
+if ok then
+  t.eq(meta.mimicked(), "cuda", "mimics the CUDA set")
+  local e = meta.by_name()
+  t.eq(e.matmul_bf16.present, true, "the CUDA set has bf16 matmul")
+  -- every CUDA entry has a cost formula (mimic refuses otherwise): bf16
+  -- matmul now runs natively, with no casts
+  local a = fsdp.randn(8, 16, { seed = 1, device = "meta" }):cast("bf16")
+  local b = fsdp.randn(16, 4, { seed = 2, device = "meta" }):cast("bf16")
+  e = counts_of(function() a:matmul(b) end)
+  t.eq(e.matmul_bf16.calls, 1, "bf16 matmul: the native entry")
+  t.eq(e.matmul_bf16.bytes_read, 2 * (8 * 16 + 16 * 4), "bf16 matmul reads bf16")
+  t.eq(e.cast_any.calls, 0, "bf16 matmul: no staging casts")
+  meta.mimic("cpu")
+  e = counts_of(function() a:matmul(b) end)
+  t.eq(e.matmul_bf16.calls, 0, "CPU set: no bf16 entry")
+  t.eq(e.cast_any.calls, 3, "CPU set: a and b widened, c narrowed")
+else
+  t.ok(tostring(err):find("CUDA kernel table is not built", 1, true), "without CUDA, mimic cuda says why: " ..
+    tostring(err))
+end
+t.raises(function() meta.mimic("meta") end, { "fsdp_meta_mimic", "expected cpu (0) or cuda (1)" },
+  "mimic of an unknown kernel set")
+meta.mimic("cpu")
+t.done()
