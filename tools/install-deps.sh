@@ -7,6 +7,7 @@ packages=(
   build-essential cmake pkg-config        # the build
   luajit libluajit-5.1-dev                # the Lua side
   libopenblas-dev                         # f32 matmul
+  libdnnl-dev                             # oneDNN: bf16 (and large f32) CPU matmuls
   libopenmpi-dev openmpi-bin              # multi-rank runs
   libreadline-dev                         # REPL line editing
   util-linux                              # `script`, for the REPL pseudo-terminal test

@@ -31,7 +31,7 @@ typedef struct fsdp_device_kernels {
                        int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
                        int64_t stride_c);
     /* The same on bf16 buffers with f32 accumulation (one rounding, at the
-     * end). Optional: NULL where bf16 goes through f32 (the CPU). */
+     * end). Optional: NULL where bf16 goes through f32. */
     void (*matmul_bf16)(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                         int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,
                         int64_t stride_b, int64_t stride_c);

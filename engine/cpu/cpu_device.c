@@ -23,6 +23,7 @@ const fsdp_device_kernels cpu_device_kernels = {
     .copy_strided = cpu_copy_strided,
     .fill_f32 = cpu_fill_f32,
     .matmul_f32 = cpu_matmul_f32,
+    .matmul_bf16 = cpu_matmul_bf16,
     .binary_f32 = cpu_binary_f32,
     .scale_f32 = cpu_scale_f32,
     .add_scalar_f32 = cpu_add_scalar_f32,

@@ -37,14 +37,34 @@ void cpu_copy_strided(void *dst, const int64_t *dst_strides, const void *src, co
                       int ndim, const int64_t *shape, size_t elem_size);
 void cpu_fill_f32(float *out, float v, int64_t n);
 
-/* ---- matmul (matmul.c) ---- */
+/* ---- matmul (matmul.c, matmul_dnnl.c) ---- */
 /* For each batch b: C_b = alpha * op(A_b) @ op(B_b) + beta * C_b, where
  * op(A) is (M, K) (A stored (K, M) when trans_a), op(B) is (K, N) (B stored
  * (N, K) when trans_b), C is (M, N). Batch strides in elements; a stride of 0
- * shares one matrix over the batch. OpenBLAS sgemm. */
+ * shares one matrix over the batch. oneDNN or OpenBLAS by shape class. */
 void cpu_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                     int trans_a, int trans_b, float alpha, float beta,
                     int64_t stride_a, int64_t stride_b, int64_t stride_c);
+/* The same, always OpenBLAS sgemm. */
+void cpu_matmul_f32_blas(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                         int trans_a, int trans_b, float alpha, float beta,
+                         int64_t stride_a, int64_t stride_b, int64_t stride_c);
+/* bf16 A, B, C with f32 accumulation and one rounding per element of C:
+ * oneDNN's bf16 matmul (AVX512-BF16 dot products where the CPU has them),
+ * else widened to f32 for OpenBLAS. */
+void cpu_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
+                     int64_t K, int trans_a, int trans_b, float alpha, float beta,
+                     int64_t stride_a, int64_t stride_b, int64_t stride_c);
+/* One matmul on oneDNN (bf16 != 0: bf16 buffers, else f32), primitive cached
+ * per shape; 0 on success, non-zero when oneDNN is absent or cannot do it
+ * (the caller then uses OpenBLAS). */
+int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                    int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
+                    int64_t stride_c);
+/* 1 when oneDNN is built in and its CPU engine started (FSDP_NO_DNNL=1 turns it off). */
+int cpu_matmul_dnnl_available(void);
+/* oneDNN's implementation name for a plain (M, K) @ (K, N), or "none". */
+const char *cpu_matmul_dnnl_impl(int bf16, int64_t M, int64_t N, int64_t K);
 
 /* ---- elementwise (elementwise.c) ---- */
 /* out (shape, contiguous) = a op b, where a and b are read through strides

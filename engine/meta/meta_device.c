@@ -50,7 +50,8 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
 
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
- * Bytes are device memory traffic in the dtypes the kernel sees: f32 = 4,
+ * Bytes are device memory traffic (a copy from the host writes, one to the
+ * host reads) in the dtypes the kernel sees: f32 = 4,
  * bf16 = 2, i64 ids = 8. FLOPs count multiply-adds as 2; elementwise
  * transcendentals as the few FLOPs they take (they are memory-bound
  * anyway). Attention counts the products it computes (a causal one half of
@@ -60,8 +61,8 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
 #define BF16 2
 #define META_ENTRIES(X)                                                                                             \
     X(void, zero, "copy", (void *dst, size_t nbytes), 0, nbytes, 0, 1, 0, )                                        \
-    X(void, copy_from_host, "transfer", (void *dst, const void *host_src, size_t nbytes), nbytes, nbytes, 0, 1, 0, ) \
-    X(void, copy_to_host, "transfer", (void *host_dst, const void *src, size_t nbytes), nbytes, nbytes, 0, 1, 1,     \
+    X(void, copy_from_host, "transfer", (void *dst, const void *host_src, size_t nbytes), 0, nbytes, 0, 1, 0, )     \
+    X(void, copy_to_host, "transfer", (void *host_dst, const void *src, size_t nbytes), nbytes, 0, 0, 1, 1,         \
       memset(host_dst, 0, nbytes))                                                                                 \
     X(void, synchronize, "sync", (void), 0, 0, 0, 0, 1, )                                                          \
     X(void, cast_any, "cast", (void *out, int out_dtype, const void *in, int in_dtype, int64_t n),                 \

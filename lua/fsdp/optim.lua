@@ -10,6 +10,10 @@ local raise = fsdp.core.raise
 
 local M = {}
 
+-- Functions called as fn(optimizer) after every optimizer step: a training
+-- step ends there (the dry run of fsdp.dryrun counts steps with it).
+M.after_step = {}
+
 -- Tensors whose .grad is a fixed buffer (a sharded model's gradient shard
 -- slices), mapped to their sharded model: zero_grad asks that model to
 -- zero its gradients (shards, and what no_sync kept) instead of dropping them.
@@ -75,6 +79,7 @@ local function step_each(self, update)
       end
     end
   end
+  for _, fn in ipairs(M.after_step) do fn(self) end
 end
 
 local function adamw_update(g, p, grad, st, first)

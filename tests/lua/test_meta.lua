@@ -157,4 +157,26 @@ end
 t.raises(function() meta.mimic("meta") end, { "fsdp_meta_mimic", "expected cpu (0) or cuda (1)" },
   "mimic of an unknown kernel set")
 meta.mimic("cpu")
+
+-- ---- tools/gpu-model over a small GPT ----
+local launcher = os.getenv("FSDP_TEST_LAUNCHER")
+if launcher then
+  local f = io.popen(string.format("FSDP_LUA=%s tools/gpu-model recipes/gpt2.lua --preset=tiny --dtype=bf16 "
+    .. "--batch=4 --ctx=64 2>&1; echo \"exit=$?\"", launcher))
+  local out = f:read("*a")
+  f:close()
+  if ok then
+    local ms, mfu, gb, ops, syncs = out:match("\npredicted: ([%d.]+) ms/step, MFU ([%d.]+)%%, DRAM ([%d.]+) GB/step, "
+      .. "(%d+) GPU ops/step, (%d+) host syncs/step\n")
+    t.ok(ms ~= nil, "gpu-model prints the predicted line:\n" .. out)
+    local total = out:match("\ntotal +%d+ +[%d.]+ +[%d.]+ +[%d.]+ +(%d+)")
+    t.eq(tonumber(total), tonumber(ops), "GPU ops/step is the sum of the families' launches")
+    t.ok(tonumber(syncs or 0) >= 1, "at least the loss comes back to the host")
+    t.ok(out:find("gemm_bf16", 1, true) ~= nil, "bf16 compute: the bf16 GEMM family")
+    t.ok(out:find("exit=0", 1, true) ~= nil, "gpu-model exits 0")
+  else
+    t.ok(out:find("no CUDA kernel table in this build", 1, true) and out:find("exit=1", 1, true),
+      "gpu-model without CUDA says so in one line")
+  end
+end
 t.done()

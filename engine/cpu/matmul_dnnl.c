@@ -1,0 +1,236 @@
+/* matmul_dnnl.c: batched matmuls on oneDNN's matmul primitive (f32, and
+ * bf16 x bf16 with f32 accumulation), with the same contract as
+ * cpu_matmul_f32 (cpu_kernels.h).
+ *
+ * Creating a primitive costs far more than running a small one, so each
+ * (dtype, shape, transposes, strides, alpha, beta) gets its primitive once
+ * and keeps it in a small cache; a step of a model reuses a few dozen shapes.
+ * The Debian build of oneDNN threads with OpenMP, so the calling thread's
+ * OpenMP team size is set to the engine's thread count before each call.
+ *
+ * Every failure (no CPU engine, an unsupported shape or dtype, a creation or
+ * execution error) returns non-zero and the caller takes the OpenBLAS path,
+ * so a oneDNN problem costs speed, never a result. */
+#include "cpu_kernels.h"
+
+#ifdef FSDP_HAVE_DNNL
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CACHE_SIZE 96
+/* products of fewer multiply-adds (M*N*K*batch) run on one thread */
+#define SMALL_MNK (1 << 21)
+
+typedef struct {
+    /* key */
+    int bf16, nthreads;
+    int64_t batch, M, N, K, sa, sb, sc;
+    int ta, tb;
+    float alpha, beta;
+    /* value */
+    int used;              /* the slot holds this key */
+    int failed;            /* oneDNN cannot do this key: callers use OpenBLAS */
+    uint64_t last_use;
+    dnnl_primitive_t prim;
+    dnnl_memory_t ma, mb, mc;
+} mm_entry;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_once_t once;
+    int ok;                /* engine and stream exist */
+    dnnl_engine_t engine;
+    dnnl_stream_t stream;
+    uint64_t clock;
+    mm_entry cache[CACHE_SIZE];
+    int warned;
+} dn = {.lock = PTHREAD_MUTEX_INITIALIZER, .once = PTHREAD_ONCE_INIT};
+
+static void dn_init(void) {
+    if (getenv("FSDP_NO_DNNL") && atoi(getenv("FSDP_NO_DNNL")) > 0) return;
+    if (dnnl_engine_create(&dn.engine, dnnl_cpu, 0) != dnnl_success) return;
+    if (dnnl_stream_create(&dn.stream, dn.engine, dnnl_stream_default_flags) != dnnl_success) {
+        dnnl_engine_destroy(dn.engine);
+        return;
+    }
+    dn.ok = 1;
+}
+
+static void entry_clear(mm_entry *e) {
+    if (e->prim) dnnl_primitive_destroy(e->prim);
+    if (e->ma) dnnl_memory_destroy(e->ma);
+    if (e->mb) dnnl_memory_destroy(e->mb);
+    if (e->mc) dnnl_memory_destroy(e->mc);
+    memset(e, 0, sizeof *e);
+}
+
+/* Logical (batch, rows, cols) of a stored matrix that is (rows, cols), or
+ * (cols, rows) when trans; batch 1 (broadcast) when its batch stride is 0. */
+static dnnl_status_t matrix_md(dnnl_memory_desc_t *md, int ndims, int64_t batch, int64_t stride, int64_t rows,
+                               int64_t cols, int trans, dnnl_data_type_t dt) {
+    dnnl_dims_t dims, strides;
+    int k = 0;
+    if (ndims == 3) {
+        dims[k] = stride == 0 ? 1 : batch;
+        strides[k++] = stride == 0 ? rows * cols : stride;
+    }
+    dims[k] = rows;
+    strides[k++] = trans ? 1 : cols;
+    dims[k] = cols;
+    strides[k++] = trans ? rows : 1;
+    return dnnl_memory_desc_init_by_strides(md, ndims, dims, dt, strides);
+}
+
+static int entry_create(mm_entry *e) {
+    dnnl_data_type_t dt = e->bf16 ? dnnl_bf16 : dnnl_f32;
+    int nd = e->batch > 1 ? 3 : 2;
+    dnnl_memory_desc_t a_md, b_md, c_md;
+    dnnl_matmul_desc_t desc;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    int ok = 0;
+    if (matrix_md(&a_md, nd, e->batch, e->sa, e->M, e->K, e->ta, dt) != dnnl_success) goto out;
+    if (matrix_md(&b_md, nd, e->batch, e->sb, e->K, e->N, e->tb, dt) != dnnl_success) goto out;
+    if (matrix_md(&c_md, nd, e->batch, e->sc, e->M, e->N, 0, dt) != dnnl_success) goto out;
+    if (dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success) goto out;
+    if (dnnl_primitive_attr_create(&attr) != dnnl_success) goto out;
+    if (e->alpha != 1.0f && dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha) != dnnl_success) goto out;
+    if (e->beta != 0.0f) {
+        if (dnnl_post_ops_create(&po) != dnnl_success) goto out;
+        if (dnnl_post_ops_append_sum(po, e->beta) != dnnl_success) goto out;
+        if (dnnl_primitive_attr_set_post_ops(attr, po) != dnnl_success) goto out;
+    }
+    if (dnnl_primitive_desc_create(&pd, &desc, attr, dn.engine, NULL) != dnnl_success) goto out;
+    if (dnnl_primitive_create(&e->prim, pd) != dnnl_success) goto out;
+    /* placeholders: the data handles are set on every call */
+    if (dnnl_memory_create(&e->ma, &a_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
+    if (dnnl_memory_create(&e->mb, &b_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
+    if (dnnl_memory_create(&e->mc, &c_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
+    ok = 1;
+out:
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (po) dnnl_post_ops_destroy(po);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    return ok;
+}
+
+/* The slot for a key: a hit, or the least recently used slot rebuilt. */
+static mm_entry *cache_get(const mm_entry *key) {
+    mm_entry *lru = &dn.cache[0];
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        mm_entry *e = &dn.cache[i];
+        if (e->used && e->bf16 == key->bf16 && e->nthreads == key->nthreads && e->batch == key->batch && e->M == key->M && e->N == key->N &&
+            e->K == key->K && e->sa == key->sa && e->sb == key->sb && e->sc == key->sc && e->ta == key->ta &&
+            e->tb == key->tb && e->alpha == key->alpha && e->beta == key->beta)
+            return e;
+        if (!e->used || (lru->used && e->last_use < lru->last_use)) lru = e;
+    }
+    entry_clear(lru);
+    *lru = *key;
+    lru->used = 1;
+    lru->prim = NULL;
+    lru->ma = lru->mb = lru->mc = NULL;
+    if (!entry_create(lru)) lru->failed = 1;   /* what was made is freed with the slot */
+    return lru;
+}
+
+static void warn_once(const mm_entry *k, const char *what) {
+    if (dn.warned) return;
+    dn.warned = 1;
+    fprintf(stderr,
+            "fsdp: oneDNN matmul %s (%s, batch %lld, M %lld, N %lld, K %lld, trans_a %d, trans_b %d): %s; "
+            "such matmuls use OpenBLAS in f32\n",
+            k->bf16 ? "bf16" : "f32", k->bf16 ? "bf16 x bf16 -> bf16" : "f32 x f32 -> f32", (long long)k->batch,
+            (long long)k->M, (long long)k->N, (long long)k->K, k->ta, k->tb, what);
+}
+
+int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                    int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
+                    int64_t stride_c) {
+    pthread_once(&dn.once, dn_init);
+    if (!dn.ok) return -1;
+    /* oneDNN has no empty inner dimension, and C's batches must not alias */
+    if (K <= 0 || M <= 0 || N <= 0 || batch <= 0 || (batch > 1 && stride_c < M * N)) return -1;
+    if (batch == 1) stride_a = stride_b = stride_c = 0;
+    mm_entry key = {.bf16 = bf16, .batch = batch, .M = M, .N = N, .K = K, .sa = stride_a, .sb = stride_b,
+                    .sc = stride_c, .ta = trans_a != 0, .tb = trans_b != 0, .alpha = alpha, .beta = beta};
+    /* A small product is not worth waking a team for: the fork-join costs
+     * more than the work, and far more when the cores are shared. */
+    int nt = (double)M * N * K * batch < SMALL_MNK ? 1 : cpu_threads_get();
+    key.nthreads = nt;
+    pthread_mutex_lock(&dn.lock);
+    /* oneDNN sizes its work split by the team at creation, so set it first */
+    if (omp_get_max_threads() != nt) omp_set_num_threads(nt);
+    mm_entry *e = cache_get(&key);
+    e->last_use = ++dn.clock;
+    int rc = -1;
+    if (e->failed) {
+        warn_once(e, "no implementation for this shape");
+    } else {
+        dnnl_memory_set_data_handle(e->ma, (void *)a);
+        dnnl_memory_set_data_handle(e->mb, (void *)b);
+        dnnl_memory_set_data_handle(e->mc, c);
+        dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->ma}, {DNNL_ARG_WEIGHTS, e->mb}, {DNNL_ARG_DST, e->mc}};
+        if (dnnl_primitive_execute(e->prim, dn.stream, 3, args) == dnnl_success &&
+            dnnl_stream_wait(dn.stream) == dnnl_success)
+            rc = 0;
+        else {
+            warn_once(e, "execution failed");
+            e->failed = 1;
+        }
+    }
+    pthread_mutex_unlock(&dn.lock);
+    return rc;
+}
+
+const char *cpu_matmul_dnnl_impl(int bf16, int64_t M, int64_t N, int64_t K) {
+    static char name[64];
+    pthread_once(&dn.once, dn_init);
+    if (!dn.ok) return "none";
+    dnnl_memory_desc_t a_md, b_md, c_md;
+    dnnl_matmul_desc_t desc;
+    dnnl_primitive_desc_t pd;
+    dnnl_data_type_t dt = bf16 ? dnnl_bf16 : dnnl_f32;
+    matrix_md(&a_md, 2, 1, 0, M, K, 0, dt);
+    matrix_md(&b_md, 2, 1, 0, K, N, 0, dt);
+    matrix_md(&c_md, 2, 1, 0, M, N, 0, dt);
+    if (dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success ||
+        dnnl_primitive_desc_create(&pd, &desc, NULL, dn.engine, NULL) != dnnl_success)
+        return "none";
+    const char *impl = NULL;
+    dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
+    snprintf(name, sizeof name, "%s", impl ? impl : "?");
+    dnnl_primitive_desc_destroy(pd);
+    return name;
+}
+
+#else
+
+int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                    int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
+                    int64_t stride_c) {
+    (void)bf16, (void)c, (void)a, (void)b, (void)batch, (void)M, (void)N, (void)K, (void)trans_a, (void)trans_b;
+    (void)alpha, (void)beta, (void)stride_a, (void)stride_b, (void)stride_c;
+    return -1;
+}
+
+const char *cpu_matmul_dnnl_impl(int bf16, int64_t M, int64_t N, int64_t K) {
+    (void)bf16, (void)M, (void)N, (void)K;
+    return "none";
+}
+
+#endif
+
+int cpu_matmul_dnnl_available(void) {
+#ifdef FSDP_HAVE_DNNL
+    pthread_once(&dn.once, dn_init);
+    return dn.ok;
+#else
+    return 0;
+#endif
+}

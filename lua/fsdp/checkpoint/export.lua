@@ -1,0 +1,322 @@
+-- fsdp.checkpoint.export: one safetensors file of full tensors (f32),
+-- with the model's own names or, through model:to_hf, Hugging Face's names
+-- and layouts (GPT-2); and import of such a file into a sharded model or an
+-- nn module. No rank ever holds the whole model: export gathers one unit at
+-- a time and rank 0 writes each tensor at its place; import reads only this
+-- rank's slices.
+local fsdp = require "fsdp"
+local json = require "fsdp.json"
+local fio = require "fsdp.io"
+local safetensors = require "fsdp.safetensors"
+local common = require "fsdp.checkpoint.common"
+local read = require "fsdp.checkpoint.read"
+
+local C = fsdp.C
+local raise = fsdp.core.raise
+local fmt, sort = string.format, table.sort
+local min, max = math.min, math.max
+local together, describe, numel_of, shape_str, on_host = common.together, common.describe, common.numel_of,
+  common.shape_str, common.on_host
+local commit = read.commit
+local parent_of = fio.parent
+
+local M = {}
+
+local function pread_all(f, ptr, n, off) return f:pread(ptr, n, off) end
+
+-- Stand-ins for tensors, handed to model:to_hf to learn its layout from the
+-- shapes alone: each records the view ops applied to it.
+local Proxy = {}
+local proxy_methods = {}
+Proxy.__index = function(_, k)
+  local m = proxy_methods[k]
+  if m then return m end
+  error("fsdp.checkpoint: the model's to_hf uses tensor method '" .. tostring(k)
+    .. "', which export/import cannot map from shapes (transpose, narrow and contiguous can)", 0)
+end
+
+local function proxy(path, shape, ops)
+  return setmetatable({ _path = path, _shape = shape, _ops = ops or {} }, Proxy)
+end
+
+local function copy_list(l)
+  local c = {}
+  for i, v in ipairs(l) do c[i] = v end
+  return c
+end
+
+function proxy_methods.transpose(t, a, b)
+  a, b = a or 1, b or 2
+  local s, ops = copy_list(rawget(t, "_shape")), copy_list(rawget(t, "_ops"))
+  s[a], s[b] = s[b], s[a]
+  ops[#ops + 1] = { "transpose", a, b }
+  return proxy(rawget(t, "_path"), s, ops)
+end
+proxy_methods.t = proxy_methods.transpose
+function proxy_methods.narrow(t, dim, start, len)
+  local s, ops = copy_list(rawget(t, "_shape")), copy_list(rawget(t, "_ops"))
+  if start < 1 or start + len - 1 > s[dim] then error("fsdp.checkpoint: to_hf narrows out of range", 0) end
+  ops[#ops + 1] = { "narrow", dim, start, len, copy_list(s) }   -- [5]: the shape before
+  s[dim] = len
+  return proxy(rawget(t, "_path"), s, ops)
+end
+function proxy_methods.contiguous(t) return t end
+function proxy_methods.shape(t) return copy_list(rawget(t, "_shape")) end
+function proxy_methods.dim(t) return #rawget(t, "_shape") end
+function proxy_methods.numel(t) return numel_of(rawget(t, "_shape")) end
+
+-- { {name, path, shape (in the file), ops} } sorted by name: the layout of
+-- the exported file.
+local function export_layout(d, hf)
+  local entries = {}
+  if hf then
+    if type(d.model.to_hf) ~= "function" then
+      error("fsdp.checkpoint: hf = true needs a model with a to_hf method (GPT has one)", 0)
+    end
+    local sd = {}
+    for _, p in ipairs(d.params) do sd[p.path] = proxy(p.path, copy_list(p.shape)) end
+    local out = d.model:to_hf(sd)
+    for name, px in pairs(out) do
+      if getmetatable(px) ~= Proxy then error("fsdp.checkpoint: to_hf returned a non-tensor for " .. name, 0) end
+      entries[#entries + 1] = { name = name, path = rawget(px, "_path"), shape = rawget(px, "_shape"),
+        ops = rawget(px, "_ops") }
+    end
+  else
+    for _, p in ipairs(d.params) do
+      entries[#entries + 1] = { name = p.path, path = p.path, shape = copy_list(p.shape), ops = {} }
+    end
+  end
+  sort(entries, function(a, b) return a.name < b.name end)
+  return entries
+end
+
+local function apply_ops(t, ops)
+  for _, op in ipairs(ops) do
+    if op[1] == "transpose" then t = t:transpose(op[2], op[3]) else t = t:narrow(op[2], op[3], op[4]) end
+  end
+  return t:contiguous()
+end
+
+--- fsdp.checkpoint.export(path, model, opts): one safetensors file with the
+-- full tensors (f32). Collective. Units are gathered one at a time (f32
+-- masters, whatever the compute dtype) and rank 0 writes each tensor at its
+-- place, computed up front from the shapes: no rank holds the whole model.
+-- opts.hf: Hugging Face names and layouts through model:to_hf (GPT-2);
+-- opts.metadata: extra string metadata.
+function M.export(path, target, opts)
+  local what = "fsdp.checkpoint.export"
+  if type(path) ~= "string" or path == "" then raise(what .. ": path must be a non-empty string") end
+  opts = opts or {}
+  local d = describe(target, what)
+  local layout = together(d.comm, export_layout, d, opts.hf)
+  -- the header, from shapes alone
+  local hdr, pos = {}, 0
+  local by_path = {}
+  for _, e in ipairs(layout) do
+    local n = 4 * numel_of(e.shape)
+    hdr[e.name] = { dtype = "F32", shape = json.array(copy_list(e.shape)), data_offsets = json.array({ pos, pos + n }) }
+    e.offset = pos
+    pos = pos + n
+    by_path[e.path] = by_path[e.path] or {}
+    local l = by_path[e.path]
+    l[#l + 1] = e
+  end
+  local meta = json.object({ format = "pt", fsdp_layout = opts.hf and "hf" or "native",
+    fsdp_model = tostring(d.model.__name) })
+  if type(d.model.config) == "table" then
+    for k, v in pairs(d.model.config) do
+      if type(k) == "string" and (type(v) == "number" or type(v) == "string") then meta[k] = tostring(v) end
+    end
+  end
+  for k, v in pairs(opts.metadata or {}) do meta[k] = tostring(v) end
+  hdr.__metadata__ = meta
+  local head = safetensors.encode_header(hdr)
+  local data_start = #head
+  local tmp = path .. ".tmp"
+  local rank0 = d.rank == 0
+  local fd, failure
+  if rank0 then
+    local ok, err = pcall(function()
+      local dirp = parent_of(path)
+      if dirp ~= "." then fio.mkdirs(dirp) end
+      local okf, e = pcall(fio.open, tmp, "w")
+      if not okf then error(fmt("%s: %s", what, e), 0) end
+      fd = e
+      fd:pwrite(head, #head, 0)
+    end)
+    if not ok then failure = err end
+  end
+  -- rank 0 writes one parameter (full f32 tensor t, model layout)
+  local report = common.progress(rank0 and opts or nil, "export", pos)
+  local written = 0
+  local function emit(p, t)
+    if failure then return end
+    local ok, err = pcall(function()
+      for _, e in ipairs(by_path[p.path] or {}) do
+        local v = on_host(fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end))
+        fd:pwrite(v:data_ptr(), 4 * v:numel(), data_start + e.offset)
+        written = written + 4 * v:numel()
+        v:free()   -- (a view or a copy: only this reference goes; keeps it alive until the write is done)
+        report(written)
+      end
+    end)
+    if not ok then failure = err end
+  end
+  if d.sharded and d.writer then   -- the shard group holding rank 0 (other replicas hold the same)
+    for _, u in ipairs(d.sharded.units) do
+      local full = fsdp.empty({ u.padded }, { dtype = "f32", tag = "comm", device = u.master:device() })
+      if C.fsdp_all_gather(nil, d.sharded.shard_comm, full, u.master, "checkpoint.export." .. u.name) ~= 0 then
+        raise()
+      end
+      if rank0 then
+        for i, p in ipairs(u.params) do emit(p, full:narrow(1, u.offsets[i] + 1, p.numel)) end
+      end
+      full:free()
+    end
+  elseif rank0 then
+    for _, s in ipairs(d.segments) do emit({ path = s.path, shape = s.key:shape() }, s.flat) end
+  end
+  together(d.comm, function()
+    if not rank0 then return end
+    if failure then
+      if fd then pcall(fd.close, fd) end
+      pcall(fio.remove_tree, tmp)
+      error(failure, 0)
+    end
+    local okf, e = pcall(function()
+      fd:sync()
+      fd:close()
+    end)
+    if not okf then
+      pcall(fd.close, fd)
+      error(what .. ": " .. tostring(e), 0)
+    end
+    local okr, er = pcall(fio.rename, tmp, path)
+    if not okr then error(fmt("%s: %s", what, tostring(er)), 0) end
+  end)
+  return path
+end
+
+-- Inverse of a to_hf layout for element range [a, a + n) of a parameter:
+-- fills dst (f32 tensor of n elements) from the file.
+local function import_range(fd, info, e, a, n, dst, cache)
+  local te = info.tensors[e.fname]
+  local base = info.data_start + te.offsets[1]
+  local ops = e.ops
+  if #ops == 0 or (#ops == 1 and ops[1][1] == "narrow" and ops[1][2] == 1 and ops[1][3] == 1) then
+    -- the same element order (possibly fewer rows): read the range itself
+    local have = numel_of(e.shape)
+    local m = max(0, min(n, have - a))
+    if m > 0 then
+      local got = pread_all(fd, dst:data_ptr(), 4 * m, base + 4 * a, info.path)
+      if got ~= 4 * m then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
+    end
+    if m < n then dst:narrow(1, m + 1, n - m):fill(0) end
+    return
+  end
+  -- another order (a transpose): read the whole tensor once, undo the ops
+  local full = cache[e.fname]
+  if not full then
+    local t = fsdp.empty(e.shape, { dtype = "f32", device = "cpu" })
+    local nb = 4 * numel_of(e.shape)
+    local got = pread_all(fd, t:data_ptr(), nb, base, info.path)
+    if got ~= nb then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
+    for i = #ops, 1, -1 do
+      local op = ops[i]
+      if op[1] == "transpose" then
+        t = t:transpose(op[2], op[3])
+      else   -- rows cut off by the export come back as zeros
+        local z = fsdp.zeros(op[5], { dtype = "f32", device = "cpu" })
+        z:narrow(op[2], op[3], op[4]):copy(t)
+        t = z
+      end
+    end
+    full = t:contiguous():view(-1)
+    cache[e.fname] = full
+  end
+  dst:copy(full:narrow(1, a + 1, n))
+end
+
+--- fsdp.checkpoint.import(path, model, opts): initializes a model (sharded
+-- or an nn module) from a safetensors file of full tensors, as export
+-- writes it or as Hugging Face ships GPT-2. Collective. Each rank reads only
+-- its slices (a transposed tensor is read whole, one at a time). opts.hf:
+-- the file uses to_hf names and layouts (default: as the file's metadata
+-- says; else true for models with to_hf). opts.strict (true): tensors in the
+-- file that map to nothing are an error (HF's attention-mask buffers and a
+-- tied lm_head.weight are always skipped).
+function M.import(path, target, opts)
+  local what = "fsdp.checkpoint.import"
+  if type(path) ~= "string" then raise(what .. ": path must be a string") end
+  opts = opts or {}
+  local d = describe(target, what)
+  local vals = together(d.comm, function()
+    local st = safetensors
+    local info = st.read_header(path)
+    local hf = opts.hf
+    if hf == nil then
+      if info.metadata.fsdp_layout then hf = info.metadata.fsdp_layout == "hf" else hf = d.model.to_hf ~= nil end
+    end
+    local layout = export_layout(d, hf)
+    -- file names, with HF's "transformer." prefix accepted
+    local fnames = {}
+    for _, name in ipairs(info.names) do fnames[(name:gsub("^transformer%.", ""))] = name end
+    local by_path, used = {}, {}
+    for _, e in ipairs(layout) do
+      local fname = fnames[e.name]
+      if fname then
+        local te = info.tensors[fname]
+        local same = #te.shape == #e.shape
+        for i = 1, #e.shape do same = same and te.shape[i] == e.shape[i] end
+        if not same then
+          error(fmt("%s: %s: tensor %q has shape %s, the model's '%s' needs %s there", what, path, fname,
+            shape_str(te.shape), e.path, shape_str(e.shape)), 0)
+        end
+        if te.dtype ~= "F32" then
+          error(fmt("%s: %s: tensor %q is %s (import reads F32)", what, path, fname, te.dtype), 0)
+        end
+        e.fname = fname
+        used[fname] = true
+        by_path[e.path] = by_path[e.path] or e
+      end
+    end
+    for _, p in ipairs(d.params) do
+      if not by_path[p.path] then
+        error(fmt("%s: %s has no tensor for parameter '%s'%s", what, path, p.path,
+          hf and " (looked for its Hugging Face name)" or ""), 0)
+      end
+    end
+    if opts.strict ~= false then
+      for _, name in ipairs(info.names) do
+        local n = name:gsub("^transformer%.", "")
+        if not used[name] and n ~= "lm_head.weight" and not n:match("%.attn%.bias$")
+            and not n:match("%.attn%.masked_bias$") then
+          error(fmt("%s: %s: tensor %q matches no parameter of the model (pass strict = false to ignore it)", what,
+            path, name), 0)
+        end
+      end
+    end
+    local okf, fd = pcall(fio.open, path, "r")
+    if not okf then error(fmt("%s: %s: cannot open: %s", what, path, fd), 0) end
+    local out, cache = {}, {}
+    local ok, rerr = pcall(function()
+      local total, done = 0, 0
+      for _, s in ipairs(d.segments) do total = total + 4 * s.count end
+      local report = common.progress(opts, "import", total)
+      for i, s in ipairs(d.segments) do
+        local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other", device = "cpu" })
+        fsdp.no_grad(function() import_range(fd, info, by_path[s.path], s.start, s.count, t, cache) end)
+        out[i] = t
+        done = done + 4 * s.count
+        report(done)
+      end
+    end)
+    fd:close()
+    if not ok then error(rerr, 0) end
+    return out
+  end)
+  commit(d, nil, vals, nil, nil, nil)
+  return target
+end
+
+return M

@@ -1,0 +1,142 @@
+-- fsdp.checkpoint: sharded checkpoints that load on any number of ranks,
+-- crash-safe checkpoint directories with retention, and a full safetensors
+-- export / import that never holds the whole model on one rank.
+--
+--   local ck = require "fsdp.checkpoint"
+--   ck.save("ckpt/step_00000100", { model = sharded, optim = opt, step = 100,
+--           data = loader:state(), rng = {...}, schedule = {...}, extra = {...} })
+--   local info = ck.load("ckpt/step_00000100", { model = sharded, optim = opt })
+--   ck.save_step("ckpt", 100, state, { keep = 3 })   -- ckpt/step_00000100, keeps the last 3
+--   local dir = ck.latest("ckpt")                     -- newest complete one, or nil
+--   ck.export("gpt2.safetensors", sharded, { hf = true })
+--   ck.import("gpt2.safetensors", sharded)
+--
+-- save, load, export and import take opts.progress: a function(op, done,
+-- total) called as this rank's bytes move (op "save", "load", "export",
+-- "import"; done reaches total), e.g. to draw a progress bar.
+--
+-- Layout of a checkpoint directory (DESIGN.md, decision 7):
+--   rank_00000.bin ...  one file per shard rank of the first replica group,
+--                       written in parallel: this rank's slice of every
+--                       parameter (f32, unit by unit), then its slices of
+--                       each optimizer state tensor; every blob starts at a
+--                       multiple of 64 bytes.
+--   index.json          written by rank 0 last: format version, world size,
+--                       strategy; for every parameter its global shape and
+--                       which byte ranges of which file hold which element
+--                       ranges of it; the same for each optimizer state
+--                       tensor (in parameter space, so a load can reshard);
+--                       optimizer type, hyperparameters, step counts; the
+--                       step, schedule, data-loader and RNG state, extra;
+--                       per file its size and checksums.
+-- Checksums ("xxh64": XXH64, the 64-bit xxHash, from engine/io), computed
+-- as the bytes are written: of each chunk of chunk_bytes (1 MiB) of a file,
+-- of the whole file (as xxhsum prints it), and of each blob (one slice of
+-- one tensor, over its padded extent). A load that reads part of a file
+-- verifies every chunk it touches, so a flipped byte is caught without
+-- reading whole files; the blob hashes then name the damaged parameter.
+--
+-- A save writes into dir .. ".tmp"; after every rank has written and synced
+-- its file, rank 0 writes index.json and renames the directory into place,
+-- so a run killed during a save leaves the previous checkpoint intact. A
+-- load reads and verifies everything into temporary tensors on every rank,
+-- agrees across ranks that all went well, and only then touches the model
+-- and the optimizer: a bad checkpoint raises the same error on every rank
+-- and leaves memory as it was.
+--
+-- The parts: common (what this rank holds, agreement across ranks,
+-- progress), format (index schema and checksums), write (save), read
+-- (load, resharding), export (safetensors with Hugging Face names); this
+-- file is the user API (fsdp.save, fsdp.load, fsdp.latest, fsdp.export, ...)
+-- and the policy of checkpoint directories (step folders, retention).
+local fsdp = require "fsdp"
+local fio = require "fsdp.io"
+local common = require "fsdp.checkpoint.common"
+local format = require "fsdp.checkpoint.format"
+local write = require "fsdp.checkpoint.write"
+local read = require "fsdp.checkpoint.read"
+local export = require "fsdp.checkpoint.export"
+
+local raise = fsdp.core.raise
+local fmt, sort = string.format, table.sort
+local together, describe, is_uint = common.together, common.describe, common.is_uint
+local remove_tree = write.remove_tree
+
+local M = {}
+
+M.FORMAT = format.FORMAT
+M.VERSION = format.VERSION
+
+M.save = write.save
+M.load = read.load
+M.read_index = format.read_index
+M.describe = format.describe
+M.export = export.export
+M.import = export.import
+
+-- The names in root, or none when root is not a directory.
+local function list_dir(path)
+  if not fio.is_dir(path) then return {} end
+  return fio.list_dir(path)
+end
+
+-- ---- checkpoint directories: latest, save_step, retention ----
+
+local function step_dirs(root)
+  local list = {}
+  for _, name in ipairs(list_dir(root)) do
+    local n = name:match("^step_(%d+)$")
+    if n and fio.is_file(root .. "/" .. name .. "/index.json") then
+      list[#list + 1] = { step = tonumber(n), dir = root .. "/" .. name }
+    end
+  end
+  sort(list, function(a, b) return a.step < b.step end)
+  return list
+end
+
+--- fsdp.checkpoint.latest(root) -> dir, step of the newest complete
+-- checkpoint (root/step_NNNNNNNN with an index.json), or nil.
+function M.latest(root)
+  if type(root) ~= "string" then raise("fsdp.checkpoint.latest: root must be a string") end
+  root = root:gsub("/+$", "")
+  local list = step_dirs(root)
+  local last = list[#list]
+  if last then return last.dir, last.step end
+  return nil
+end
+
+--- fsdp.checkpoint.step_dir(root, step) -> root/step_00000010.
+function M.step_dir(root, step)
+  return fmt("%s/step_%08d", (root:gsub("/+$", "")), step)
+end
+
+--- fsdp.checkpoint.save_step(root, step, state, {keep = K}) -> dir. Saves
+-- into root/step_NNNNNNNN (state.step defaults to step), then keeps only
+-- the newest K complete checkpoints (all when keep is nil or 0) and removes
+-- leftovers of interrupted saves.
+function M.save_step(root, step, state, opts)
+  if type(root) ~= "string" or root == "" then raise("fsdp.checkpoint.save_step: root must be a non-empty string") end
+  if not is_uint(step) then raise("fsdp.checkpoint.save_step: step must be a non-negative integer") end
+  local keep = opts and opts.keep
+  if keep ~= nil and not is_uint(keep) then raise("fsdp.checkpoint.save_step: keep must be a non-negative integer") end
+  root = root:gsub("/+$", "")
+  local st = {}
+  for k, v in pairs(state) do st[k] = v end
+  if st.step == nil then st.step = step end
+  local dir = M.step_dir(root, step)
+  M.save(dir, st, opts)
+  local d = describe(state.model, "fsdp.checkpoint.save_step")
+  together(d.comm, function()
+    if d.rank ~= 0 then return end
+    for _, name in ipairs(list_dir(root)) do
+      if name:match("^step_%d+%.tmp$") or name:match("^step_%d+%.old$") then remove_tree(root .. "/" .. name) end
+    end
+    if keep and keep > 0 then
+      local list = step_dirs(root)
+      for i = 1, #list - keep do remove_tree(list[i].dir) end
+    end
+  end)
+  return dir
+end
+
+return M

@@ -1,0 +1,175 @@
+-- gpu_model.lua: what a training step of a recipe would cost on one H200,
+-- from the counting device (run by tools/gpu-model; see there for usage).
+--
+-- The recipe runs for real (model, op layer, schedule, optimizer) on the
+-- meta device with the CUDA table's kernel set, so the op layer stages
+-- dtypes exactly as on a GPU. Its second training step (the first one
+-- allocates optimizer state and warms the caching allocator) is priced
+-- entry by entry with the roofline below and summed per kernel family.
+--
+-- The roofline (H200 SXM; figures measured on such machines, or stated):
+--   DRAM            4.3 TB/s for every byte a kernel reads or writes in
+--                   device memory (a device-to-device copy's rate): the
+--                   best case for memory-bound kernels
+--   bf16 GEMM       790 TFLOP/s at large sizes (cuBLAS, tensor cores),
+--                   scaled by wave quantization: 128 x 128 output tiles
+--                   over 132 SMs, so a GEMM of t tiles runs at
+--                   t / (132 ceil(t / 132)) of the peak (small GEMMs)
+--   f32 GEMM        50 TFLOP/s (SGEMM on the CUDA cores; TF32 off, as the
+--                   engine sets cuBLAS by default; 67 TFLOP/s peak)
+--   f32 attention   8 TFLOP/s (the engine's CUDA-core attention kernels:
+--                   two shared-memory loads per FMA, 25% occupancy, as
+--                   estimated by review)
+--   a launch        at least 4 us of GPU time per kernel (launch latency,
+--                   ramp-up and tail of a small kernel)
+--   a host sync     20 us (the host waits, the GPU's queue runs dry and
+--                   refills)
+--   host transfers  50 GB/s (PCIe 5 x16, pageable staging)
+--   cudaMalloc/Free 50 us each (cudaFree also synchronizes the device)
+-- Each op costs max(bytes / DRAM, FLOPs / its compute rate, launches x
+-- 4 us), plus its syncs. MFU counts the GEMM and attention FLOPs against
+-- the 989 TFLOP/s dense bf16 peak.
+local fsdp = require "fsdp"
+local meta = require "fsdp.meta"
+local dryrun = require "fsdp.dryrun"
+
+local H200 = {
+  dram = 4.3e12, gemm_bf16 = 790e12, gemm_f32 = 50e12, attention_f32 = 8e12, peak_bf16 = 989e12,
+  sms = 132, tile = 128, launch_s = 4e-6, sync_s = 20e-6, host_link = 50e9, malloc_s = 50e-6,
+}
+
+-- Compute rate of an entry (FLOP/s), or nil: memory-bound (the DRAM rate).
+-- An entry gpuspeed adds needs a line here only when it is compute-bound.
+local compute_rate = {
+  matmul_bf16 = function() return H200.gemm_bf16 end,
+  matmul_f32 = function() return H200.gemm_f32 end,
+  attention_forward_f32 = function() return H200.attention_f32 end,
+  attention_backward_f32 = function() return H200.attention_f32 end,
+}
+-- Entries whose FLOPs count as the model's (for MFU).
+local model_flops = { gemm_bf16 = true, gemm_f32 = true, attention = true }
+
+-- GEMM shape is not in the counts, so the wave quantization is estimated
+-- per call from the mean FLOPs of a call: see `gemm_efficiency`.
+local function gemm_efficiency(flops_per_call)
+  -- a square-ish GEMM of this many FLOPs: M = N = K = (flops / 2)^(1/3)
+  local side = (flops_per_call / 2) ^ (1 / 3)
+  local tiles = math.ceil(side / H200.tile) ^ 2
+  local waves = math.ceil(tiles / H200.sms)
+  return tiles / (waves * H200.sms)
+end
+
+local function price(e)
+  if e.calls == 0 then return 0 end
+  if e.family == "memory" then return e.calls * H200.malloc_s end
+  local t_sync = e.syncs * H200.sync_s
+  if e.family == "transfer" then
+    return (e.bytes_read + e.bytes_written) / H200.host_link + e.launches * H200.launch_s + t_sync
+  end
+  if e.family == "sync" then return t_sync end
+  local t_mem = (e.bytes_read + e.bytes_written) / H200.dram
+  local t_flop = 0
+  local rate = compute_rate[e.name]
+  if rate then
+    local r = rate()
+    if e.name == "matmul_bf16" then r = r * gemm_efficiency(e.flops / e.calls) end
+    t_flop = e.flops / r
+  end
+  return math.max(t_mem, t_flop, e.launches * H200.launch_s) + t_sync
+end
+
+local function usage()
+  io.stdout:write([[
+tools/gpu-model [recipe] [recipe options]: the predicted cost of one training
+step of a recipe on one H200, from the counting device with the CUDA
+kernel set. Default: recipes/gpt2.lua --preset=small --dtype=bf16
+--batch=16 --ctx=1024 (GPT-2 124M, bf16, batch 16 x 1024).
+  --entries   also print every table entry that ran
+]])
+end
+
+-- the command line arrives parsed (fsdp-lua's recipe arguments): the
+-- recipe's path first, our --entries and --help, the rest is the recipe's
+local args = ... or {}
+if args.help or args.h then usage() return end
+local show_entries = args.entries == true
+local script = args[1] or "recipes/gpt2.lua"
+local rest, shown = {}, {}
+for k, v in pairs(args) do
+  if k ~= "entries" and k ~= 1 then
+    rest[k] = v
+    if type(k) == "string" then shown[#shown + 1] = "--" .. k:gsub("_", "-") .. "=" .. tostring(v) end
+  end
+end
+if next(rest) == nil and script == "recipes/gpt2.lua" then
+  rest = { preset = "small", dtype = "bf16", batch = 16, ctx = 1024 }
+  shown = { "--preset=small", "--dtype=bf16", "--batch=16", "--ctx=1024" }
+end
+table.sort(shown)
+
+local ok, err = pcall(meta.mimic, "cuda")
+if not ok then
+  io.stdout:write("gpu-model: no CUDA kernel table in this build (nvcc was not found when it was configured), "
+    .. "so there is no GPU kernel set to model\n")
+  os.exit(1)
+end
+local chunk, lerr = loadfile(script)
+if not chunk then error("gpu-model: " .. tostring(lerr), 0) end
+
+-- the recipe's own log lines stay out of the table
+local quiet = { print = print, write = io.write }
+print = function() end
+local r
+ok, err = pcall(function()
+  r = dryrun.run(chunk, { steps = 2, mimic = "cuda" }, rest)
+end)
+print = quiet.print
+if not ok then error(err, 0) end
+if r.steps_run < 2 then error("gpu-model: " .. script .. " ran fewer than 2 optimizer steps", 0) end
+
+local step = r.steps[2]
+local fams = dryrun.by_family(step.kernels)
+local total = { calls = 0, br = 0, bw = 0, flops = 0, mflops = 0, launches = 0, syncs = 0, t = 0 }
+local rows = {}
+for _, f in ipairs(fams) do
+  local t = 0
+  for _, e in ipairs(f.entries) do
+    e.t = price(e)
+    t = t + e.t
+  end
+  if f.calls > 0 then
+    rows[#rows + 1] = { f = f, t = t }
+    total.calls = total.calls + f.calls
+    total.br, total.bw = total.br + f.bytes_read, total.bw + f.bytes_written
+    total.flops = total.flops + f.flops
+    if model_flops[f.family] then total.mflops = total.mflops + f.flops end
+    total.launches, total.syncs, total.t = total.launches + f.launches, total.syncs + f.syncs, total.t + t
+  end
+end
+table.sort(rows, function(a, b) return a.t > b.t end)
+
+local out = {}
+local function say(...) out[#out + 1] = string.format(...) end
+say("gpu-model: %s %s on one H200 (counting device, CUDA kernel set), training step 2", script,
+  table.concat(shown, " "))
+say("%-28s %8s %10s %10s %10s %9s %6s %10s", "family", "calls", "GB read", "GB written", "GFLOP", "launches",
+  "syncs", "ms")
+local function row(name, calls, br, bw, fl, launches, syncs, t)
+  say("%-28s %8d %10.2f %10.2f %10.1f %9d %6d %10.2f", name, calls, br / 1e9, bw / 1e9, fl / 1e9, launches, syncs,
+    t * 1e3)
+end
+for _, x in ipairs(rows) do
+  local f = x.f
+  row(f.family, f.calls, f.bytes_read, f.bytes_written, f.flops, f.launches, f.syncs, x.t)
+  if show_entries then
+    for _, e in ipairs(f.entries) do
+      if e.calls > 0 then row("  " .. e.name, e.calls, e.bytes_read, e.bytes_written, e.flops, e.launches, e.syncs,
+        e.t) end
+    end
+  end
+end
+row("total", total.calls, total.br, total.bw, total.flops, total.launches, total.syncs, total.t)
+local mfu = total.t > 0 and total.mflops / (total.t * H200.peak_bf16) or 0
+say("predicted: %.1f ms/step, MFU %.1f%%, DRAM %.1f GB/step, %d GPU ops/step, %d host syncs/step", total.t * 1e3,
+  100 * mfu, (total.br + total.bw) / 1e9, total.launches, total.syncs)
+io.stdout:write(table.concat(out, "\n"), "\n")
