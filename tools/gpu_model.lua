@@ -17,6 +17,7 @@
 --                   t / (132 ceil(t / 132)) of the peak (small GEMMs)
 --   f32 GEMM        50 TFLOP/s (SGEMM on the CUDA cores; TF32 off, as the
 --                   engine sets cuBLAS by default; 67 TFLOP/s peak)
+--   bf16 attention  790 TFLOP/s for its batched GEMMs (B x H of T x T x D)
 --   f32 attention   8 TFLOP/s (the engine's CUDA-core attention kernels:
 --                   two shared-memory loads per FMA, 25% occupancy, as
 --                   estimated by review)
@@ -45,9 +46,12 @@ local compute_rate = {
   matmul_f32 = function() return H200.gemm_f32 end,
   attention_forward_f32 = function() return H200.attention_f32 end,
   attention_backward_f32 = function() return H200.attention_f32 end,
+  -- batched bf16 GEMMs over batch x heads (T x T x D): large enough tiles
+  attention_qkv_forward_bf16 = function() return H200.gemm_bf16 end,
+  attention_qkv_backward_bf16 = function() return H200.gemm_bf16 end,
 }
 -- Entries whose FLOPs count as the model's (for MFU).
-local model_flops = { gemm_bf16 = true, gemm_f32 = true, attention = true }
+local model_flops = { gemm_bf16 = true, gemm_f32 = true, attention = true, attention_bf16 = true }
 
 -- GEMM shape is not in the counts, so the wave quantization is estimated
 -- per call from the mean FLOPs of a call: see `gemm_efficiency`.
