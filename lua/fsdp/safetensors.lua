@@ -12,7 +12,8 @@
 --
 -- A file is checked in full before any data is read, and every problem is a
 -- Lua error naming the file: a truncated or hostile file never crashes the
--- process or makes it allocate what the header claims.
+-- process or makes it allocate what the header claims. The tensors' offsets
+-- must tile the data section exactly (no gap, no overlap, nothing after).
 
 local ffi = require "ffi"
 local core = require "fsdp.core"
@@ -178,6 +179,21 @@ local function parse_header(f, path)
     if q[1] < p[2] then
       fail(path, fmt("tensors %q [%d, %d] and %q [%d, %d] overlap", p[3], p[1], p[2], q[3], q[1], q[2]))
     end
+  end
+  -- the tensors tile the data section exactly (the format allows no holes):
+  -- a header length that is off shifts the section and shows up here
+  local at = 0
+  for _, r in ipairs(ranges) do
+    if r[1] ~= at then
+      fail(path, fmt("data bytes [%d, %d) belong to no tensor (before %q): the offsets must cover the data "
+        .. "section exactly (a wrong header length?)", at, r[1], r[3]))
+    end
+    at = r[2]
+  end
+  if at ~= data_bytes then
+    fail(path, fmt("data bytes [%d, %d) at the end belong to no tensor: the offsets must cover the data section "
+      .. "(%d bytes after the %d-byte header) exactly (a wrong header length, or trailing bytes?)", at, data_bytes,
+      data_bytes, n))
   end
   return info
 end

@@ -115,6 +115,13 @@ function GPT:from_hf(hf)
   local sd = {}
   for name, t in pairs(hf) do
     local path = name:gsub("^transformer%.", "")
+    if not fsdp.is_tensor(t) then
+      error(string.format("GPT:from_hf: '%s' is a %s, not a tensor", name, type(t)), 2)
+    end
+    local dt = t:dtype()
+    if dt ~= "f32" and dt ~= "bf16" and not path:match("%.attn%.bias$") and not path:match("%.attn%.masked_bias$") then
+      error(string.format("GPT:from_hf: '%s' is %s; weights are f32 or bf16", name, t:describe()), 2)
+    end
     if path == "lm_head.weight" then
       -- tied to wte: nothing to load
     elseif path:match("%.attn%.bias$") or path:match("%.attn%.masked_bias$") then

@@ -176,8 +176,11 @@ function Module:materialize(opts)
   return self
 end
 
+local float_dtypes = { f32 = true, bf16 = true }
+
 --- Loads {path = tensor} (copying values); unknown or missing names and
--- shape mismatches are errors unless opts.strict == false.
+-- shape mismatches are errors unless opts.strict == false; so are integer
+-- tensors for float parameters, always.
 function Module:load_state_dict(sd, opts)
   local strict = not (opts and opts.strict == false)
   local seen = {}
@@ -186,6 +189,14 @@ function Module:load_state_dict(sd, opts)
     if src == nil then
       if strict then error("load_state_dict: missing '" .. p.path .. "'", 2) end
     else
+      if not fsdp.is_tensor(src) then
+        error(string.format("load_state_dict: '%s' is a %s, not a tensor", p.path, type(src)), 2)
+      end
+      local want = p.tensor and p.tensor:dtype() or "f32"
+      if not float_dtypes[src:dtype()] and float_dtypes[want] then
+        error(string.format("load_state_dict: '%s' is %s, the model's parameter is %s (integer values are not "
+          .. "weights)", p.path, src:describe(), want), 2)
+      end
       local s = src:shape()
       local same = #s == #p.shape
       for i = 1, #s do same = same and s[i] == p.shape[i] end
