@@ -61,7 +61,7 @@ local write = require "fsdp.checkpoint.write"
 local read = require "fsdp.checkpoint.read"
 local export = require "fsdp.checkpoint.export"
 
-local raise = fsdp.core.raise
+local raise = require("fsdp.core").raise
 local fmt, sort = string.format, table.sort
 local together, describe, is_uint = common.together, common.describe, common.is_uint
 local remove_tree = write.remove_tree
@@ -96,6 +96,13 @@ local function step_dirs(root)
   end
   sort(list, function(a, b) return a.step < b.step end)
   return list
+end
+
+--- fsdp.checkpoint.exists(dir) -> true when dir is a complete checkpoint
+-- (its index.json is there: written last).
+function M.exists(dir)
+  if type(dir) ~= "string" then raise("fsdp.checkpoint.exists: dir must be a string") end
+  return fio.is_file((dir:gsub("/+$", "")) .. "/index.json")
 end
 
 --- fsdp.checkpoint.latest(root) -> dir, step of the newest complete

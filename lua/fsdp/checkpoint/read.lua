@@ -9,8 +9,8 @@ local fio = require "fsdp.io"
 local common = require "fsdp.checkpoint.common"
 local format = require "fsdp.checkpoint.format"
 
-local C = fsdp.C
-local raise = fsdp.core.raise
+local core = require "fsdp.core"
+local C, raise = core.C, core.raise
 local fmt, concat, sort = string.format, table.concat, table.sort
 local floor, min, max = math.floor, math.min, math.max
 local together, describe, optim_kind, shape_str = common.together, common.describe, common.optim_kind,

@@ -9,7 +9,7 @@ local fio = require "fsdp.io"
 local common = require "fsdp.checkpoint.common"
 local format = require "fsdp.checkpoint.format"
 
-local raise = fsdp.core.raise
+local raise = require("fsdp.core").raise
 local fmt, sort = string.format, table.sort
 local floor, max = math.floor, math.max
 local together, describe, optim_kind = common.together, common.describe, common.optim_kind

@@ -13,6 +13,26 @@ local tr = require "fsdp.nn.transformer"
 
 local M = {}
 
+-- Sizes by name: tiny (byte-level, for tests and a quick look) and small
+-- (GPT-2 124M).
+local presets = {
+  tiny = { vocab_size = 256, n_layer = 2, n_head = 4, n_embd = 64, block_size = 64 },
+  small = { vocab_size = 50257, n_layer = 12, n_head = 12, n_embd = 768, block_size = 1024 },
+}
+M.preset_names = { "tiny", "small" }
+
+--- A copy of the named preset's config (a caller may change it).
+function M.preset(name)
+  local p = presets[name]
+  if not p then
+    error(string.format("nn.gpt_preset: no preset '%s' (there are %s)", tostring(name),
+      table.concat(M.preset_names, ", ")), 2)
+  end
+  local c = {}
+  for k, v in pairs(p) do c[k] = v end
+  return c
+end
+
 local function padded(v, multiple)
   multiple = multiple or 128
   return math.ceil(v / multiple) * multiple

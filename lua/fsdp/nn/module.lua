@@ -222,22 +222,6 @@ function Module:load_state_dict(sd, opts)
   return self
 end
 
---- Runs fn() with every parameter replaced by a cast of it to dtype (say
--- "bf16"): activations then flow in that dtype, and gradients reach the f32
--- parameters through the cast's backward. The parameters are put back after.
-function Module:compute_in(dtype, fn, ...)
-  if dtype == nil or dtype == "f32" then return fn(...) end
-  local saved = {}
-  for _, p in ipairs(self:named_parameters()) do
-    saved[#saved + 1] = p
-    p.module[p.name] = p.tensor:cast(dtype)
-  end
-  local res = { pcall(fn, ...) }
-  for _, p in ipairs(saved) do p.module[p.name] = p.tensor end
-  if not res[1] then error(res[2], 0) end
-  return unpack(res, 2)
-end
-
 function Module:zero_grad()
   for _, t in ipairs(self:parameters()) do t:zero_grad() end
 end
@@ -254,10 +238,10 @@ function Module:forward()
   error(self.__name .. ": forward is not defined", 2)
 end
 
--- A checkpointed module (nn.checkpoint) needs no wrapper: calls go through
--- here, so its paths, and so its parameter names, stay the same.
+-- A module marked by nn.recompute needs no wrapper: calls go through here,
+-- so its paths, and so its parameter names, stay the same.
 function Module.__call(self, ...)
-  if self._checkpointed then return require("fsdp.nn.checkpoint").run(self, ...) end
+  if self._recompute then return require("fsdp.nn.recompute").run(self, ...) end
   return self:forward(...)
 end
 
