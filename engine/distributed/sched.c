@@ -163,7 +163,11 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
         st->data = NULL;
         return r;
     }
-    r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
+    /* a shard group of one holds the whole unit: a local copy, no collective */
+    if (s->shard_size == 1)
+        r = fsdp_copy(u->full, src);
+    else
+        r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
     tensor_release(src);   /* the work holds it until done */
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
@@ -306,7 +310,11 @@ static fsdp_status after_backward(void *p) {
             s->cap_pend = cap;
         }
         fsdp_work *w = NULL;
-        r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
+        /* a group of one: the average over one rank is the gradient itself */
+        if (s->shard_size == 1)
+            r = fsdp_copy(dst, src);
+        else
+            r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
         tensor_release(src);
         if (r != FSDP_OK) {
             tensor_release(dst);
