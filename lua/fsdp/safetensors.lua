@@ -85,6 +85,40 @@ local function open_read(path)
   return f
 end
 
+-- The position of the first byte of s that is not well-formed UTF-8
+-- (overlong forms, surrogates and code points above U+10FFFF included), or nil.
+local function utf8_error(s)
+  if not s:find("[\128-\255]") then return nil end
+  local i, n = 1, #s
+  while i <= n do
+    local c = byte(s, i)
+    if c < 0x80 then
+      i = i + 1
+    else
+      local len, lo, hi = 0, 0x80, 0xBF   -- continuation count; allowed range of the second byte
+      if c >= 0xC2 and c <= 0xDF then len = 1
+      elseif c == 0xE0 then len, lo = 2, 0xA0
+      elseif c == 0xED then len, hi = 2, 0x9F
+      elseif c >= 0xE1 and c <= 0xEF then len = 2
+      elseif c == 0xF0 then len, lo = 3, 0x90
+      elseif c >= 0xF1 and c <= 0xF3 then len = 3
+      elseif c == 0xF4 then len, hi = 3, 0x8F
+      else return i end
+      for k = 1, len do
+        local d = byte(s, i + k)
+        if not d then return i end
+        if k == 1 then
+          if d < lo or d > hi then return i end
+        elseif d < 0x80 or d > 0xBF then
+          return i
+        end
+      end
+      i = i + len + 1
+    end
+  end
+  return nil
+end
+
 -- Reads and checks the header of an open file. Returns
 -- { path, names (sorted), tensors = {name = {dtype, shape, offsets, numel,
 --   nbytes}}, metadata, header_bytes, data_start, file_bytes }.
@@ -100,6 +134,8 @@ local function parse_header(f, path)
   end
   local text = n > 0 and f:read(n) or ""
   if #text ~= n then fail(path, fmt("header truncated: read %d of %d bytes", #text, n)) end
+  local bad_at = utf8_error(text)
+  if bad_at then fail(path, fmt("header is not UTF-8 (byte %d of the header)", bad_at)) end
   local ok, hdr = pcall(json.decode, text)
   if not ok then fail(path, "header is not valid JSON: " .. tostring(hdr)) end
   if not json.is_object(hdr) then

@@ -1,7 +1,8 @@
 -- Strict inputs on loads: state loads refuse integer tensors as float
 -- weights (load_state_dict, GPT:from_hf) and leave the model as it was;
 -- safetensors offsets must tile the data section exactly (a header length
--- off by one either way, a gap, trailing bytes: errors naming the file);
+-- off by one either way, a gap, trailing bytes: errors naming the file) and
+-- the header must be UTF-8;
 -- token shards must hold exactly the tokens their header counts.
 
 package.path = (arg and arg[0] and arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
@@ -96,6 +97,12 @@ do
   local hdr2 = '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}'
   local gap2 = write("gap2.safetensors", le64(#hdr2) .. hdr2 .. ("\0"):rep(12))
   t.raises(function() st.load(gap2) end, { "gap2.safetensors", "[4, 8)", '"b"' }, "a hole between tensors")
+  local hdr4 = '{"\250x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+  t.raises(function() st.load(write("utf8.safetensors", le64(#hdr4) .. hdr4 .. ("\0"):rep(4))) end,
+    { "utf8.safetensors", "not UTF-8", "byte 3" }, "a header that is not UTF-8")
+  local hdr5 = '{"\195\169":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+  t.ok(st.load(write("utf8ok.safetensors", le64(#hdr5) .. hdr5 .. ("\0"):rep(4)))["\195\169"] ~= nil,
+    "a UTF-8 name loads")
   local hdr3 = '{"e":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
   t.eq(st.load(write("empty.safetensors", le64(#hdr3) .. hdr3)).e:numel(), 0, "a zero-element tensor, no data")
 end
