@@ -18,6 +18,7 @@
 local ffi = require "ffi"
 local core = require "fsdp.core"
 local json = require "fsdp.json"
+local fio = require "fsdp.io"
 require "fsdp.tensor"          -- the metatype: tensors we make get their methods
 
 local C = core.C
@@ -345,7 +346,7 @@ local function write_tensor(f, t, nbytes)
   local done = 0
   while done < nbytes do
     local n = math.min(M.chunk_bytes, nbytes - done)
-    assert(f:write(ffi.string(src + done, n)))
+    f:append(src + done, n)
     done = done + n
   end
   return anchor   -- keeps the copy alive until the writes are done
@@ -363,8 +364,8 @@ end
 --- safetensors.save(path, {name = Tensor, ...}, metadata)
 -- Names are written sorted and the data packed in that order, so equal
 -- inputs give equal files. metadata values must be strings (numbers and
--- booleans are converted). The file is written beside path and renamed
--- over it, so a crash never leaves a half-written file under the name.
+-- booleans are converted). The file is written beside path, synced and
+-- renamed over it, so a crash never leaves a half-written file under the name.
 function M.save(path, tensors, metadata)
   if type(path) ~= "string" then raise("safetensors.save: path must be a string, got " .. type(path)) end
   if type(tensors) ~= "table" then
@@ -407,19 +408,20 @@ function M.save(path, tensors, metadata)
   local head = M.encode_header(hdr)
 
   local tmp = path .. ".tmp"
-  local f, err = io.open(tmp, "wb")
-  if not f then raise(fmt("safetensors.save: %s: cannot open for writing: %s", path, tostring(err))) end
+  local okf, f = pcall(fio.open, tmp, "w")
+  if not okf then raise(fmt("safetensors.save: %s: cannot open for writing: %s", path, tostring(f))) end
   local ok, werr = pcall(function()
-    assert(f:write(head))
+    f:append(head, #head)
     for i, name in ipairs(names) do write_tensor(f, tensors[name], sizes[i]) end
-    assert(f:close())
+    f:sync()
+    f:close()
   end)
   if not ok then
     pcall(f.close, f)
     os.remove(tmp)
     raise(fmt("safetensors.save: %s: write failed: %s", path, tostring(werr)))
   end
-  local rok, rerr = os.rename(tmp, path)
+  local rok, rerr = pcall(fio.rename, tmp, path)
   if not rok then
     os.remove(tmp)
     raise(fmt("safetensors.save: %s: cannot rename into place: %s", path, tostring(rerr)))

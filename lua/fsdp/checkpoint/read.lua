@@ -1,7 +1,10 @@
 -- fsdp.checkpoint.read: a load, on any number of ranks and any wrap
--- policy (resharding). Each rank plans the byte ranges holding its slices,
--- reads them file by file through a staging buffer, verifies them, and only
+-- policy (resharding). Each rank plans the blobs holding its slices, reads
+-- them file by file through a staging buffer, verifies them, and only
 -- after every rank succeeded copies them into the model and the optimizer.
+-- A blob is always read whole, so that its checksum covers every byte
+-- taken from it: on as many ranks as saved (or fewer) that is exactly what
+-- a rank needs; on more, a blob split between ranks is read by each of them.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local json = require "fsdp.json"
