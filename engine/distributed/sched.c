@@ -27,6 +27,7 @@
  * memory; each gather copies this rank's shard (cast to the compute dtype
  * first) to the device, and each reduced gradient shard comes back. */
 #include "ops_util.h"
+#include "comm_internal.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -417,8 +418,8 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     if (!s) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_new: out of host memory");
     atomic_init(&s->refcount, 1);
     /* the schedule keeps its own communicator handles */
-    fsdp_status st = fsdp_comm_split(&s->shard_comm, shard_comm, 0, 0);
-    if (st == FSDP_OK && replica_comm) st = fsdp_comm_split(&s->replica_comm, replica_comm, 0, 0);
+    fsdp_status st = comm_dup(&s->shard_comm, shard_comm);
+    if (st == FSDP_OK && replica_comm) st = comm_dup(&s->replica_comm, replica_comm);
     if (st != FSDP_OK) {
         if (s->shard_comm) fsdp_comm_free(s->shard_comm);
         free(s);
