@@ -134,10 +134,10 @@ local cases = {
       local edited, n = text:gsub('"offset": ' .. off .. ',', '"offset": ' .. (off + 64) .. ',', 1)
       assert(n == 1)
       write_all(c .. "/index.json", edited)
-    end, { "index.json", "checksum does not match", "edited or damaged" } },
+    end, { "index.json", "checksum does not match", "edited or damaged", "in the entry of parameter '" } },
   { "whitespace_edit", function(c)
       write_all(c .. "/index.json", (read_all(c .. "/index.json"):gsub("\n ", "\n  ", 1)))
-    end, { "index.json", "checksum does not match" } },
+    end, { "index.json", "checksum does not match", "outside the parameter entries" } },
   -- forged: edited and re-sealed; the structure and the blob checksums still catch it
   { "offset_resealed", function(c)
       local idx = json.decode(read_all(c .. "/index.json"))

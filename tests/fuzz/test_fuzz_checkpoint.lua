@@ -296,6 +296,12 @@ for k = 1, ncases do
       counts.unnamed = (counts.unnamed or 0) + 1
       if rank == 0 then print(string.format("NO PATH: case %d (%s): %s", k, kind, msg)) end
     end
+    if kind:match("^index%.") then   -- named down to the entry when the edit hit one
+      counts.index_errors = (counts.index_errors or 0) + 1
+      if msg:find("parameter '", 1, true) or msg:find("optimizer state", 1, true) then
+        counts.index_named = (counts.index_named or 0) + 1
+      end
+    end
     -- damage in a shard file is named down to the tensor it hits
     if kind:match("^shard%.") and not (msg:find("parameter '", 1, true) or msg:find("optimizer state", 1, true)) then
       counts.no_tensor = (counts.no_tensor or 0) + 1
@@ -308,6 +314,8 @@ if rank == 0 then
   print(string.format("fuzz.checkpoint: %d cases (seed %d): %d errors, %d loaded bit-identical, %d silent differences, "
     .. "%d touched the model on error, %d errors without the file's path, 0 crashes", ncases, seed, counts.errors,
     counts.identical, counts.silent, counts.touched, counts.unnamed or 0))
+  print(string.format("  of %d errors from edits of index.json, %d name the edited parameter entry (the rest hit "
+    .. "other fields, whitespace, or left no JSON)", counts.index_errors or 0, counts.index_named or 0))
   for _, kind in ipairs(keys(by_kind)) do
     print(string.format("  %-24s %4d errors %4d identical", kind, by_kind[kind][1], by_kind[kind][2]))
   end

@@ -52,16 +52,52 @@ function M.index_path(dir) return dir .. "/index.json" end
 -- checks it before trusting anything else in the index.
 local SEAL = ',\n "index_checksum": "%s"\n}\n'
 
+-- Fields read_index adds for its own use, never stored.
+local RUNTIME = { label = true, blobs = true, param_map = true, file_map = true, dir = true,
+  index_checksum = true, entry_checksum = true }
+
+-- A copy of v without runtime fields (arrays stay arrays).
+local function stored(v)
+  if type(v) ~= "table" then return v end
+  local c = {}
+  for k, x in pairs(v) do
+    if not RUNTIME[k] then c[k] = stored(x) end
+  end
+  return setmetatable(c, getmetatable(v))
+end
+
+-- Each parameter's entry (and each optimizer state entry) carries the
+-- XXH64 of its own compact encoding, so that an index whose checksum fails
+-- can still say which entries were edited.
+local function entry_hash(e) return fio.hash_string(json.encode(stored(e))) end
+
 --- format.encode_index(index) -> the text of index.json (sealed).
 function M.encode_index(index)
-  local t = {}
-  for k, v in pairs(index) do
-    if k ~= "index_checksum" and k ~= "file_map" and k ~= "param_map" and k ~= "dir" then t[k] = v end
-  end
+  local t = stored(index)
+  for _, p in ipairs(t.params or {}) do p.entry_checksum = entry_hash(p) end
+  for _, e in ipairs(t.optimizer and t.optimizer.params or {}) do e.entry_checksum = entry_hash(e) end
   local text = json.encode(json.object(t), { indent = " " })
   local body = text:match("^(.*)\n}$")
   assert(body and body ~= "{", "format.encode_index: unexpected encoder output")
   return body .. fmt(SEAL, fio.hash_string(body))
+end
+
+-- Which entries of a decoded index no longer match their own checksums.
+local function edited_entries(index)
+  local l = {}
+  local function check(list, what)
+    if type(list) ~= "table" then return end
+    for _, e in ipairs(list) do
+      if type(e) == "table" then
+        local ok, h = pcall(entry_hash, e)
+        if not ok or h ~= e.entry_checksum then l[#l + 1] = fmt(what, tostring(e.path)) end
+      end
+    end
+  end
+  check(index.params, "parameter '%s'")
+  check(type(index.optimizer) == "table" and index.optimizer.params, "optimizer state of '%s'")
+  if #l > 3 then l = { l[1], l[2], l[3], fmt("%d more", #l - 3) } end
+  return l
 end
 
 -- Checks that ranges (sorted by start) tile [0, n) exactly.
@@ -106,7 +142,9 @@ function M.read_index(dir)
   local body, sum = text:match('^(.*),\n "index_checksum": "(%x+)"\n}\n$')
   if not body then bad(path, "the index has no index_checksum as its last member (edited or damaged)") end
   if fio.hash_string(body) ~= sum then
-    bad(path, "the index's checksum does not match its contents: the index was edited or damaged")
+    local l = edited_entries(index)
+    bad(path, "the index's checksum does not match its contents: the index was edited or damaged"
+      .. (#l > 0 and (", in the entry of " .. concat(l, ", ")) or " (outside the parameter entries)"))
   end
   local ck = index.checksum
   if type(ck) ~= "table" or ck.algorithm ~= M.CHECKSUM then bad(path, "unknown checksum scheme") end
