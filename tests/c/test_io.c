@@ -3,6 +3,7 @@
  * (append, pwrite, pread at and past the end, atomic writes); directories
  * (mkdir -p, listing, removal); and the error path of every call, which
  * returns a status and a message naming the call and the path. */
+#define _GNU_SOURCE /* mkdtemp */
 #include "fsdp.h"
 #include "testutil.h"
 
