@@ -410,7 +410,15 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
                                 int *index);
 fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset);
-/* The persistent f32 master shard and gradient shard (new references). */
+/* Marks a unit frozen: its parameters get no gradient (their views do not
+ * require grad), it has no gradient shard and no reduce-scatter; it is still
+ * gathered for forward and backward (inputs' gradients need its values).
+ * owner: the unit holding the trainable parameters of the same module, or
+ * -1; prefetching either gathers both, and the pair counts once against the
+ * limit. Only before the unit's first forward. */
+fsdp_status fsdp_unit_set_frozen(fsdp_sched *s, int unit, int owner);
+/* The persistent f32 master shard and gradient shard (new references; the
+ * gradient is NULL for a frozen unit). */
 fsdp_status fsdp_unit_shard(fsdp_sched *s, int unit, fsdp_tensor **master, fsdp_tensor **grad);
 /* Parameter i as a view of the unit's full buffer, requiring grad; usable
  * only while the unit is gathered. */
