@@ -106,7 +106,8 @@ for k, v in pairs(args) do
   end
 end
 if next(rest) == nil and script == "recipes/gpt2.lua" then
-  rest = { preset = "small", dtype = "bf16", batch = 16, ctx = 1024 }
+  -- (the whole corpus for evaluation too: held out, it is shorter than one batch)
+  rest = { preset = "small", dtype = "bf16", batch = 16, ctx = 1024, val_data = "data/corpus.txt" }
   shown = { "--preset=small", "--dtype=bf16", "--batch=16", "--ctx=1024" }
 end
 table.sort(shown)
