@@ -28,6 +28,9 @@ options:
                  this process runs with, 1 without mpirun); the recipe sees
                  fsdp.distributed.world() = N
   --rank=R       the rank --plan plans as (default 0)
+  --device=D     the device --plan plans for, cpu or cuda: the kernel set
+                 the op layer sees (default: this machine's default device;
+                 cuda needs a build with the CUDA table, not a GPU)
   -v, --version  print the fsdp-lua, engine and LuaJIT versions
   -h, --help     print this help
   --             stop handling options
@@ -142,7 +145,7 @@ end
 function M.main(argv)
   argv = argv or {}
   local actions, interactive, show_version, script = {}, false, false, nil
-  local plan, plan_world, plan_rank = false, nil, nil
+  local plan, plan_world, plan_rank, plan_device = false, nil, nil, nil
   local i = 1
   while i <= #argv do
     local a = argv[i]
@@ -170,6 +173,12 @@ function M.main(argv)
         return fail("--rank expects a whole number, as --rank=3 (got '" .. tostring(v) .. "')")
       end
       plan_rank, i = n, i + 1
+    elseif a:match("^%-%-device=") then
+      plan_device = a:match("^%-%-device=(.*)$")
+      if plan_device ~= "cpu" and plan_device ~= "cuda" then
+        return fail("--device expects cpu or cuda (got '" .. plan_device .. "')")
+      end
+      i = i + 1
     elseif a == "-h" or a == "--help" then
       io.stdout:write(M.usage)
       return 0
@@ -187,6 +196,7 @@ function M.main(argv)
 
   if plan_world and not plan then return fail("--world=N only applies with --plan (see --help)") end
   if plan_rank and not plan then return fail("--rank=R only applies with --plan (see --help)") end
+  if plan_device and not plan then return fail("--device=D only applies with --plan (see --help)") end
   if plan and not script then return fail("--plan needs a recipe that calls fsdp.shard (see --help)") end
 
   local fsdp = require "fsdp"
@@ -226,7 +236,7 @@ function M.main(argv)
       if r >= n then return fail(string.format("--rank=%d is not a rank of --world=%d (0..%d)", r, n, n - 1)) end
       local planner = require "fsdp.plan"
       local p
-      local code = run_recipe(function(a) p = planner.run(chunk, { world = n, rank = r }, a) end, args)
+      local code = run_recipe(function(a) p = planner.run(chunk, { world = n, rank = r, mimic = plan_device }, a) end, args)
       if code then return code end
       io.stdout:write(planner.format(p), "\n")
       return 0

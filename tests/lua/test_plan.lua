@@ -138,6 +138,20 @@ else
   t.ok(code ~= 0 and out:find("--world expects a positive whole number", 1, true), "--world=two")
   out, code = run(launcher .. " --plan --world=2 --rank=2 recipes/gpt2.lua")
   t.ok(code ~= 0 and out:find("--rank=2 is not a rank of --world=2", 1, true), "--rank outside --world")
+  -- a GPU job planned anywhere: the CUDA kernel set, shards offloaded to the host
+  out, code = run(launcher .. " --plan --device=cuda --world=2 recipes/gpt2.lua --preset=tiny --offload")
+  if out:find("CUDA kernel table is not built", 1, true) then
+    t.ok(code ~= 0, "--device=cuda without the CUDA table says so")
+  else
+    t.eq(code, 0, "--plan --device=cuda exits 0")
+    t.ok(out:find("the cuda kernel set", 1, true), "--device=cuda: the CUDA kernel set")
+    t.ok(out:find("\n  optimizer +0.00 +0.00 +0 ", 1) ~= nil, "--offload: no optimizer state on the GPU")
+    t.ok(out:find("host (offload): param", 1, true), "--offload: shards and state in host memory")
+  end
+  out, code = run(launcher .. " --plan --device=gpu recipes/gpt2.lua")
+  t.ok(code ~= 0 and out:find("--device expects cpu or cuda", 1, true), "--device=gpu")
+  out, code = run(launcher .. " --device=cpu recipes/gpt2.lua")
+  t.ok(code ~= 0 and out:find("--device=D only applies with --plan", 1, true), "--device without --plan")
   out, code = run(launcher .. " --help")
   t.ok(code == 0 and out:find("--plan", 1, true) and out:find("--rank=R", 1, true), "--help documents them")
 
