@@ -336,7 +336,10 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
  * returns a work handle to wait on (pass work == NULL to wait before
  * returning). For CUDA tensors, waiting orders the compute stream after the
  * collective rather than blocking the host (FSDP_NCCL_BLOCKING_WAIT=1
- * blocks). A work keeps its tensors alive until it completes. Every collective carries a sequence number and a
+ * blocks). A work keeps its tensors alive until it completes; with
+ * FSDP_COMM_SYNC=1 every collective completes before it returns (no
+ * overlap: buffers are held exactly as a plan counts them, see fsdp.plan),
+ * as a counting communicator's always do. Every collective carries a sequence number and a
  * fingerprint (kind, communicator, bytes, dtype, label): with
  * FSDP_DEBUG_COLLECTIVES=1 ranks compare them first and fail on the first
  * mismatch; a wait longer than FSDP_WATCHDOG_SECONDS (default 600) reports

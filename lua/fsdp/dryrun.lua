@@ -179,7 +179,10 @@ function M.run(fn, opts, ...)
   shard_mod.shard = real_shard
   fsdp.set_default_device(prev_device)
   result.sharded = sharded
-  if result.steps_run == 0 then close_step() end   -- no optimizer step: the whole run is one
+  if result.steps_run == 0 then   -- no fsdp.optim step: the whole run counts as one
+    result.whole_run = true
+    close_step()
+  end
   -- as the last counted step ended (what fn did after it is not counted)
   result.memory = result.steps[result.steps_run].memory
   result.host = result.steps[result.steps_run].host

@@ -39,7 +39,8 @@ end
 
 -- A plan from a dry run's result.
 local function from_result(r, world, rank)
-  local p = { world = world, rank = rank, mimic = r.mimic, steps_run = r.steps_run, memory = r.memory,
+  local p = { world = world, rank = rank, mimic = r.mimic, steps_run = r.steps_run, whole_run = r.whole_run,
+    memory = r.memory,
     host = r.host, units = {}, numel = 0, shards = r.sharded or {} }
   for _, s in ipairs(p.shards) do
     p.strategy, p.compute, p.reduce = s.strategy, s.compute, s.reduce
@@ -134,9 +135,10 @@ local tag_about = {
 function M.format(p)
   local L = {}
   local function add(...) L[#L + 1] = string.format(...) end
-  add("FSDP plan: %d rank%s, %s, as rank %d (%d real training step%s on the counting device, the %s kernel set)",
-    p.world, p.world == 1 and "" or "s", p.strategy or "not sharded", p.rank, p.steps_run,
-    p.steps_run == 1 and "" or "s", p.mimic)
+  local ran = p.whole_run and "the whole recipe, which made no optimizer step,"
+    or string.format("%d real training step%s", p.steps_run, p.steps_run == 1 and "" or "s")
+  add("FSDP plan: %d rank%s, %s, as rank %d (%s on the counting device, the %s kernel set)",
+    p.world, p.world == 1 and "" or "s", p.strategy or "not sharded", p.rank, ran, p.mimic)
   if #p.units > 0 then
     add("model: %s parameters in %d unit%s, shard group of %d, compute %s, reduce %s", commas(p.numel), #p.units,
       #p.units == 1 and "" or "s", p.group_size, p.compute, p.reduce)
@@ -161,8 +163,9 @@ function M.format(p)
   end
   add("")
   local tr = p.traffic
-  add("traffic of rank %d per training step (step %d): %s MiB all-gathered, %s MiB reduced", p.rank, p.steps_run,
-    mib(tr.gathered_bytes), mib(tr.reduced_bytes))
+  local per = p.whole_run and "over the whole run" or string.format("per training step (step %d)", p.steps_run)
+  add("traffic of rank %d %s: %s MiB all-gathered, %s MiB reduced", p.rank, per, mib(tr.gathered_bytes),
+    mib(tr.reduced_bytes))
   for _, k in ipairs({ "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_reduce_doubles" }) do
     if tr[k] and tr[k].calls > 0 then
       add("  %-20s %6d call%s %12s MiB", (k:gsub("_", "-")), tr[k].calls, tr[k].calls == 1 and " " or "s",
@@ -170,8 +173,9 @@ function M.format(p)
     end
   end
   local k = p.kernels
-  add("kernels per step: %d launches, %.2f GFLOP, %.3f GB read + %.3f GB written, %d host syncs", k.launches,
-    k.flops / 1e9, k.bytes_read / 1e9, k.bytes_written / 1e9, k.syncs)
+  add("kernels %s: %d launches, %.2f GFLOP, %.3f GB read + %.3f GB written, %d host syncs",
+    p.whole_run and "over the whole run" or "per step", k.launches, k.flops / 1e9, k.bytes_read / 1e9,
+    k.bytes_written / 1e9, k.syncs)
   return table.concat(L, "\n")
 end
 
