@@ -407,6 +407,15 @@ fsdp_status fsdp_sched_free(fsdp_sched *s);
  * compute device (the default) or FSDP_DEVICE_CPU, offloading them to host
  * memory. Only before the first unit is added. */
 fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device);
+/* A world of one (DESIGN.md, decision 10): on a shard group of one rank,
+ * without replicas, with f32 compute and reduction and shards on the
+ * compute device, on = 1 makes each unit's parameters views of its master
+ * shard and points their gradients straight into the gradient shard:
+ * nothing is gathered, copied, reduced or freed around a unit, and the
+ * memory is that of the unsharded model. (A backward abandoned halfway then
+ * leaves its partial gradients, as on an unsharded model.) Only before the
+ * first unit is added; refused where the conditions do not hold. */
+fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
 /* A unit of n parameters with these element counts, in order; keep: leave it
  * gathered from forward to backward (the root; shard_grad_op). */
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,

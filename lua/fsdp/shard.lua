@@ -26,6 +26,11 @@
 -- Each gather copies this rank's shard to the GPU first, each reduced
 -- gradient shard comes back (PyTorch's CPUOffload(offload_params=True)).
 -- Where the compute device is the CPU it changes nothing.
+--
+-- On a world of one (one rank, f32 compute and reduction, shards where the
+-- model computes) the unit buffers are the parameters themselves: module
+-- fields are views of the master, gradients land in the gradient shard,
+-- nothing is gathered or copied, and memory is that of the unsharded model.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -289,10 +294,15 @@ function M.shard(model, opts)
   local offload = opts.offload == true and device ~= "cpu" and
     not (device == "meta" and require("fsdp.meta").mimicked() == "cpu")
   if offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
+  -- a world of one is not a special case for the caller, only for the
+  -- engine: parameters become views of the master, nothing is gathered
+  local direct = shard_group:size() == 1 and (replica_comm == nil or dist._borrow(replica_comm):size() == 1) and
+      compute == "f32" and reduce == "f32" and not offload
+  if direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
   local self = setmetatable({
     model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
     offload = offload,
-    sched = sched, shard_comm = shard_comm, replica_comm = replica_comm,
+    sched = sched, shard_comm = shard_comm, replica_comm = replica_comm, direct = direct,
     world = world, rank = rank, grads = {}, segments = {},
     group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
   }, Sharded)
