@@ -22,19 +22,19 @@ local now = require("fsdp.timer").now
 local o = options.parse(..., {
   { "preset", { "tiny", "small" }, "tiny", "model: tiny (2 layers, width 64) or small (GPT-2 124M)" },
   { "policy", "string", nil, "only this policy (a name from the table)" },
-  { "min_params", "int", nil, "the by-size threshold (default: tiny 16000, small 5000000)" },
+  { "min_params", "int", nil, "the by-size threshold (default: tiny 16000, small 5000000)", min = 1 },
   { "strategy", { "full_shard", "shard_grad_op", "no_shard", "hybrid_shard" }, "full_shard", "sharding strategy" },
-  { "group_size", "int", nil, "hybrid_shard: ranks per shard group" },
+  { "group_size", "int", nil, "hybrid_shard: ranks per shard group", min = 1 },
   { "dtype", { "f32", "bf16" }, "f32", "compute dtype of gathered parameters" },
-  { "limit", "int", 2, "units gathered at once (prefetch limit)" },
-  { "world", "int", nil, "plan for this many ranks (default: the ranks running; measuring needs the real ones)" },
+  { "limit", "int", 2, "units gathered at once (prefetch limit)", min = 1 },
+  { "world", "int", nil, "plan for this many ranks (default: the ranks running; measuring needs the real ones)", min = 1 },
   { "measure", "bool", false, "train and measure even on one rank" },
-  { "steps", "int", 3, "measured training steps per policy (after one warm-up step)" },
-  { "batch", "int", 8, "sequences per global batch (divisible by the ranks)" },
-  { "ctx", "int", 64, "tokens per sequence" },
+  { "steps", "int", 3, "measured training steps per policy (after one warm-up step)", min = 1 },
+  { "batch", "int", 8, "sequences per global batch (divisible by the ranks)", min = 1 },
+  { "ctx", "int", 64, "tokens per sequence", min = 1 },
   { "verbose", "bool", false, "print the planner's full report per policy" },
   { "check", "bool", false, "exit 1 unless the measured memory and traffic are within 10% of the plan" },
-  { "threads", "int", nil, "CPU threads per rank" },
+  { "threads", "int", nil, "CPU threads per rank", min = 1, max = 256 },
 }, "wrap_policies.lua")
 if o.threads then fsdp.set_num_threads(o.threads) end
 
