@@ -638,22 +638,55 @@ static fsdp_status gpu_wait(fsdp_work *w, double t0) {
     return FSDP_OK;
 }
 
+/* fsdp_comm_abandon: waits give up (the REPL, when a peer failed a chunk). */
+static _Atomic int g_abandon_on;
+static long long g_abandoned;
+static char g_abandon_reason[512];
+static pthread_mutex_t g_abandon_mu = PTHREAD_MUTEX_INITIALIZER;
+
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned) {
+    pthread_mutex_lock(&g_abandon_mu);
+    if (abandoned) *abandoned = g_abandoned;
+    if (reason) {
+        snprintf(g_abandon_reason, sizeof g_abandon_reason, "%s", reason);
+        g_abandon_on = 1;
+    } else {
+        g_abandon_on = 0;
+        g_abandoned = 0;
+    }
+    pthread_mutex_unlock(&g_abandon_mu);
+    return FSDP_OK;
+}
+
+static fsdp_status abandon_wait(fsdp_work *w) {
+    pthread_mutex_lock(&g_abandon_mu);
+    g_abandoned++;
+    char what[160];
+    comm_fp_describe(&w->fp, false, what, sizeof what);
+    fsdp_status st = fsdp_set_error(FSDP_ERR_COMM, "%s (collective #%llu on comm %s(%d)) abandoned: %s", what,
+                                    (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, g_abandon_reason);
+    pthread_mutex_unlock(&g_abandon_mu);
+    return st;
+}
+
 fsdp_status fsdp_work_wait(fsdp_work *w) {
     if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
     comm_cfg();
     double t0 = comm_now();
     pthread_mutex_lock(&w->mu);
     while (!w->done) {
-        if (g_cfg.watchdog_s > 0) {
-            struct timespec dl = abs_time(t0 + g_cfg.watchdog_s);
-            int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
-            if (rc == ETIMEDOUT && !w->done) {
-                pthread_mutex_unlock(&w->mu);
-                comm_watchdog_fire(w, comm_now() - t0);
-                pthread_mutex_lock(&w->mu);
-            }
-        } else {
-            pthread_cond_wait(&w->cv, &w->mu);
+        if (g_abandon_on) {
+            pthread_mutex_unlock(&w->mu);
+            return abandon_wait(w);   /* the work keeps its tensors: the comm thread may still use them */
+        }
+        /* wake up now and then to see fsdp_comm_abandon */
+        double until = t0 + (g_cfg.watchdog_s > 0 ? g_cfg.watchdog_s : 1e18), tick = comm_now() + 0.1;
+        struct timespec dl = abs_time(tick < until ? tick : until);
+        int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
+        if (rc == ETIMEDOUT && !w->done && g_cfg.watchdog_s > 0 && comm_now() - t0 > g_cfg.watchdog_s) {
+            pthread_mutex_unlock(&w->mu);
+            comm_watchdog_fire(w, comm_now() - t0);
+            pthread_mutex_lock(&w->mu);
         }
     }
     w->observed = true;

@@ -388,6 +388,13 @@ fsdp_status fsdp_work_free(fsdp_work *w);
  * bytes reduced (sent into reduce-scatter and all-reduce), and seconds the
  * caller spent blocked in fsdp_work_wait. */
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+/* With a reason: every fsdp_work_wait of this process, now or later, fails
+ * at once with that reason instead of waiting (the REPL, when a peer rank
+ * failed a chunk this rank still runs). A collective given up this way may
+ * still be running on the comm thread, so the communicators are not usable
+ * afterwards. With reason NULL: waits wait again; *abandoned (optional)
+ * says how many waits were given up since the reason was set. */
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
 fsdp_status fsdp_comm_reset_stats(void);
 
 /* ---- sharded units and their schedule (DESIGN.md, "The FSDP contract") ----

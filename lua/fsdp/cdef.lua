@@ -274,6 +274,8 @@ fsdp_status fsdp_work_test(fsdp_work *w, int *done);
 fsdp_status fsdp_work_free(fsdp_work *w);
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
 fsdp_status fsdp_comm_reset_stats(void);
 
 fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
