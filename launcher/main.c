@@ -370,8 +370,27 @@ static int script_index(int argc, char **argv) {
     return i;
 }
 
+/* --trace=FILE before the script: the timeline of the whole run
+ * (FSDP_TRACE, read by the runtime); taken out of argv. */
+static int take_trace_option(int argc, char **argv) {
+    int end = script_index(argc, argv);
+    for (int i = 1; i < end && i < argc; i++) {
+        if (strncmp(argv[i], "--trace=", 8) == 0) {
+            if (!argv[i][8]) {
+                fprintf(stderr, "fsdp-lua: --trace needs a file, as --trace=trace.json\n");
+                exit(2);
+            }
+            setenv("FSDP_TRACE", argv[i] + 8, 1);
+            for (int k = i; k < argc; k++) argv[k] = argv[k + 1];
+            return argc - 1;
+        }
+    }
+    return argc;
+}
+
 int main(int argc, char **argv) {
     int rank = 0, world = 1, code = 0;
+    argc = take_trace_option(argc, argv);
     if (fsdp_runtime_init(&rank, &world) != FSDP_OK) {
         fprintf(stderr, "fsdp-lua: runtime init failed: %s\n", fsdp_last_error());
         return 1;

@@ -34,6 +34,7 @@
 #define _POSIX_C_SOURCE 200809L   /* clock_gettime, nanosleep, pthread_condattr_setclock under -std=c11 */
 #include "comm_impl.h"
 #include "cpu_kernels.h"
+#include "trace.h"
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -546,7 +547,11 @@ static void *comm_thread_main(void *arg) {
         q_current_size = w->comm_size;
         pthread_mutex_unlock(&q_mu);
 
+        double tt0 = trace_now();
         run_work(w);
+        if (tt0 > 0)
+            trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
+                            tt0, trace_now());
         /* Completion: the tensors go back now, not when the handle is freed;
          * those of a CUDA collective once the GPU is done with them. */
         if (work_on_gpu(w)) inflight_push(w);
@@ -692,6 +697,9 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
     w->observed = true;
     fsdp_status st = w->status;
     pthread_mutex_unlock(&w->mu);
+    if (fsdp_trace_on)
+        trace_event_add(TRACE_COMPUTE, "wait", w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, t0 * 1e6,
+                        trace_now());
     fsdp_status gst = work_on_gpu(w) ? gpu_wait(w, t0) : FSDP_OK;
     double dt = comm_now() - t0;
     pthread_mutex_lock(&stats_mu);
