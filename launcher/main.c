@@ -339,10 +339,31 @@ static int traceback(lua_State *L) {
     return 1;
 }
 
+/* The Lua library: share/fsdp-lua/lua beside an installed fsdp-lua
+ * (<prefix>/bin/fsdp-lua), else the source tree it was built from. */
+static const char *lua_dir(void) {
+    static char dir[4096];
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = '\0';
+            char probe[4096 + 64];
+            snprintf(dir, sizeof dir, "%s/../share/fsdp-lua/lua", exe);
+            snprintf(probe, sizeof probe, "%s/fsdp/init.lua", dir);
+            if (access(probe, R_OK) == 0) return dir;
+        }
+    }
+    return FSDP_LUA_DIR;
+}
+
 /* package.path: $FSDP_LUA_PATH (a path template, or a folder), then the
  * library folder, then LuaJIT's default. */
 static void set_path(lua_State *L) {
     const char *env = getenv("FSDP_LUA_PATH");
+    const char *lib = lua_dir();
     lua_getglobal(L, "package");
     lua_getfield(L, -1, "path");
     const char *deflt = lua_tostring(L, -1);
@@ -352,8 +373,7 @@ static void set_path(lua_State *L) {
         lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", env, env);
     else
         lua_pushliteral(L, "");
-    lua_pushfstring(L, "%s%s/?.lua;%s/?/init.lua;%s", lua_tostring(L, -1), FSDP_LUA_DIR, FSDP_LUA_DIR,
-                    deflt ? deflt : "");
+    lua_pushfstring(L, "%s%s/?.lua;%s/?/init.lua;%s", lua_tostring(L, -1), lib, lib, deflt ? deflt : "");
     lua_setfield(L, -4, "path");
     lua_pop(L, 3);
 }

@@ -703,6 +703,7 @@ static fsdp_status attention_qkv_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale) {
+    TRACE_OP("attention_qkv", out);
     const char *op = "fsdp_attention_qkv", *names[] = {"qkv"};
     fsdp_tensor *ts[] = {qkv};
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));

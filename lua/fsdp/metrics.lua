@@ -31,7 +31,8 @@ local fsdp = require "fsdp"
 local json = require "fsdp.json"
 local memory = require "fsdp.memory"
 
-local C, raise = fsdp.C, fsdp.core.raise
+local core = require "fsdp.core"
+local C, raise = core.C, core.raise
 
 local M = {}
 

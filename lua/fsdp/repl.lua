@@ -512,7 +512,7 @@ function M.run(opts)
           ffi.C.sleep(30)
         end
         io.stdout:flush()
-        fsdp.C.fsdp_runtime_abort(rank == 0 and string.format(
+        require("fsdp.core").C.fsdp_runtime_abort(rank == 0 and string.format(
           "fsdp-lua: the chunk failed on rank(s) %s while rank %d waited in a collective they will never join; "
           .. "a collective cannot be taken back once entered, so the ranks cannot go on together: ending the job",
           #failed > 0 and table.concat(failed, ",") or "?", gave_up) or nil, 1)

@@ -54,9 +54,11 @@ for pid = 0, ranks - 1 do
     if e.dur < 0 then fail("negative duration " .. e.name) end
     ops[e.name] = true
   end
-  for _, want in ipairs { "matmul", "layernorm", "attention", "cross_entropy", "wait" } do
+  for _, want in ipairs { "matmul", "layernorm", "cross_entropy", "matmul backward", "layernorm backward" } do
     if not ops[want] then fail("rank " .. pid .. ": no " .. want .. " on the compute track") end
   end
+  if not (ops.attention or ops.attention_qkv) then fail("rank " .. pid .. ": no attention op on the compute track") end
+  if ranks > 1 and not ops.wait then fail("rank " .. pid .. ": no wait on the compute track") end
   -- nesting: on one track, two events are disjoint or one holds the other
   for tid, list in pairs(per[pid]) do
     table.sort(list, function(a, b) return a.ts < b.ts or (a.ts == b.ts and a.dur > b.dur) end)
