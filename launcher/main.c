@@ -343,14 +343,14 @@ static int traceback(lua_State *L) {
  * (<prefix>/bin/fsdp-lua), else the source tree it was built from. */
 static const char *lua_dir(void) {
     static char dir[4096];
-    char exe[4096];
+    char exe[3072];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (n > 0) {
         exe[n] = '\0';
         char *slash = strrchr(exe, '/');
         if (slash) {
             *slash = '\0';
-            char probe[4096 + 64];
+            char probe[sizeof dir + 32];
             snprintf(dir, sizeof dir, "%s/../share/fsdp-lua/lua", exe);
             snprintf(probe, sizeof probe, "%s/fsdp/init.lua", dir);
             if (access(probe, R_OK) == 0) return dir;
