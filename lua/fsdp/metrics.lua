@@ -15,7 +15,7 @@
 --   m:close()
 --
 -- Every figure is this step's, never a total since the last log line:
--- step ms, tokens/s, MFU, peak memory per tag, bytes all-gathered and
+-- step ms, tokens/s, MFU, peak memory per tag (and in all), bytes all-gathered and
 -- reduced, and the time spent waiting on collectives, each the maximum over
 -- ranks (one small all-reduce per step). end_step is collective: every
 -- rank calls it; only rank 0 writes the file.
@@ -101,7 +101,7 @@ function M.new(opts)
   local box = ffi.new("fsdp_comm *[1]")
   if C.fsdp_comm_world(box) ~= 0 then raise() end
   self.comm = box[0]
-  self.vals = ffi.new("double[?]", 4 + #M.TAGS)
+  self.vals = ffi.new("double[?]", 5 + #M.TAGS)
   return self
 end
 
@@ -121,13 +121,15 @@ function Metrics:end_step(fig)
   local v = self.vals
   v[0], v[1], v[2], v[3] = dt, g - self.g0, r - self.r0, w - self.w0
   for i, tag in ipairs(M.TAGS) do v[3 + i] = memory.stats(tag).peak end
-  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 4 + #M.TAGS, 2) ~= 0 then raise() end
+  v[4 + #M.TAGS] = memory.stats().peak
+  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 5 + #M.TAGS, 2) ~= 0 then raise() end
   local rec = {}
   for k, x in pairs(fig or {}) do rec[k] = x end
   rec.step_ms = v[0] * 1e3
   rec.gathered_bytes, rec.reduced_bytes, rec.comm_wait_ms = v[1], v[2], v[3] * 1e3
   rec.peak_bytes = {}
   for i, tag in ipairs(M.TAGS) do rec.peak_bytes[tag] = v[3 + i] end
+  rec.peak_bytes.total = v[4 + #M.TAGS]
   if self.tokens_per_step then
     rec.tokens_per_s = self.tokens_per_step / math.max(v[0], 1e-9)
     if self.flops_per_token then
@@ -154,8 +156,8 @@ function Metrics:format(r)
   if r.loss then parts[#parts + 1] = string.format("loss %.4f", r.loss) end
   if r.lr then parts[#parts + 1] = string.format("lr %.2e", r.lr) end
   if r.grad_norm then parts[#parts + 1] = string.format("grad norm %.3f", r.grad_norm) end
-  parts[#parts + 1] = string.format("%.1f ms", r.step_ms)
-  if r.tokens_per_s then parts[#parts + 1] = string.format("%.0f tok/s", r.tokens_per_s) end
+  parts[#parts + 1] = string.format("%.1f ms/step", r.step_ms)
+  if r.tokens_per_s then parts[#parts + 1] = string.format("%.0f tokens/s", r.tokens_per_s) end
   if r.mfu then parts[#parts + 1] = string.format("MFU %.1f%%", 100 * r.mfu) end
   parts[#parts + 1] = string.format("gathered %.2f MiB, reduced %.2f MiB, comm wait %.1f ms",
                                     r.gathered_bytes / MiB, r.reduced_bytes / MiB, r.comm_wait_ms)

@@ -164,8 +164,9 @@ if [ -n "$PY" ] && nm -D "$L" 2>/dev/null | grep -q fsdp_repl_readline; then
   cat > "$TMP/one.steps" <<'EOF'
 expect fsdp> 
 # Ctrl-C stops a running chunk (an endless loop) and the REPL goes on
-send while true do end\n
-sleep 0.5
+send io.write("loop", "ing\\n") io.flush() while true do end\n
+expect looping
+sleep 0.2
 send \x03
 expect interrupted
 expect fsdp> 
@@ -174,9 +175,10 @@ expect 2
 expect fsdp> 
 # Ctrl-C at the prompt drops the half-typed line
 send abc def
-sleep 0.3
+expect abc def
+sleep 0.2
 send \x03
-sleep 0.3
+expect ^C
 send 20 + 1\n
 expect 21
 expect fsdp> 
