@@ -468,16 +468,18 @@ function M.run(opts)
   local chunk_no, done = 0, false
   while not done do
     local src
+    chunk_no = chunk_no + 1
+    -- the chunk's number is set before rank 0 sends it, so that no rank can
+    -- fail it (and tell the others) before every rank listens for that
+    if world > 1 then launcher.fsdp_repl_chunk_begin(chunk_no) end
     if rank == 0 then src = read_chunk() end
     if world > 1 then src = bcast(src) end
     if src == nil then break end
-    chunk_no = chunk_no + 1
     local f, err = compile(src)
     -- Compiled loops never look at hooks, so Ctrl-C could not stop
     -- `while true do end`: the chunk's own code (not the library) runs
     -- interpreted, which costs little at a prompt.
     if f and jit then jit.off(f, true) end
-    if world > 1 then launcher.fsdp_repl_chunk_begin(chunk_no) end
     sigint(SIGINT_CHUNK)
     local res
     if f then res = pack_results(xpcall(f, handler, pack_results))
