@@ -175,7 +175,7 @@ local meter = require("fsdp.metrics").new {
   path = o.metrics, tokens_per_step = tokens,
   flops_per_token = require("fsdp.metrics").gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx),
 }
-log("MFU against %.1f TFLOP/s (%s)", meter.peak_flops / 1e12, meter.peak_source)
+if meter.peak_flops then log("MFU against %.1f TFLOP/s (%s)", meter.peak_flops / 1e12, meter.peak_source) end
 for step = first_step, o.steps do
   local t0 = now()
   meter:begin_step()

@@ -23,7 +23,8 @@
 -- MFU is model FLOPs per second over a stated peak: opts.peak_flops, else
 -- $FSDP_PEAK_TFLOPS, else on a GPU the bf16 dense peak of an H100/H200 SXM
 -- (989 TFLOP/s), else on the CPU this machine's f32 matmul rate, measured
--- once (metrics.cpu_peak_flops). The peak and where it came from are in
+-- once (metrics.cpu_peak_flops); on a device that computes nothing (the
+-- planner's counting device) none, and no MFU. The peak and where it came from are in
 -- m.peak_flops and m.peak_source, and in each record.
 
 local ffi = require "ffi"
@@ -88,10 +89,12 @@ function M.new(opts)
     self.peak_flops, self.peak_source = opts.peak_flops, "given"
   elseif env then
     self.peak_flops, self.peak_source = env * 1e12, "FSDP_PEAK_TFLOPS"
-  elseif fsdp.default_device() ~= "cpu" then
+  elseif fsdp.default_device() == "cuda" then
     self.peak_flops, self.peak_source = M.GPU_BF16_PEAK, "GPU bf16 dense peak (H100/H200 SXM)"
-  else
+  elseif fsdp.default_device() == "cpu" then
     self.peak_flops, self.peak_source = M.cpu_peak_flops() * fsdp.world(), "CPU f32 matmul, measured"
+  else   -- a device that computes nothing (the planner's): no MFU
+    self.peak_flops, self.peak_source = nil, "no peak on the " .. fsdp.default_device() .. " device"
   end
   if opts.path and self.rank == 0 then
     local f, err = io.open(opts.path, "w")
@@ -132,7 +135,7 @@ function Metrics:end_step(fig)
   rec.peak_bytes.total = v[4 + #M.TAGS]
   if self.tokens_per_step then
     rec.tokens_per_s = self.tokens_per_step / math.max(v[0], 1e-9)
-    if self.flops_per_token then
+    if self.flops_per_token and self.peak_flops then
       rec.mfu = rec.tokens_per_s * self.flops_per_token / self.peak_flops
     end
   end

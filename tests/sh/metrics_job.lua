@@ -14,8 +14,8 @@ local rank, world = fsdp.rank(), fsdp.world()
 local cfg = { vocab_size = 64, n_layer = 2, n_head = 2, n_embd = 32, block_size = 16 }
 local B, T, STEPS = 2, 16, 4
 local shard_opts = { policy = fsdp.policy.per_block(), seed = 3 }
+local plan = require("fsdp.plan").plan(nn.GPT(cfg), shard_opts, world, { rank = rank, batch = B * world, ctx = T })
 local model = nn.GPT(cfg)
-local plan = require("fsdp.plan").plan(model, shard_opts, world)
 local sharded = fsdp.shard(model, shard_opts)
 local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 1e-3 })
 local n_params = model:num_parameters()
@@ -38,11 +38,8 @@ m:close()
 
 for step, r in ipairs(recs) do
   local what = string.format("rank %d step %d: ", rank, step)
-  -- (a group of one copies locally: the planner's network figures)
-  local tr = plan.traffic
-  t.eq(r.gathered_bytes, tr.gather_network_bytes, what .. "gathered bytes are this step's (the planner's figure)")
-  t.eq(r.reduced_bytes, tr.reduce_scatter_network_bytes + tr.all_reduce_bytes,
-       what .. "reduced bytes are this step's (the planner's figure)")
+  t.eq(r.gathered_bytes, plan.traffic.gathered_bytes, what .. "gathered bytes are this step's (the planner's figure)")
+  t.eq(r.reduced_bytes, plan.traffic.reduced_bytes, what .. "reduced bytes are this step's (the planner's figure)")
   if world > 1 then t.ok(r.gathered_bytes > 0, what .. "something was gathered") end
   t.ok(r.step_ms > 0 and r.comm_wait_ms >= 0 and r.comm_wait_ms <= r.step_ms, what .. "step and wait times")
   t.near(r.tokens_per_s, B * T * world / (r.step_ms / 1e3), 1e-9, what .. "tokens/s")
