@@ -69,8 +69,11 @@ typedef struct fsdp_device_kernels {
                                    int64_t dim);
     int64_t (*cross_entropy_forward_f32)(float *losses, float *lse, const float *logits, const int64_t *targets,
                                          int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+    /* dloss: the loss's gradient, one element in the device's memory; each
+     * row not ignored gets dloss[0] / count (count 0: nothing) */
     void (*cross_entropy_backward_f32)(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                                       const float *dloss, int64_t count);
     void (*attention_forward_f32)(float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
                                   int64_t H, int64_t T, int64_t D, int causal, float scale);
     void (*attention_backward_f32)(float *dq, float *dk, float *dv, const float *dout, const float *q,

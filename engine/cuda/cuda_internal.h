@@ -217,7 +217,7 @@ void cuda_fail(const char *op, const char *file, int line, const char *call, con
 
 /* kernel<<<grid, block, shared bytes, compute stream>>>(args) */
 #ifdef FSDP_CUDA_EMU
-#define LAUNCH(kernel, grid, block, smem) emu_make_launcher(kernel, (grid), (block), (smem))
+#define LAUNCH(kernel, grid, block, smem) emu_make_launcher(kernel, (grid), (block), (smem), #kernel)
 #else
 #define LAUNCH(kernel, grid, block, smem) kernel<<<(grid), (block), (smem), cuda_stream()>>>
 #endif
@@ -351,7 +351,8 @@ void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *id
 int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
                                        int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                                     const float *dloss, int64_t count);
 /* cuda_attention.cu */
 void cuda_attention_forward_f32(float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
                                 int64_t H, int64_t T, int64_t D, int causal, float scale);

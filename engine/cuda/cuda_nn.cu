@@ -410,9 +410,11 @@ __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *cou
     }
 }
 
-/* dlogits = dloss (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere */
+/* dlogits = g (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere;
+ * g = dloss[0] / count, read here so that the host never waits for dloss */
 __global__ void ce_bwd_kernel(float *dlogits, const float *logits, const float *lse, const int64_t *targets, int64_t N,
-                              int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+                              int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss_in, int64_t count) {
+    const float dloss = count ? dloss_in[0] / (float)count : 0.0f;
     FOR_ROWS(n, N) {
         const float *xr = logits + n * V;   // (V)
         float *dr = dlogits + n * V;
@@ -447,10 +449,11 @@ int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *l
 }
 
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                                     const float *dloss, int64_t count) {
     CUDA_ENTER();
     if (N <= 0 || V <= 0) return;
     LAUNCH(ce_bwd_kernel, row_blocks(N), cuda_row_threads(V), 0)(dlogits, logits, lse, targets, N, V, valid_v,
-                                                                 ignore_index, dloss);
+                                                                 ignore_index, dloss, count);
     CUDA_CHECK_LAUNCH();
 }

@@ -34,6 +34,7 @@
 #define _POSIX_C_SOURCE 200809L   /* clock_gettime, nanosleep, pthread_condattr_setclock under -std=c11 */
 #include "comm_impl.h"
 #include "cpu_kernels.h"
+#include "trace.h"
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,6 +55,7 @@ static bool env_flag(const char *name) {
 static void config_init(void) {
     g_cfg.debug = env_flag("FSDP_DEBUG_COLLECTIVES");
     g_cfg.blocking_wait = env_flag("FSDP_NCCL_BLOCKING_WAIT");
+    g_cfg.sync = env_flag("FSDP_COMM_SYNC");
     const char *w = getenv("FSDP_WATCHDOG_SECONDS");
     if (w && w[0]) {
         char *end = NULL;
@@ -324,6 +326,36 @@ static fsdp_status run_all_reduce(fsdp_work *w) {
     }
 }
 
+/* A counting communicator moves nothing, but on a device that stands for
+ * the host (the counting device mimicking the CPU) the plan must see the
+ * scratch the host path holds: allocated on that device under the comm
+ * tag, all of it at once as run_* holds it, and given back. */
+static fsdp_status count_scratch(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    int64_t n = w->n, esz = (int64_t)fsdp_dtype_size(w->dtype), sizes[2] = {0, 0};
+    if (w->kind == K_ALL_GATHER) {
+        const char *dst = w->dst;
+        if (w->src != dst + (int64_t)c->rank * n * esz && comm_overlaps(w->src, n * esz, dst, n * esz * c->size))
+            sizes[0] = n * esz;
+    } else if (w->kind == K_REDUCE_SCATTER) {
+        if (w->dtype == FSDP_F32) {
+            if (comm_overlaps(w->dst, n * 4, w->src, n * c->size * 4)) sizes[0] = n * 4;
+        } else {
+            sizes[0] = n * c->size * 4;
+            sizes[1] = n * 4;
+        }
+    } else if (w->kind == K_ALL_REDUCE && w->dtype == FSDP_BF16) {
+        sizes[0] = n * 4;
+    }
+    void *p[2] = {NULL, NULL};
+    fsdp_status st = FSDP_OK;
+    for (int i = 0; i < 2 && st == FSDP_OK; i++)
+        if (sizes[i]) st = fsdp_alloc(w->device, FSDP_TAG_COMM, (size_t)sizes[i], &p[i]);
+    for (int i = 0; i < 2; i++)
+        if (p[i]) fsdp_free(w->device, FSDP_TAG_COMM, p[i], (size_t)sizes[i]);
+    return st;
+}
+
 static fsdp_status run_doubles(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     int op = w->op == FSDP_REDUCE_MAX ? FSDP_REDUCE_MAX : FSDP_REDUCE_SUM;
@@ -454,6 +486,13 @@ static void run_work(fsdp_work *w) {
     /* A counting communicator leaves tensors of other devices untouched:
      * their memory may not be readable from the host. */
     bool touch = !(c && c->be->local && w->device != FSDP_DEVICE_CPU);
+    if (!touch && c->be == &comm_count_backend && device_is_host_like(w->device)) {
+        st = count_scratch(w);
+        if (st != FSDP_OK) {
+            work_take_error(w, st);
+            return;
+        }
+    }
     size_t esz = fsdp_dtype_size(w->dtype);
     switch (w->kind) {
     case K_ALL_GATHER: if (touch) st = run_all_gather(w); break;
@@ -508,7 +547,11 @@ static void *comm_thread_main(void *arg) {
         q_current_size = w->comm_size;
         pthread_mutex_unlock(&q_mu);
 
+        double tt0 = trace_now();
         run_work(w);
+        if (tt0 > 0)
+            trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
+                            tt0, trace_now());
         /* Completion: the tensors go back now, not when the handle is freed;
          * those of a CUDA collective once the GPU is done with them. */
         if (work_on_gpu(w)) inflight_push(w);
@@ -551,6 +594,12 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
     pthread_mutex_unlock(&q_mu);
     if (out) {
         *out = w;
+        /* A counting communicator's collectives complete before they
+         * return (nothing overlaps, and a plan must not depend on thread
+         * timing); with FSDP_COMM_SYNC=1 every collective does, so that a
+         * real run holds its buffers exactly as long as a plan says. The
+         * caller's wait then returns at once, with the work's status. */
+        if (comm_cfg()->sync || (w->comm && w->comm->be == &comm_count_backend)) (void)fsdp_work_wait(w);
         return FSDP_OK;
     }
     fsdp_status st = fsdp_work_wait(w);
@@ -594,27 +643,63 @@ static fsdp_status gpu_wait(fsdp_work *w, double t0) {
     return FSDP_OK;
 }
 
+/* fsdp_comm_abandon: waits give up (the REPL, when a peer failed a chunk). */
+static _Atomic int g_abandon_on;
+static long long g_abandoned;
+static char g_abandon_reason[512];
+static pthread_mutex_t g_abandon_mu = PTHREAD_MUTEX_INITIALIZER;
+
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned) {
+    pthread_mutex_lock(&g_abandon_mu);
+    if (abandoned) *abandoned = g_abandoned;
+    if (reason) {
+        snprintf(g_abandon_reason, sizeof g_abandon_reason, "%s", reason);
+        g_abandon_on = 1;
+    } else {
+        g_abandon_on = 0;
+        g_abandoned = 0;
+    }
+    pthread_mutex_unlock(&g_abandon_mu);
+    return FSDP_OK;
+}
+
+static fsdp_status abandon_wait(fsdp_work *w) {
+    pthread_mutex_lock(&g_abandon_mu);
+    g_abandoned++;
+    char what[160];
+    comm_fp_describe(&w->fp, false, what, sizeof what);
+    fsdp_status st = fsdp_set_error(FSDP_ERR_COMM, "%s (collective #%llu on comm %s(%d)) abandoned: %s", what,
+                                    (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, g_abandon_reason);
+    pthread_mutex_unlock(&g_abandon_mu);
+    return st;
+}
+
 fsdp_status fsdp_work_wait(fsdp_work *w) {
     if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
     comm_cfg();
     double t0 = comm_now();
     pthread_mutex_lock(&w->mu);
     while (!w->done) {
-        if (g_cfg.watchdog_s > 0) {
-            struct timespec dl = abs_time(t0 + g_cfg.watchdog_s);
-            int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
-            if (rc == ETIMEDOUT && !w->done) {
-                pthread_mutex_unlock(&w->mu);
-                comm_watchdog_fire(w, comm_now() - t0);
-                pthread_mutex_lock(&w->mu);
-            }
-        } else {
-            pthread_cond_wait(&w->cv, &w->mu);
+        if (g_abandon_on) {
+            pthread_mutex_unlock(&w->mu);
+            return abandon_wait(w);   /* the work keeps its tensors: the comm thread may still use them */
+        }
+        /* wake up now and then to see fsdp_comm_abandon */
+        double until = t0 + (g_cfg.watchdog_s > 0 ? g_cfg.watchdog_s : 1e18), tick = comm_now() + 0.1;
+        struct timespec dl = abs_time(tick < until ? tick : until);
+        int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
+        if (rc == ETIMEDOUT && !w->done && g_cfg.watchdog_s > 0 && comm_now() - t0 > g_cfg.watchdog_s) {
+            pthread_mutex_unlock(&w->mu);
+            comm_watchdog_fire(w, comm_now() - t0);
+            pthread_mutex_lock(&w->mu);
         }
     }
     w->observed = true;
     fsdp_status st = w->status;
     pthread_mutex_unlock(&w->mu);
+    if (fsdp_trace_on)
+        trace_event_add(TRACE_COMPUTE, "wait", w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, t0 * 1e6,
+                        trace_now());
     fsdp_status gst = work_on_gpu(w) ? gpu_wait(w, t0) : FSDP_OK;
     double dt = comm_now() - t0;
     pthread_mutex_lock(&stats_mu);

@@ -130,8 +130,8 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
       F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                          \
     X(void, cross_entropy_backward_f32, "loss", (float *dlogits, const float *logits, const float *lse,           \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss),           \
-      F32 * N * V + F32 * N + 8 * N, F32 * N * V, 3 * N * valid_v, 1, 0, )                                         \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
+      int64_t count), F32 * N * V + F32 * N + 8 * N + F32, F32 * N * V, 3 * N * valid_v, 1, 0, )                   \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
       const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
       3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \

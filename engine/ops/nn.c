@@ -8,6 +8,7 @@
  * from node->in[] and the op's output from node->out[]; node->saved[] holds
  * only what the forward computed on the side (row statistics, lse). */
 #include "ops_util.h"
+#include "trace.h"
 #include <stddef.h>
 #include <stdlib.h>
 #include <math.h>
@@ -103,10 +104,12 @@ static fsdp_status gelu_backward(fsdp_node *node) { return unary_backward(node, 
 static fsdp_status silu_backward(fsdp_node *node) { return unary_backward(node, offsetof(fsdp_device_kernels, silu_backward_f32)); }
 
 fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("gelu", out);
     return unary_forward(out, x, "fsdp_gelu", "gelu", offsetof(fsdp_device_kernels, gelu_forward_f32), gelu_backward);
 }
 
 fsdp_status fsdp_silu(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("silu", out);
     return unary_forward(out, x, "fsdp_silu", "silu", offsetof(fsdp_device_kernels, silu_forward_f32), silu_backward);
 }
 
@@ -154,10 +157,12 @@ static fsdp_status log_softmax_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_softmax(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("softmax", out);
     return softmax_like_forward(out, x, "fsdp_softmax", "softmax", offsetof(fsdp_device_kernels, softmax_forward_f32), softmax_backward);
 }
 
 fsdp_status fsdp_log_softmax(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("log_softmax", out);
     return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", offsetof(fsdp_device_kernels, log_softmax_forward_f32),
                                 log_softmax_backward);
 }
@@ -222,6 +227,7 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias, double eps) {
+    TRACE_OP("layernorm", out);
     const char *op = "fsdp_layernorm", *names[] = {"x", "weight", "bias"};
     fsdp_tensor *ts[] = {x, weight, bias};
     const bool optional[] = {false, true, true};
@@ -281,6 +287,7 @@ static fsdp_status rmsnorm_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, double eps) {
+    TRACE_OP("rmsnorm", out);
     const char *op = "fsdp_rmsnorm", *names[] = {"x", "weight"};
     fsdp_tensor *ts[] = {x, weight};
     const bool optional[] = {false, true};
@@ -365,6 +372,7 @@ static void gather_rows(void *out, const void *table, const int64_t *ids, int64_
 }
 
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids) {
+    TRACE_OP("embedding", out);
     const char *op = "fsdp_embedding", *names[] = {"table", "ids"};
     fsdp_tensor *ts[] = {table, ids};
     FSDP_TRY(op_check(op, out, 2, names, ts, NULL));
@@ -430,17 +438,15 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
     FSDP_TRY(op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
     int64_t N = node->in[0]->shape[0], V = node->in[0]->shape[1], count = node->i[2];
-    /* the loss is a mean: each row's share of dloss is dloss / count */
-    float g = 0.0f;   /* dout lives on the op's device: read it through the table */
-    if (count) KERNELS(dout)->copy_to_host(&g, f32p(dout), sizeof g);
-    float dloss = count ? g / (float)count : 0.0f;
-    tensor_release(dout);
+    /* the loss is a mean: each row's share of dloss is dloss / count, which the
+     * kernel reads where dloss lives (on a GPU: no host read, no sync) */
     fsdp_status st = tensor_as_f32(&logits, node->in[0]);
     if (st == FSDP_OK) st = tensor_as_i64(&targets, node->in[1]);
     if (st == FSDP_OK) st = op_new_f32(&dx, 2, node->in[0]->shape);
     if (st == FSDP_OK)
         KERNELS(dx)->cross_entropy_backward_f32(f32p(dx), f32p(logits), f32p(node->saved[0]), tensor_data(targets), N, V,
-                                       node->i[1], node->i[0], dloss);
+                                       node->i[1], node->i[0], f32p(dout), count);
+    tensor_release(dout);
     tensor_release(logits);
     tensor_release(targets);
     return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
@@ -448,6 +454,7 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
 
 fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets, int64_t ignore_index,
                                int64_t valid_vocab) {
+    TRACE_OP("cross_entropy", out);
     const char *op = "fsdp_cross_entropy", *names[] = {"logits", "targets"};
     fsdp_tensor *ts[] = {logits, targets};
     FSDP_TRY(op_check(op, out, 2, names, ts, NULL));
@@ -540,6 +547,7 @@ static fsdp_status attention_backward(fsdp_node *node) {
 
 fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fsdp_tensor *v, int causal,
                            double scale) {
+    TRACE_OP("attention", out);
     const char *op = "fsdp_attention", *names[] = {"q", "k", "v"};
     fsdp_tensor *ts[] = {q, k, v};
     FSDP_TRY(op_check(op, out, 3, names, ts, NULL));
@@ -695,6 +703,7 @@ static fsdp_status attention_qkv_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale) {
+    TRACE_OP("attention_qkv", out);
     const char *op = "fsdp_attention_qkv", *names[] = {"qkv"};
     fsdp_tensor *ts[] = {qkv};
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
@@ -783,6 +792,7 @@ static fsdp_status dropout_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset) {
+    TRACE_OP("dropout", out);
     const char *op = "fsdp_dropout", *names[] = {"x"};
     fsdp_tensor *ts[] = {x}, *x32, *r;
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));

@@ -15,7 +15,6 @@ local optim = require "fsdp.optim"
 local Module = require "fsdp.nn.module"
 local layers = require "fsdp.nn.layers"
 local tr = require "fsdp.nn.transformer"
-local planner = require "fsdp.plan"
 
 local rank, world = fsdp.rank(), fsdp.world()
 local V, C, L, R = 256, 64, 4, 8
@@ -64,6 +63,14 @@ local root_numel = 2 * V * C
 local total = root_numel + L * block_numel
 local share = L * adapter_numel / total
 
+-- bytes the allocator counts for a request of n: 64-byte steps up to 4 KiB,
+-- then four steps per power of two (engine/core/alloc.c)
+local function rounded(n)
+  if n <= 4096 then return math.ceil(math.max(n, 1) / 64) * 64 end
+  local base = 2 ^ math.floor(math.log(n - 1) / math.log(2))
+  return base + math.ceil((n - base) / (base / 4)) * (base / 4)
+end
+
 local function pad(n) return math.max(1, math.ceil(n / world)) * world end
 
 local tags = { "param", "grad", "optimizer", "comm" }
@@ -94,7 +101,7 @@ local function run(frozen)
   -- this rank's optimizer state as AdamW allocates it: 2 f32 tensors per trainable slice
   r.expected_opt = 0
   for _, s in ipairs(sharded.segments) do
-    if not s.frozen then r.expected_opt = r.expected_opt + 2 * planner.round(4 * s.tensor:numel()) end
+    if not s.frozen then r.expected_opt = r.expected_opt + 2 * rounded(4 * s.tensor:numel()) end
   end
   return r, base
 end
