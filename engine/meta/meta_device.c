@@ -140,16 +140,19 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       int64_t T, int64_t D, int causal, float scale), F32 * (5 * B * H * T * D + B * H * T),                       \
       3 * F32 * B * H * T * D, (causal ? 5 : 10) * B * H * T * T * D, 1, 0, )                                      \
     /* packed bf16 attention on the tensor cores (cuda_attention_gemm.cu): a pointer-array kernel, the \
-     * batched GEMMs over all T x T scores (the causal mask is applied after them), the row kernels */         \
+     * batched GEMMs over all T x T scores (the causal mask is applied after them; FLOPs count the useful \
+     * half, as above), the row kernels */                                                                   \
     X(void, attention_qkv_forward_bf16, "attention_bf16", (uint16_t *out, uint16_t *probs, float *scores,        \
       const uint16_t *qkv, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                 \
       BF16 * 3 * B * H * T * D + (causal ? F32 / 2 : F32) * B * H * T * T + BF16 * B * H * T * T,               \
-      BF16 * B * H * T * D + (F32 + BF16) * B * H * T * T + 6 * 8 * B * H, 4 * B * H * T * T * D, 4, 0, )       \
+      BF16 * B * H * T * D + (F32 + BF16) * B * H * T * T + 6 * 8 * B * H, (causal ? 2 : 4) * B * H * T * T * D,  \
+      4, 0, )                                                                                                     \
     X(void, attention_qkv_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *dprobs, uint16_t *dscores,    \
       const uint16_t *dout, const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,         \
       int64_t D, int causal, float scale),                                                                       \
       BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T,                                               \
-      BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, 8 * B * H * T * T * D, 6, 0, )   \
+      BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D,  \
+      6, 0, )                                                                                                     \
     X(void, init_normal_f32, "init", (float *out, int64_t n, float mean, float std, uint64_t seed,                \
       uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
     X(void, init_uniform_f32, "init", (float *out, int64_t n, float low, float high, uint64_t seed,               \
