@@ -53,6 +53,12 @@ typedef struct fsdp_device_kernels {
     void (*add_scalar_bf16)(uint16_t *out, const uint16_t *a, float s, int64_t n);
     void (*axpy_bf16)(uint16_t *y, const uint16_t *x, float alpha, int64_t n);
     void (*sum_dim_bf16)(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+    /* sum over i < n of sumsq(ptrs[i], counts[i]), ptrs and counts host
+     * arrays of f32 device buffers: one pass over them all, one value back
+     * (gradient norms: one wait instead of one per tensor). Summed in
+     * double in an order fixed by the sizes. Optional: NULL where the op
+     * layer calls sumsq_f32 per tensor. */
+    double (*sumsq_many_f32)(const float *const *ptrs, const int64_t *counts, int n);
     /* activation.c, softmax.c */
     void (*gelu_forward_f32)(float *out, const float *x, int64_t n);
     void (*gelu_backward_f32)(float *dx, const float *x, const float *dout, int64_t n);

@@ -344,6 +344,7 @@ void cuda_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, i
 double cuda_sum_all_f32(const float *in, int64_t n);
 double cuda_sumsq_f32(const float *in, int64_t n);
 void cuda_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n);
 /* cuda_nn.cu */
 void cuda_gelu_forward_f32(float *out, const float *x, int64_t n);
 void cuda_gelu_backward_f32(float *dx, const float *x, const float *dout, int64_t n);

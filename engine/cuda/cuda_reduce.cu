@@ -4,6 +4,7 @@
  * fixed order with no atomics, so a result is the same bit for bit run
  * after run. sum_all and sumsq return a value, so they wait for the GPU. */
 #include "cuda_internal.h"
+#include <stdlib.h>
 
 /* ---- sum_all, sumsq: per-block partials, then one block adds them in order ---- */
 
@@ -54,6 +55,75 @@ double cuda_sum_all_f32(const float *in, int64_t n) {
 double cuda_sumsq_f32(const float *in, int64_t n) {
     CUDA_ENTER();
     return flat_reduce(in, n, 1);
+}
+
+/* ---- sumsq over many tensors: one launch, one value back ----
+ * Tensor k owns blocks [block0, block0 + ceil(n / SQ_PER_BLOCK)); block b
+ * finds its tensor by a binary search over block0 and sums its chunk; the
+ * partials are added in block order by flat_final_kernel. */
+#define SQ_PER_BLOCK ((int64_t)CUDA_THREADS * FLAT_PER_THREAD)
+
+struct sq_desc {
+    const float *p;
+    int64_t n, block0;
+};
+
+__global__ void sumsq_many_kernel(double *partial, const sq_desc *d, int nt) {
+    __shared__ double scratch[32];
+    int lo = 0, hi = nt - 1;
+    while (lo < hi) {   /* the last tensor whose first block is <= this one */
+        int mid = (lo + hi + 1) / 2;
+        if (d[mid].block0 <= (int64_t)blockIdx.x) lo = mid;
+        else hi = mid - 1;
+    }
+    const float *p = d[lo].p;
+    int64_t start = ((int64_t)blockIdx.x - d[lo].block0) * SQ_PER_BLOCK;
+    int64_t end = cuda_min64(start + SQ_PER_BLOCK, d[lo].n);
+    double acc = 0.0;
+    for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+        double v = p[i];
+        acc += v * v;
+    }
+    acc = block_sum_d(acc, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n) {
+    CUDA_ENTER();
+    sq_desc *host = (sq_desc *)malloc((size_t)(n > 0 ? n : 1) * sizeof *host);
+    if (!host) cuda_fail(__func__, __FILE__, __LINE__, "malloc", "out of host memory for the tensor list");
+    int nt = 0;
+    int64_t blocks = 0;
+    for (int i = 0; i < n; i++) {
+        if (counts[i] <= 0) continue;
+        host[nt].p = ptrs[i];
+        host[nt].n = counts[i];
+        host[nt].block0 = blocks;
+        blocks += cuda_ceil_div(counts[i], SQ_PER_BLOCK);
+        nt++;
+    }
+    if (nt == 0) {
+        free(host);
+        return 0.0;
+    }
+    if (blocks >= ((int64_t)1 << 31)) cuda_fail(__func__, __FILE__, __LINE__, "sumsq_many", "more than 2^31 blocks");
+    /* descriptors, partials, then the total, in one temporary */
+    size_t desc_bytes = (size_t)nt * sizeof(sq_desc), pad = (desc_bytes + 15) / 16 * 16;
+    char *tmp = (char *)cuda_tmp_alloc(pad + (size_t)(blocks + 1) * sizeof(double));
+    sq_desc *d = (sq_desc *)tmp;
+    double *partial = (double *)(tmp + pad);
+    CUDA_CHECK(cudaMemcpyAsync(d, host, desc_bytes, cudaMemcpyHostToDevice, cuda_stream()));
+    LAUNCH(sumsq_many_kernel, (unsigned)blocks, CUDA_THREADS, 0)(partial, d, nt);
+    CUDA_CHECK_LAUNCH();
+    if (blocks > INT32_MAX) cuda_fail(__func__, __FILE__, __LINE__, "sumsq_many", "too many partials");
+    LAUNCH(flat_final_kernel, 1, CUDA_THREADS, 0)(partial + blocks, partial, (int)blocks);
+    CUDA_CHECK_LAUNCH();
+    double result = 0.0;
+    CUDA_CHECK(cudaMemcpyAsync(&result, partial + blocks, sizeof result, cudaMemcpyDeviceToHost, cuda_stream()));
+    cuda_tmp_free(tmp);
+    CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    free(host);
+    return result;
 }
 
 /* ---- partial sums over slices, added in slice order ---- */

@@ -48,6 +48,12 @@ static int64_t numel_of(int ndim, const int64_t *shape) {
 
 static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
 
+static int64_t sum_counts(const int64_t *counts, int n) {
+    int64_t s = 0;
+    for (int i = 0; i < n; i++) s += counts[i] > 0 ? counts[i] : 0;
+    return s;
+}
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -105,6 +111,8 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       BF16 * n, 2 * n, 1, 0, )                                                                                     \
     X(void, sum_dim_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,               \
       int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner, 1, 0, )               \
+    X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
+      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), 3, 1, 0)                                          \
     X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
     X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
       2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \

@@ -388,13 +388,10 @@ end
 
 --- Global gradient norm over all shards (an all-reduce over the shard group).
 function Sharded:grad_norm()
-  local box = ffi.new("double[1]")
-  local total = 0
-  for _, g in ipairs(self.grads) do
-    if C.fsdp_sumsq(g, box) ~= 0 then raise() end
-    total = total + box[0]
-  end
-  box[0] = total
+  local box, n = ffi.new("double[1]"), #self.grads
+  local grads = ffi.new("fsdp_tensor *[?]", n > 0 and n or 1)
+  for i, g in ipairs(self.grads) do grads[i - 1] = g end
+  if C.fsdp_sumsq_many(grads, n, box) ~= 0 then raise() end   -- one pass, one wait
   if C.fsdp_all_reduce_doubles(self.shard_comm, box, 1, 0) ~= 0 then raise() end
   return math.sqrt(box[0])
 end

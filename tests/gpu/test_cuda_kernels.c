@@ -514,6 +514,29 @@ static void test_sum_all(void) {
     }
 }
 
+/* many tensors at once (empty ones, one larger than a block), against the
+ * CPU's sumsq per tensor added in order: 1e-10 relative to the sum */
+static void test_sumsq_many(void) {
+    test_check(G->sumsq_many_f32 != NULL, "CUDA has sumsq_many_f32");
+    if (!G->sumsq_many_f32) return;
+    int64_t counts[] = {7, 0, 1, 5000, 4096, 4097, 3, 0};
+    const int n = (int)(sizeof counts / sizeof counts[0]);
+    const float *ptrs[8];
+    double want = 0, abs = 0;
+    for (int i = 0; i < n; i++) {
+        float *x = hrand(counts[i] > 0 ? counts[i] : 1, 2);
+        want += C->sumsq_f32(x, counts[i]);
+        for (int64_t k = 0; k < counts[i]; k++) abs += (double)x[k] * x[k];
+        ptrs[i] = dupf(x, counts[i] > 0 ? counts[i] : 1);
+    }
+    double got = G->sumsq_many_f32(ptrs, counts, n);
+    test_check(fabs(got - want) <= 1e-10 * abs, "sumsq_many_f32 over %d tensors: got %.17g want %.17g", n, got, want);
+    test_check(G->sumsq_many_f32(ptrs, counts, 0) == 0.0, "sumsq_many_f32 of no tensors is 0");
+    int64_t zeros[] = {0, 0};
+    test_check(G->sumsq_many_f32(ptrs, zeros, 2) == 0.0, "sumsq_many_f32 of empty tensors is 0");
+    free_case();
+}
+
 /* ---- activations, softmax ---- */
 
 typedef void (*unary_fn)(float *, const float *, int64_t);
@@ -1369,6 +1392,7 @@ int main(int argc, char **argv) {
     test_scalar_ops();
     test_sum_dim();
     test_sum_all();
+    test_sumsq_many();
     test_activations();
     test_softmax();
     test_norms();
