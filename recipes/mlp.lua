@@ -1,10 +1,15 @@
 -- mlp.lua: a small MLP learns to tell two interleaved spirals apart.
 --   fsdp-lua recipes/mlp.lua --steps=500 --lr=0.5 --hidden=64 --seed=1 --threads=2
 local fsdp = require "fsdp"
-local opts = ... or {}                       -- --key=value options, as a table
-local steps, lr, hidden = opts.steps or 300, opts.lr or 0.5, opts.hidden or 64
-local seed, every = opts.seed or 1, opts.every or math.max(1, math.floor(steps / 10))
-if opts.threads then fsdp.set_num_threads(opts.threads) end
+local o = require("fsdp.options").parse(..., {      -- --key=value options, checked; --help lists them
+  { "steps", "int", 300, "training steps", min = 1 }, { "lr", "number", 0.5, "learning rate", min = 0 },
+  { "hidden", "int", 64, "hidden width", min = 1 }, { "seed", "int", 1, "init seed", min = 0 },
+  { "every", "int", nil, "log every N steps (default: steps/10)", min = 1 },
+  { "threads", "int", nil, "CPU threads", min = 1, max = 256 },
+}, "mlp.lua")
+local steps, lr, hidden, seed = o.steps, o.lr, o.hidden, o.seed
+local every = o.every or math.max(1, math.floor(steps / 10))
+if o.threads then fsdp.set_num_threads(o.threads) end
 
 -- Data: n points on each of two spirals; class k is spiral k, turned by pi.
 local n, xy, labels = 256, {}, {}
@@ -41,7 +46,7 @@ for step = 1, steps do
   loss:backward()                                              -- fills p.grad for every leaf
   fsdp.no_grad(function()                                      -- plain SGD, written in Lua
     for _, p in pairs(params) do
-      p:copy(p - p:grad() * lr)
+      p:copy(p - p.grad * lr)
       p:zero_grad()
     end
   end)

@@ -16,6 +16,7 @@ local nn = require "fsdp.nn"
 local optim = require "fsdp.optim"
 local options = require "fsdp.options"
 local planner = require "fsdp.plan"
+local dist = fsdp.distributed
 local now = require("fsdp.timer").now
 
 local o = options.parse(..., {
@@ -37,11 +38,7 @@ local o = options.parse(..., {
 }, "wrap_policies.lua")
 if o.threads then fsdp.set_num_threads(o.threads) end
 
-local presets = {
-  tiny = { vocab_size = 256, n_layer = 2, n_head = 4, n_embd = 64, block_size = 64 },
-  small = { vocab_size = 50257, n_layer = 12, n_head = 12, n_embd = 768, block_size = 1024 },
-}
-local cfg = presets[o.preset]
+local cfg = nn.gpt_preset(o.preset)
 -- (tiny: the big Linears and each attention; small: each block. Between
 -- 16897 and 33792 on tiny the block list `h` itself qualifies: a ModuleList,
 -- whose forward nobody calls, so the planner warns and training fails.)
@@ -62,15 +59,15 @@ local policies = {
     end },
 }
 
-local rank, ranks = fsdp.rank(), fsdp.world()
+local rank, ranks = dist.rank(), dist.world()
 local world = o.world or ranks
 local measure = ranks > 1 or o.measure
 if measure and world ~= ranks then
-  error(string.format("wrap_policies.lua: --world=%d but %d rank(s) run: measuring needs the real ranks (drop "
-    .. "--world or --measure)", world, ranks), 0)
+  options.fail("wrap_policies.lua: --world=%d but %d rank(s) run: measuring needs the real ranks (drop "
+    .. "--world or --measure)", world, ranks)
 end
 if measure and o.batch % ranks ~= 0 then
-  error(string.format("wrap_policies.lua: --batch=%d is not divisible by %d ranks", o.batch, ranks), 0)
+  options.fail("wrap_policies.lua: --batch=%d is not divisible by %d ranks", o.batch, ranks)
 end
 local function say(...) if rank == 0 then print(string.format(...)) end end
 local function mib(b) return b and string.format("%.2f", b / 2 ^ 20) or "-" end
@@ -129,13 +126,13 @@ local function run(entry)
   local dt = (now() - t0) / o.steps
   local g = sharded:global_stats()          -- traffic and peaks, the maximum over ranks
   -- peaks above what was there before this policy's model, maximum over ranks
-  local vals = require("ffi").new("double[?]", #tags + 1)
-  for i, tag in ipairs(tags) do vals[i - 1] = fsdp.memory.stats(tag).peak - base[tag] end
-  vals[#tags] = dt
-  if fsdp.C.fsdp_all_reduce_doubles(sharded.world, vals, #tags + 1, 2) ~= 0 then fsdp.core.raise() end
-  local m = { peak = {}, loss = loss, ms = vals[#tags] * 1e3, gathered = g.gathered_bytes / o.steps,
+  local vals = {}
+  for i, tag in ipairs(tags) do vals[i] = fsdp.memory.stats(tag).peak - base[tag] end
+  vals[#tags + 1] = dt
+  vals = dist.max(vals)
+  local m = { peak = {}, loss = loss, ms = vals[#tags + 1] * 1e3, gathered = g.gathered_bytes / o.steps,
     reduced = g.reduced_bytes / o.steps, wait_ms = g.wait_seconds / o.steps * 1e3 }
-  for i, tag in ipairs(tags) do m.peak[tag] = vals[i - 1] end
+  for i, tag in ipairs(tags) do m.peak[tag] = vals[i] end
   return m
 end
 
@@ -205,7 +202,7 @@ end
 if not found then
   local names = {}
   for _, e in ipairs(policies) do names[#names + 1] = e.name end
-  error("wrap_policies.lua: no policy '" .. o.policy .. "' (the table has " .. table.concat(names, ", ") .. ")", 0)
+  options.fail("wrap_policies.lua: no policy '%s' (the table has %s)", o.policy, table.concat(names, ", "))
 end
 
 say("")

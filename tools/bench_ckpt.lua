@@ -40,15 +40,8 @@ local sh = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = stra
 local opt = optim.AdamW(sh:param_groups(0.1), { lr = 1e-4 })
 opt:step()   -- zero gradients: creates the moments
 
-local box = ffi.new("double[1]")
-local function max_over_ranks(v)
-  box[0] = v
-  if fsdp.C.fsdp_all_reduce_doubles(sh.world, box, 1, 2) ~= 0 then fsdp.core.raise() end
-  return box[0]
-end
-local function barrier()
-  if fsdp.C.fsdp_barrier(sh.world) ~= 0 then fsdp.core.raise() end
-end
+local function max_over_ranks(v) return fsdp.distributed.max(v) end
+local function barrier() fsdp.distributed.barrier() end
 
 local function evict(path)
   local index = ck.read_index(path)

@@ -1,5 +1,5 @@
 /* comm_internal.h: what the rest of the engine may ask of a communicator
- * beyond the public calls in fsdp.h (comm.c). */
+ * beyond the public calls in fsdp.h (comm*.c). */
 #ifndef FSDP_COMM_INTERNAL_H
 #define FSDP_COMM_INTERNAL_H
 
@@ -12,6 +12,9 @@ int comm_size_of(fsdp_comm *c);
 /* A short name for messages, e.g. "world" or "world.split3.color1"
  * ("?" for NULL). */
 const char *comm_name_of(fsdp_comm *c);
+/* A new communicator of the same ranks in the same order (collective over
+ * parent; works on every backend, counting ones included). */
+fsdp_status comm_dup(fsdp_comm **out, fsdp_comm *parent);
 /* Drains the collective queue and stops the comm thread (a later collective
  * starts it again). fsdp_runtime_finalize calls it before MPI_Finalize. A
  * queue that does not drain within the watchdog time ends the job. */

@@ -1,7 +1,22 @@
-/* comm_nccl.c: collectives on CUDA tensors: NCCL on a comm stream ordered
- * against the compute stream by events (comm_nccl.h has the life of one
- * collective; comm.c checks arguments, orders collectives on its comm
- * thread, keeps fingerprints and runs the watchdog).
+/* comm_nccl.c: the "nccl" device backend (comm_backend.h): collectives on
+ * CUDA tensors, NCCL on a comm stream ordered against the compute stream by
+ * events. comm.c checks arguments; comm_queue.c orders collectives on its
+ * comm thread; comm_debug.c and comm_watchdog.c keep fingerprints and the
+ * watchdog, for CUDA collectives as for any other.
+ *
+ * A CUDA collective has three moments (DESIGN.md, decision 4):
+ *   issue    caller thread: work_begin records a "ready" event on the
+ *            compute stream, behind every kernel issued so far;
+ *   run      comm thread, in the one issue order of all collectives: run
+ *            makes the comm stream wait for "ready", enqueues the NCCL call
+ *            (creating the communicator's NCCL side on first use) and
+ *            records a "done" event on the comm stream; nothing here blocks
+ *            on the GPU;
+ *   wait     caller thread: work_wait makes the compute stream wait for
+ *            "done". Consumers of a collective's result are kernels on the
+ *            compute stream, so this is enough, and the host never stalls:
+ *            the prefetched all-gathers and the reduce-scatters run on the
+ *            comm stream while the compute stream runs kernels.
  *
  * - One NCCL communicator per fsdp_comm, made on its first CUDA collective,
  *   on the comm thread and so in issue order on every rank: the
@@ -17,10 +32,13 @@
  *   one-rank communicator when NCCL is not built, runs device copies on the
  *   same comm stream instead.
  *
- * Compiled only with FSDP_HAVE_CUDA; the NCCL calls need FSDP_HAVE_NCCL. */
+ * This is the only file that asks whether the engine was built with CUDA
+ * (FSDP_HAVE_CUDA) or NCCL (FSDP_HAVE_NCCL): without CUDA there is no
+ * device backend (comm_device_backend() is NULL) and the generic layer
+ * refuses device tensors. */
 #ifdef FSDP_HAVE_CUDA
 
-#include "comm_nccl.h"
+#include "comm_impl.h"
 #include <cuda_runtime.h>
 #ifdef FSDP_HAVE_NCCL
 #include <nccl.h>
@@ -50,24 +68,18 @@ static const char *nccl_error_string(long rc) {
 #define NCCL_CHECK(call) FSDP_CHECK_CALL(call, rc_ == (long)ncclSuccess, nccl_error_string)
 #endif
 
-bool gpu_nccl_built(void) {
-#ifdef FSDP_HAVE_NCCL
-    return true;
-#else
-    return false;
-#endif
-}
-
 /* ---- works ---- */
 
-struct gpu_work {
+struct comm_gpu_work {
     cudaEvent_t ready;   /* compute stream, at issue */
     cudaEvent_t done;    /* comm stream, after the collective */
     int device;
     bool recorded;       /* done was recorded: the comm stream got work */
 };
 
-static fsdp_status work_begin(gpu_work *w) {
+static void gpu_work_free(comm_gpu_work *w);
+
+static fsdp_status work_begin(comm_gpu_work *w) {
     CUDA_CHECK(cudaGetDevice(&w->device));
     CUDA_CHECK(cudaEventCreateWithFlags(&w->ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming));
@@ -75,9 +87,9 @@ static fsdp_status work_begin(gpu_work *w) {
     return FSDP_OK;
 }
 
-fsdp_status gpu_work_begin(gpu_work **out) {
+static fsdp_status gpu_work_begin(comm_gpu_work **out) {
     *out = NULL;
-    gpu_work *w = calloc(1, sizeof *w);
+    comm_gpu_work *w = calloc(1, sizeof *w);
     if (!w) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for a collective's CUDA events");
     fsdp_status st = work_begin(w);
     if (st != FSDP_OK) {
@@ -88,7 +100,7 @@ fsdp_status gpu_work_begin(gpu_work **out) {
     return FSDP_OK;
 }
 
-void gpu_work_free(gpu_work *w) {
+static void gpu_work_free(comm_gpu_work *w) {
     if (!w) return;
     /* Pending events are released by CUDA once they complete. */
     if (w->ready) cudaEventDestroy(w->ready);
@@ -96,15 +108,15 @@ void gpu_work_free(gpu_work *w) {
     free(w);
 }
 
-bool gpu_work_recorded(const gpu_work *w) { return w && w->recorded; }
+static bool gpu_work_recorded(const comm_gpu_work *w) { return w && w->recorded; }
 
-fsdp_status gpu_work_wait(gpu_work *w) {
+static fsdp_status gpu_work_wait(comm_gpu_work *w) {
     if (!w || !w->recorded) return FSDP_OK;
     CUDA_CHECK(cudaStreamWaitEvent(cuda_compute_stream(), w->done, 0));
     return FSDP_OK;
 }
 
-int gpu_work_poll(gpu_work *w, bool *started) {
+static int gpu_work_poll(comm_gpu_work *w, bool *started) {
     if (!w || !w->recorded) return 1;
     cudaError_t e = cudaEventQuery(w->done);
     if (e == cudaSuccess) return 1;
@@ -138,12 +150,12 @@ static fsdp_status comm_stream(int device, cudaStream_t *out) {
 
 /* ---- one rank without NCCL: device copies ---- */
 
-static fsdp_status run_copy(const gpu_call *c, cudaStream_t s) {
+static fsdp_status run_copy(const comm_gpu_call *c, cudaStream_t s) {
     if (c->size != 1)
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "CUDA collectives on %d ranks need NCCL, which is not built into "
                               "this engine", c->size);
     size_t bytes = (size_t)c->n * fsdp_dtype_size(c->dtype);
-    if (c->kind == GPU_ALL_REDUCE || c->kind == GPU_BROADCAST) return FSDP_OK;   /* one rank: as it is */
+    if (c->kind == COMM_GPU_ALL_REDUCE || c->kind == COMM_GPU_BROADCAST) return FSDP_OK;   /* one rank: as it is */
     if (bytes == 0 || c->src == c->dst) return FSDP_OK;
     if (c->scratch) {   /* src and dst overlap: cudaMemcpy wants distinct buffers */
         CUDA_CHECK(cudaMemcpyAsync(c->scratch, c->src, bytes, cudaMemcpyDeviceToDevice, s));
@@ -158,7 +170,7 @@ static fsdp_status run_copy(const gpu_call *c, cudaStream_t s) {
 
 #ifdef FSDP_HAVE_NCCL
 
-struct gpu_comm {
+struct comm_gpu {
     ncclComm_t nccl;
 };
 
@@ -170,7 +182,7 @@ typedef struct {
     ncclUniqueId id;
 } id_message;
 
-static fsdp_status nccl_comm_create(gpu_comm **out, const gpu_call *c) {
+static fsdp_status nccl_comm_create(comm_gpu **out, const comm_gpu_call *c) {
     id_message m;
     memset(&m, 0, sizeof m);
     if (c->rank == 0) {
@@ -193,7 +205,7 @@ static fsdp_status nccl_comm_create(gpu_comm **out, const gpu_call *c) {
     if (!m.ok)
         return fsdp_set_error(FSDP_ERR_COMM, "ncclGetUniqueId failed on rank 0 of the communicator: %.*s",
                               (int)sizeof m.msg, m.msg);
-    gpu_comm *g = calloc(1, sizeof *g);
+    comm_gpu *g = calloc(1, sizeof *g);
     if (!g) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for an NCCL communicator");
     ncclResult_t r = ncclCommInitRank(&g->nccl, c->size, m.id, c->rank);
     if (r != ncclSuccess) {
@@ -241,16 +253,16 @@ static fsdp_status nccl_op(int op, ncclRedOp_t *out) {
     }
 }
 
-static fsdp_status run_nccl(gpu_comm *g, const gpu_call *c, cudaStream_t s) {
+static fsdp_status run_nccl(comm_gpu *g, const comm_gpu_call *c, cudaStream_t s) {
     ncclDataType_t t = ncclFloat32;
     size_t k = 1;
     ncclRedOp_t op = ncclSum;
-    bool reduce = c->kind == GPU_REDUCE_SCATTER || c->kind == GPU_ALL_REDUCE;
+    bool reduce = c->kind == COMM_GPU_REDUCE_SCATTER || c->kind == COMM_GPU_ALL_REDUCE;
     FSDP_TRY(nccl_type(c->dtype, reduce, &t, &k));
     if (reduce) FSDP_TRY(nccl_op(c->op, &op));
     size_t count = (size_t)c->n * k, bytes = (size_t)c->n * fsdp_dtype_size(c->dtype);
     switch (c->kind) {
-    case GPU_ALL_GATHER: {
+    case COMM_GPU_ALL_GATHER: {
         /* In place when src is this rank's block of dst (NCCL's rule);
          * any other overlap goes through the scratch block. */
         const void *src = c->src;
@@ -261,7 +273,7 @@ static fsdp_status run_nccl(gpu_comm *g, const gpu_call *c, cudaStream_t s) {
         NCCL_CHECK(ncclAllGather(src, c->dst, count, t, g->nccl, s));
         return FSDP_OK;
     }
-    case GPU_REDUCE_SCATTER:
+    case COMM_GPU_REDUCE_SCATTER:
         /* In place when dst is this rank's block of src. */
         if (c->scratch) {
             NCCL_CHECK(ncclReduceScatter(c->src, c->scratch, count, t, op, g->nccl, s));
@@ -270,17 +282,17 @@ static fsdp_status run_nccl(gpu_comm *g, const gpu_call *c, cudaStream_t s) {
             NCCL_CHECK(ncclReduceScatter(c->src, c->dst, count, t, op, g->nccl, s));
         }
         return FSDP_OK;
-    case GPU_ALL_REDUCE:
+    case COMM_GPU_ALL_REDUCE:
         NCCL_CHECK(ncclAllReduce(c->dst, c->dst, count, t, op, g->nccl, s));
         return FSDP_OK;
-    case GPU_BROADCAST:
+    case COMM_GPU_BROADCAST:
         NCCL_CHECK(ncclBroadcast(c->dst, c->dst, count, t, c->root, g->nccl, s));
         return FSDP_OK;
     }
     return fsdp_set_error(FSDP_ERR_INVALID, "unknown CUDA collective %d", (int)c->kind);
 }
 
-fsdp_status gpu_comm_check(gpu_comm *g) {
+static fsdp_status gpu_comm_check(comm_gpu *g) {
     if (!g) return FSDP_OK;
     ncclResult_t async = ncclSuccess;
     NCCL_CHECK(ncclCommGetAsyncError(g->nccl, &async));
@@ -292,7 +304,7 @@ fsdp_status gpu_comm_check(gpu_comm *g) {
     return FSDP_OK;
 }
 
-fsdp_status gpu_comm_destroy(gpu_comm *g) {
+static fsdp_status gpu_comm_destroy(comm_gpu *g) {
     if (!g) return FSDP_OK;
     ncclComm_t nc = g->nccl;
     free(g);
@@ -302,16 +314,16 @@ fsdp_status gpu_comm_destroy(gpu_comm *g) {
 
 #else /* no NCCL: communicators never get an NCCL side */
 
-struct gpu_comm {
+struct comm_gpu {
     int unused;
 };
 
-fsdp_status gpu_comm_check(gpu_comm *g) {
+static fsdp_status gpu_comm_check(comm_gpu *g) {
     (void)g;
     return FSDP_OK;
 }
 
-fsdp_status gpu_comm_destroy(gpu_comm *g) {
+static fsdp_status gpu_comm_destroy(comm_gpu *g) {
     free(g);
     return FSDP_OK;
 }
@@ -320,22 +332,22 @@ fsdp_status gpu_comm_destroy(gpu_comm *g) {
 
 /* ---- running one collective (comm thread) ---- */
 
-fsdp_status gpu_run(gpu_comm **gc, gpu_work *w, const gpu_call *c) {
+static fsdp_status gpu_run(comm_gpu **gc, comm_gpu_work *w, const comm_gpu_call *c) {
     CUDA_CHECK(cudaSetDevice(w->device));   /* the comm thread's current device */
     cudaStream_t s = NULL;
     FSDP_TRY(comm_stream(w->device, &s));
 #ifdef FSDP_HAVE_NCCL
-    if (c->nccl && !*gc) FSDP_TRY(nccl_comm_create(gc, c));
+    if (c->between_ranks && !*gc) FSDP_TRY(nccl_comm_create(gc, c));
 #else
     (void)gc;
-    if (c->nccl)
+    if (c->between_ranks)
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "CUDA collectives through NCCL: NCCL is not built into this "
                               "engine");
 #endif
     CUDA_CHECK(cudaStreamWaitEvent(s, w->ready, 0));
     fsdp_status st;
 #ifdef FSDP_HAVE_NCCL
-    st = c->nccl ? run_nccl(*gc, c, s) : run_copy(c, s);
+    st = c->between_ranks ? run_nccl(*gc, c, s) : run_copy(c, s);
 #else
     st = run_copy(c, s);
 #endif
@@ -353,8 +365,27 @@ fsdp_status gpu_run(gpu_comm **gc, gpu_work *w, const gpu_call *c) {
     return st;
 }
 
+static const comm_backend nccl_backend = {
+    .name = "nccl",
+#ifdef FSDP_HAVE_NCCL
+    .between_ranks = true,
+#endif
+    .work_begin = gpu_work_begin,
+    .run = gpu_run,
+    .work_recorded = gpu_work_recorded,
+    .work_wait = gpu_work_wait,
+    .work_poll = gpu_work_poll,
+    .work_free = gpu_work_free,
+    .gpu_check = gpu_comm_check,
+    .gpu_destroy = gpu_comm_destroy,
+};
+
+const comm_backend *comm_device_backend(void) { return &nccl_backend; }
+
 #else /* !FSDP_HAVE_CUDA */
 
-typedef int comm_nccl_not_built;   /* ISO C wants something in a translation unit */
+#include "comm_impl.h"
+
+const comm_backend *comm_device_backend(void) { return NULL; }
 
 #endif /* FSDP_HAVE_CUDA */

@@ -27,6 +27,7 @@
  * memory; each gather copies this rank's shard (cast to the compute dtype
  * first) to the device, and each reduced gradient shard comes back. */
 #include "ops_util.h"
+#include "comm_internal.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -163,7 +164,11 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
         st->data = NULL;
         return r;
     }
-    r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
+    /* a shard group of one holds the whole unit: a local copy, no collective */
+    if (s->shard_size == 1)
+        r = fsdp_copy(u->full, src);
+    else
+        r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
     tensor_release(src);   /* the work holds it until done */
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
@@ -306,7 +311,11 @@ static fsdp_status after_backward(void *p) {
             s->cap_pend = cap;
         }
         fsdp_work *w = NULL;
-        r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
+        /* a group of one: the average over one rank is the gradient itself */
+        if (s->shard_size == 1)
+            r = fsdp_copy(dst, src);
+        else
+            r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
         tensor_release(src);
         if (r != FSDP_OK) {
             tensor_release(dst);
@@ -409,8 +418,8 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     if (!s) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_new: out of host memory");
     atomic_init(&s->refcount, 1);
     /* the schedule keeps its own communicator handles */
-    fsdp_status st = fsdp_comm_split(&s->shard_comm, shard_comm, 0, 0);
-    if (st == FSDP_OK && replica_comm) st = fsdp_comm_split(&s->replica_comm, replica_comm, 0, 0);
+    fsdp_status st = comm_dup(&s->shard_comm, shard_comm);
+    if (st == FSDP_OK && replica_comm) st = comm_dup(&s->replica_comm, replica_comm);
     if (st != FSDP_OK) {
         if (s->shard_comm) fsdp_comm_free(s->shard_comm);
         free(s);

@@ -78,6 +78,17 @@ typedef enum fsdp_reduce_op {
     FSDP_REDUCE_MAX = 2
 } fsdp_reduce_op;
 
+/* Kinds of collectives, for the traffic counts of fsdp_comm_counts. */
+typedef enum fsdp_collective {
+    FSDP_COLL_ALL_GATHER = 0,
+    FSDP_COLL_REDUCE_SCATTER = 1,
+    FSDP_COLL_ALL_REDUCE = 2,
+    FSDP_COLL_BROADCAST = 3,
+    FSDP_COLL_BARRIER = 4,
+    FSDP_COLL_ALL_REDUCE_DOUBLES = 5,
+    FSDP_COLL_COUNT = 6
+} fsdp_collective;
+
 typedef struct fsdp_tensor fsdp_tensor;
 typedef struct fsdp_comm fsdp_comm;     /* a group of ranks and its backend */
 typedef struct fsdp_work fsdp_work;     /* an asynchronous collective */
@@ -339,7 +350,25 @@ fsdp_status fsdp_comm_world(fsdp_comm **out);
  * Collective over parent; a negative color fails on that rank (after taking
  * part, so the others do not wait). */
 fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int key);
+/* The same, given every rank's color and key (n: the parent's size; every
+ * rank passes the same tables). The only split a counting communicator
+ * takes, since one process cannot see the other ranks' colors. */
+fsdp_status fsdp_comm_split_all(fsdp_comm **out, fsdp_comm *parent, const int *colors, const int *keys, int n);
+/* A counting communicator: world ranks of which this process plays rank,
+ * alone. Collectives move nothing and wait for nobody; their results are
+ * those of a world whose ranks all hold what this rank holds (all-gather:
+ * copies of this rank's block; sum: world times the value; average, max,
+ * broadcast: the value), so real steps run on it and say what they would
+ * send (fsdp_comm_counts). CPU tensors, or tensors of a device that only
+ * counts (left untouched); not CUDA tensors. */
+fsdp_status fsdp_comm_new_counting(fsdp_comm **out, int world, int rank);
 fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
+/* Collectives of one kind (fsdp_collective) run on c and on every
+ * communicator split from it, and their bytes per rank: all-gather the
+ * gathered output, reduce-scatter the input, all-reduce and broadcast the
+ * tensor, all_reduce_doubles 8 per value. */
+fsdp_status fsdp_comm_counts(fsdp_comm *c, int kind, int64_t *calls, int64_t *bytes);
+fsdp_status fsdp_comm_reset_counts(fsdp_comm *c);
 fsdp_status fsdp_comm_free(fsdp_comm *c);
 /* dst (size * n elements) <- every rank's src (n elements), in rank order. */
 fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label);

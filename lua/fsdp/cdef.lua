@@ -54,6 +54,16 @@ typedef enum fsdp_reduce_op {
     FSDP_REDUCE_MAX = 2
 } fsdp_reduce_op;
 
+typedef enum fsdp_collective {
+    FSDP_COLL_ALL_GATHER = 0,
+    FSDP_COLL_REDUCE_SCATTER = 1,
+    FSDP_COLL_ALL_REDUCE = 2,
+    FSDP_COLL_BROADCAST = 3,
+    FSDP_COLL_BARRIER = 4,
+    FSDP_COLL_ALL_REDUCE_DOUBLES = 5,
+    FSDP_COLL_COUNT = 6
+} fsdp_collective;
+
 typedef struct fsdp_tensor fsdp_tensor;
 typedef struct fsdp_comm fsdp_comm;
 typedef struct fsdp_work fsdp_work;
@@ -242,7 +252,14 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
 fsdp_status fsdp_comm_world(fsdp_comm **out);
 
 fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int key);
+
+fsdp_status fsdp_comm_split_all(fsdp_comm **out, fsdp_comm *parent, const int *colors, const int *keys, int n);
+
+fsdp_status fsdp_comm_new_counting(fsdp_comm **out, int world, int rank);
 fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
+
+fsdp_status fsdp_comm_counts(fsdp_comm *c, int kind, int64_t *calls, int64_t *bytes);
+fsdp_status fsdp_comm_reset_counts(fsdp_comm *c);
 fsdp_status fsdp_comm_free(fsdp_comm *c);
 
 fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label);

@@ -24,7 +24,7 @@ options:
                  sharded or communicated
   --world=N      the number of ranks --plan plans for (default: the ranks
                  this process runs with, 1 without mpirun); the recipe sees
-                 fsdp.world() = N until it calls fsdp.shard
+                 fsdp.distributed.world() = N until it calls fsdp.shard
   -v, --version  print the fsdp-lua, engine and LuaJIT versions
   -h, --help     print this help
   --             stop handling options
@@ -83,24 +83,60 @@ local function fail(msg)
   return 1
 end
 
+-- Exit status of a recipe stopped by a usage error (fsdp.options.fail).
+local USAGE_EXIT = 2
+
 local function version_line(fsdp)
   return string.format("fsdp-lua %s (engine %s, %s)", fsdp.version(), fsdp.version(), jit and jit.version or _VERSION)
 end
 
 -- os.exit ends the runtime first, so that a recipe exiting early under
 -- mpirun neither leaves MPI unfinalized nor leaves other ranks waiting.
-local function guard_exit(fsdp)
+local function guard_exit()
+  local C = require("fsdp.core").C
+  local dist = require "fsdp.distributed"
   local raw_exit = os.exit
-  local world = fsdp.world   -- the real one (--plan makes fsdp.world answer N)
   os.exit = function(code, close)
     local n = (code == nil or code == true) and 0 or code == false and 1 or tonumber(code) or 1
     io.stdout:flush()
-    if n ~= 0 and world() > 1 then
-      fsdp.C.fsdp_runtime_abort(string.format("fsdp-lua: rank %d: os.exit(%d)", fsdp.rank(), n), n)
+    if n ~= 0 and dist._ranks_running() > 1 then
+      C.fsdp_runtime_abort(string.format("fsdp-lua: rank %d: os.exit(%d)", dist.rank(), n), n)
     end
-    fsdp.C.fsdp_runtime_finalize()
+    C.fsdp_runtime_finalize()
     raw_exit(code, close)
   end
+end
+
+-- Runs the recipe chunk. A usage error (a bad option, an unreadable file)
+-- is one line from rank 0 and exit status 2; a recipe that reached
+-- fsdp.shard under --plan has printed the plan and ends with 0. Any other
+-- error is printed with its traceback, as the launcher prints errors, and
+-- ends every rank.
+local function run_recipe(chunk, args)
+  local options = require "fsdp.options"
+  local shard = require "fsdp.shard"
+  local caught
+  local ok, err = xpcall(function() return chunk(args) end, function(e)
+    if options.is_usage_error(e) or e == shard.PLANNED then
+      caught = e
+      return e
+    end
+    return debug.traceback(tostring(e), 2)
+  end)
+  if ok then return nil end
+  if caught == shard.PLANNED then return 0 end
+  if caught then
+    io.stdout:flush()
+    if require("fsdp.distributed").rank() == 0 then io.stderr:write(caught.message, "\n") end
+    return USAGE_EXIT
+  end
+  local C, dist = require("fsdp.core").C, require "fsdp.distributed"
+  local rank, world = dist.rank(), dist._ranks_running()
+  local text = string.format("fsdp-lua: rank %d: %s", rank, tostring(err))
+  io.stdout:flush()
+  if world > 1 then C.fsdp_runtime_abort(text, 1) end   -- ends every rank
+  io.stderr:write(text, "\n")
+  return 1
 end
 
 function M.main(argv)
@@ -147,7 +183,7 @@ function M.main(argv)
 
   local fsdp = require "fsdp"
   _G.fsdp = fsdp   -- for -e code and the REPL; recipes require it themselves
-  guard_exit(fsdp)
+  guard_exit()
   if show_version then print(version_line(fsdp)) end
 
   for _, act in ipairs(actions) do
@@ -175,14 +211,16 @@ function M.main(argv)
     end
     if not chunk then error(err, 0) end
     if plan then
-      -- fsdp.shard prints the plan and exits 0 (lua/fsdp/shard.lua). Until
-      -- then the recipe runs as on N ranks: fsdp.world() answers N, so that
-      -- a recipe which shards only under mpirun reaches fsdp.shard.
-      local n = plan_world or fsdp.world()
-      require("fsdp.shard").plan_mode = { world = n }
-      fsdp.world = function() return n end
+      -- fsdp.shard prints the plan instead of sharding and ends the recipe
+      -- (lua/fsdp/shard.lua). Until then the recipe runs as on N ranks:
+      -- fsdp.distributed.world() answers N.
+      local n = plan_world or fsdp.distributed.world()
+      require("fsdp.shard")._plan_instead(n)
+      fsdp.distributed._plan_world(n)
     end
-    chunk(M.parse_script_args(argv, i + 1))
+    io.stdout:setvbuf("line")   -- log lines arrive as they are printed, also through a pipe
+    local code = run_recipe(chunk, M.parse_script_args(argv, i + 1))
+    if code then return code end
     if plan then
       return fail(string.format("--plan: '%s' ended without calling fsdp.shard, so there was nothing to plan", script))
     end

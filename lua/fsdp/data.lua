@@ -76,11 +76,17 @@ local function check_header(f, path)
   if ntok < 0 or ntok > held then
     raise(fmt("data: shard '%s' header says %d tokens but the file holds only %d", path, ntok, held))
   end
+  if size ~= M.HEADER_BYTES + 2 * ntok then
+    raise(fmt("data: shard '%s' is %d bytes, but its header says %d tokens (%d bytes with the header): %d bytes "
+      .. "too many (a damaged shard, or not uint16 tokens?)", path, size, ntok, M.HEADER_BYTES + 2 * ntok,
+      size - M.HEADER_BYTES - 2 * ntok))
+  end
   return { path = path, magic = magic, version = version, ntok = ntok, bytes = size }
 end
 
 --- data.read_shard_header(path) -> { path, magic, version, ntok, bytes }.
--- Checks magic, version and that the file holds the tokens it claims.
+-- Checks magic, version and that the file holds exactly the tokens it
+-- claims (no fewer, no trailing bytes).
 function M.read_shard_header(path)
   local f = open_or_fail(path, "rb", "shard")
   local ok, res = pcall(check_header, f, path)

@@ -7,7 +7,9 @@
 --   print(x.grad)
 --
 -- Tensors (fsdp.tensor) and autograd (fsdp.autograd) live in their own
--- modules; this one gathers their public functions in one table.
+-- modules; this one gathers their public functions in one table. The
+-- binding itself (fsdp.core) is not part of it: library modules require
+-- "fsdp.core", recipes use the Lua API only.
 
 local ffi = require "ffi"
 local core = require "fsdp.core"
@@ -36,6 +38,10 @@ fsdp.tape_pop = autograd.tape_pop
 
 fsdp.autograd = autograd
 fsdp.memory = require "fsdp.memory"
+--- Gives every dead tensor's memory back now. Lua's collector sees only
+-- the small handles, so it may otherwise keep the engine memory of
+-- finished work (an evaluation's activations) for a while.
+fsdp.collect = core.collect
 -- Devices: fsdp.default_device() -> "cpu" | "cuda"; fsdp.set_default_device(name).
 -- Constructors put tensors there when opts.device is not given.
 fsdp.default_device = tensor.default_device
@@ -51,8 +57,8 @@ function fsdp.load(...) return require("fsdp.checkpoint").load(...) end
 function fsdp.latest(...) return require("fsdp.checkpoint").latest(...) end
 function fsdp.export(...) return require("fsdp.checkpoint").export(...) end
 function fsdp.import(...) return require("fsdp.checkpoint").import(...) end
-fsdp.core = core
-fsdp.C = C
+-- The ranks of the job: rank, world, mean/sum/max/min, broadcast, barrier, print0.
+fsdp.distributed = require "fsdp.distributed"
 
 for id, name in pairs(core.dtype_names) do fsdp[name] = name end
 
@@ -73,14 +79,8 @@ function fsdp.num_threads()
   return int_box[0]
 end
 
-function fsdp.rank()
-  if C.fsdp_runtime_rank(int_box, int_box + 1) ~= 0 then raise() end
-  return int_box[0]
-end
-
-function fsdp.world()
-  if C.fsdp_runtime_rank(int_box, int_box + 1) ~= 0 then raise() end
-  return int_box[1]
-end
+--- This process's rank and the job's rank count (fsdp.distributed has the rest).
+function fsdp.rank() return fsdp.distributed.rank() end
+function fsdp.world() return fsdp.distributed.world() end
 
 return fsdp

@@ -5,8 +5,10 @@
 -- Each step is one fused C pass per tensor (fsdp_adamw_step /
 -- fsdp_sgd_step); state tensors are allocated under the "optimizer" tag.
 local fsdp = require "fsdp"
-local C = fsdp.C
-local raise = fsdp.core.raise
+local core = require "fsdp.core"
+local options = require "fsdp.options"
+local C = core.C
+local raise = core.raise
 
 local M = {}
 
@@ -14,22 +16,26 @@ local M = {}
 -- step ends there (the dry run of fsdp.dryrun counts steps with it).
 M.after_step = {}
 
--- Tensors whose .grad is a fixed buffer (a sharded model's gradient shard
--- slices), mapped to their sharded model: zero_grad asks that model to
--- zero its gradients (shards, and what no_sync kept) instead of dropping them.
-M.persistent_grad = setmetatable({}, { __mode = "k" })
-
 -- Parameter groups: a list of tensors, or {{params = {...}, weight_decay = ...}, ...}.
-local function make_groups(name, params, defaults)
+-- A group (or a list) may carry zero_grad, a function that zero_grad calls
+-- instead of dropping the group's gradients: a sharded model's slices have
+-- fixed gradient buffers, which it zeroes itself (with what no_sync kept).
+-- Group keys are the optimizer's option names, plus params and zero_grad.
+local function make_groups(name, params, defaults, option_names)
   -- an empty list is allowed: a rank whose shard holds only padding has no
   -- parameters, and still takes part in the step
   if type(params) ~= "table" then error(name .. ": expected a list of parameters or groups", 3) end
   local groups = {}
-  if fsdp.is_tensor(params[1]) then params = { { params = params } } end
+  if fsdp.is_tensor(params[1]) or (params[1] == nil and params.zero_grad) then
+    params = { { params = params, zero_grad = params.zero_grad } }
+  end
+  local group_keys = { "params", "zero_grad" }
+  for _, k in ipairs(option_names) do group_keys[#group_keys + 1] = k end
   for gi, g in ipairs(params) do
     if type(g) ~= "table" or type(g.params) ~= "table" then
       error(string.format("%s: group %d needs a params list", name, gi), 3)
     end
+    options.check_keys(g, group_keys, string.format("%s: group %d", name, gi), 3)
     local group = {}
     for k, v in pairs(defaults) do group[k] = v end
     for k, v in pairs(g) do group[k] = v end
@@ -49,14 +55,16 @@ end
 --- AdamW(params, {lr=1e-3, betas={0.9, 0.999}, eps=1e-8, weight_decay=0.01})
 local AdamW = {}
 AdamW.__index = AdamW
+local adamw_options = { "lr", "betas", "eps", "weight_decay" }
 function M.AdamW(params, opts)
   opts = opts or {}
+  options.check_keys(opts, adamw_options, "AdamW", 2)
   local betas = opts.betas or { 0.9, 0.999 }
   local self = setmetatable({
     groups = make_groups("AdamW", params, {
       lr = opts.lr or 1e-3, beta1 = betas[1], beta2 = betas[2], eps = opts.eps or 1e-8,
       weight_decay = opts.weight_decay or 0.01,
-    }),
+    }, { "lr", "beta1", "beta2", "eps", "weight_decay" }),
     state = {}, step_count = 0,
   }, AdamW)
   return self
@@ -93,14 +101,16 @@ function AdamW:step() step_each(self, adamw_update) end
 --- SGD(params, {lr=, momentum=0, dampening=0, weight_decay=0, nesterov=false})
 local SGD = {}
 SGD.__index = SGD
+local sgd_options = { "lr", "momentum", "dampening", "weight_decay", "nesterov" }
 function M.SGD(params, opts)
   opts = opts or {}
+  options.check_keys(opts, sgd_options, "SGD", 2)
   if type(opts.lr) ~= "number" then error("SGD: lr is required (a number)", 2) end
   return setmetatable({
     groups = make_groups("SGD", params, {
       lr = opts.lr, momentum = opts.momentum or 0, dampening = opts.dampening or 0,
       weight_decay = opts.weight_decay or 0, nesterov = opts.nesterov or false,
-    }),
+    }, sgd_options),
     state = {}, step_count = 0,
   }, SGD)
 end
@@ -116,18 +126,15 @@ function SGD:step() step_each(self, sgd_update) end
 -- Both optimizers share these.
 for _, cls in ipairs({ AdamW, SGD }) do
   function cls:zero_grad()
-    local owners = {}
+    local called = {}
     for _, g in ipairs(self.groups) do
-      for _, p in ipairs(g.params) do
-        local owner = M.persistent_grad[p]
-        if owner then
-          if not owners[owner] then
-            owners[owner] = true
-            owner:zero_grad()
-          end
-        else
-          p:set_grad(nil)
+      if g.zero_grad then
+        if not called[g.zero_grad] then
+          called[g.zero_grad] = true
+          g.zero_grad()
         end
+      else
+        for _, p in ipairs(g.params) do p:set_grad(nil) end
       end
     end
   end
@@ -157,12 +164,13 @@ function M.decay_groups(named, weight_decay)
   return groups
 end
 
+local sumsq_box = require("ffi").new("double[1]")
+
 --- Global L2 norm of the gradients of params (a sum of squares per tensor
 -- in double). opts.reduce, when given, combines the local sum of squares
 -- across ranks (sharded models pass their all-reduce here).
 function M.grad_norm(params, opts)
-  local ffi = require "ffi"
-  local box, grads = ffi.new("double[1]"), ffi.new("fsdp_tensor *[?]", #params > 0 and #params or 1)
+  local box, grads = sumsq_box, require("ffi").new("fsdp_tensor *[?]", #params > 0 and #params or 1)
   local keep = {}   -- the gradients stay referenced while C reads them
   for i, p in ipairs(params) do
     keep[i] = p:get_grad() or false

@@ -12,11 +12,13 @@
 --
 -- A file is checked in full before any data is read, and every problem is a
 -- Lua error naming the file: a truncated or hostile file never crashes the
--- process or makes it allocate what the header claims.
+-- process or makes it allocate what the header claims. The tensors' offsets
+-- must tile the data section exactly (no gap, no overlap, nothing after).
 
 local ffi = require "ffi"
 local core = require "fsdp.core"
 local json = require "fsdp.json"
+local fio = require "fsdp.io"
 require "fsdp.tensor"          -- the metatype: tensors we make get their methods
 
 local C = core.C
@@ -84,6 +86,40 @@ local function open_read(path)
   return f
 end
 
+-- The position of the first byte of s that is not well-formed UTF-8
+-- (overlong forms, surrogates and code points above U+10FFFF included), or nil.
+local function utf8_error(s)
+  if not s:find("[\128-\255]") then return nil end
+  local i, n = 1, #s
+  while i <= n do
+    local c = byte(s, i)
+    if c < 0x80 then
+      i = i + 1
+    else
+      local len, lo, hi = 0, 0x80, 0xBF   -- continuation count; allowed range of the second byte
+      if c >= 0xC2 and c <= 0xDF then len = 1
+      elseif c == 0xE0 then len, lo = 2, 0xA0
+      elseif c == 0xED then len, hi = 2, 0x9F
+      elseif c >= 0xE1 and c <= 0xEF then len = 2
+      elseif c == 0xF0 then len, lo = 3, 0x90
+      elseif c >= 0xF1 and c <= 0xF3 then len = 3
+      elseif c == 0xF4 then len, hi = 3, 0x8F
+      else return i end
+      for k = 1, len do
+        local d = byte(s, i + k)
+        if not d then return i end
+        if k == 1 then
+          if d < lo or d > hi then return i end
+        elseif d < 0x80 or d > 0xBF then
+          return i
+        end
+      end
+      i = i + len + 1
+    end
+  end
+  return nil
+end
+
 -- Reads and checks the header of an open file. Returns
 -- { path, names (sorted), tensors = {name = {dtype, shape, offsets, numel,
 --   nbytes}}, metadata, header_bytes, data_start, file_bytes }.
@@ -99,6 +135,8 @@ local function parse_header(f, path)
   end
   local text = n > 0 and f:read(n) or ""
   if #text ~= n then fail(path, fmt("header truncated: read %d of %d bytes", #text, n)) end
+  local bad_at = utf8_error(text)
+  if bad_at then fail(path, fmt("header is not UTF-8 (byte %d of the header)", bad_at)) end
   local ok, hdr = pcall(json.decode, text)
   if not ok then fail(path, "header is not valid JSON: " .. tostring(hdr)) end
   if not json.is_object(hdr) then
@@ -178,6 +216,21 @@ local function parse_header(f, path)
     if q[1] < p[2] then
       fail(path, fmt("tensors %q [%d, %d] and %q [%d, %d] overlap", p[3], p[1], p[2], q[3], q[1], q[2]))
     end
+  end
+  -- the tensors tile the data section exactly (the format allows no holes):
+  -- a header length that is off shifts the section and shows up here
+  local at = 0
+  for _, r in ipairs(ranges) do
+    if r[1] ~= at then
+      fail(path, fmt("data bytes [%d, %d) belong to no tensor (before %q): the offsets must cover the data "
+        .. "section exactly (a wrong header length?)", at, r[1], r[3]))
+    end
+    at = r[2]
+  end
+  if at ~= data_bytes then
+    fail(path, fmt("data bytes [%d, %d) at the end belong to no tensor: the offsets must cover the data section "
+      .. "(%d bytes after the %d-byte header) exactly (a wrong header length, or trailing bytes?)", at, data_bytes,
+      data_bytes, n))
   end
   return info
 end
@@ -293,7 +346,7 @@ local function write_tensor(f, t, nbytes)
   local done = 0
   while done < nbytes do
     local n = math.min(M.chunk_bytes, nbytes - done)
-    assert(f:write(ffi.string(src + done, n)))
+    f:append(src + done, n)
     done = done + n
   end
   return anchor   -- keeps the copy alive until the writes are done
@@ -311,8 +364,8 @@ end
 --- safetensors.save(path, {name = Tensor, ...}, metadata)
 -- Names are written sorted and the data packed in that order, so equal
 -- inputs give equal files. metadata values must be strings (numbers and
--- booleans are converted). The file is written beside path and renamed
--- over it, so a crash never leaves a half-written file under the name.
+-- booleans are converted). The file is written beside path, synced and
+-- renamed over it, so a crash never leaves a half-written file under the name.
 function M.save(path, tensors, metadata)
   if type(path) ~= "string" then raise("safetensors.save: path must be a string, got " .. type(path)) end
   if type(tensors) ~= "table" then
@@ -355,19 +408,20 @@ function M.save(path, tensors, metadata)
   local head = M.encode_header(hdr)
 
   local tmp = path .. ".tmp"
-  local f, err = io.open(tmp, "wb")
-  if not f then raise(fmt("safetensors.save: %s: cannot open for writing: %s", path, tostring(err))) end
+  local okf, f = pcall(fio.open, tmp, "w")
+  if not okf then raise(fmt("safetensors.save: %s: cannot open for writing: %s", path, tostring(f))) end
   local ok, werr = pcall(function()
-    assert(f:write(head))
+    f:append(head, #head)
     for i, name in ipairs(names) do write_tensor(f, tensors[name], sizes[i]) end
-    assert(f:close())
+    f:sync()
+    f:close()
   end)
   if not ok then
     pcall(f.close, f)
     os.remove(tmp)
     raise(fmt("safetensors.save: %s: write failed: %s", path, tostring(werr)))
   end
-  local rok, rerr = os.rename(tmp, path)
+  local rok, rerr = pcall(fio.rename, tmp, path)
   if not rok then
     os.remove(tmp)
     raise(fmt("safetensors.save: %s: cannot rename into place: %s", path, tostring(rerr)))

@@ -28,12 +28,13 @@
 -- Where the compute device is the CPU it changes nothing.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
+local core = require "fsdp.core"
+local dist = require "fsdp.distributed"
+local options = require "fsdp.options"
 local Module = require "fsdp.nn.module"
 local init = Module.init
-local optim = require "fsdp.optim"
 
-local C = fsdp.C
-local core = fsdp.core
+local C = core.C
 local raise = core.raise
 
 local M = {}
@@ -201,20 +202,17 @@ local function hash52(s)
   return h
 end
 
-local dbl2 = ffi.new("double[2]")
-
 -- All ranks must build the same model: compare a fingerprint of the unit
--- layout (paths and shapes) with a max and a -min all-reduce.
-local function check_same_model(world, units, rank)
+-- layout (paths and shapes): its maximum and minimum over ranks.
+local function check_same_model(group, units, rank)
   local parts = {}
   for _, u in ipairs(units) do
     parts[#parts + 1] = "[" .. u.path .. "]"
     for _, p in ipairs(u.params) do parts[#parts + 1] = p.path .. "(" .. table.concat(p.shape, "x") .. ")" end
   end
   local h = hash52(table.concat(parts, ";"))
-  dbl2[0], dbl2[1] = h, -h
-  if C.fsdp_all_reduce_doubles(world, dbl2, 2, 2) ~= 0 then raise() end
-  if dbl2[0] ~= h or -dbl2[1] ~= h then
+  local hi, lo = group:max(h), group:min(h)
+  if hi ~= h or lo ~= h then
     error(string.format("fsdp.shard: ranks disagree on the model (rank %d's layout fingerprint is %.0f, others "
       .. "differ: %d units, %d tensors here); every rank must build the same model and policy", rank, h, #units,
       #parts - #units), 0)
@@ -234,10 +232,31 @@ local i64s = ffi.new("int64_t[4]")
 local out = core.out
 local wrap_t = core.wrap
 
+-- The options fsdp.shard takes (a typo is an error naming the closest one).
+M.option_names = { "policy", "strategy", "group_size", "mixed_precision", "prefetch", "forward_prefetch", "limit",
+  "seed", "offload" }
+local mixed_precision_names = { "compute", "reduce", "param" }
+
+-- `fsdp-lua --plan`: fsdp.shard prints the plan for that many ranks instead
+-- of sharding, and ends the recipe by raising M.PLANNED, which the command
+-- line turns into a successful exit (lua/fsdp/cli.lua).
+local plan_request = nil
+function M._plan_instead(world) plan_request = world and { world = world } or nil end
+M.PLANNED = setmetatable({}, { __tostring = function() return "fsdp.shard: planned (fsdp-lua --plan)" end })
+
 --- fsdp.shard(model, opts) -> Sharded (see the top of this file).
 function M.shard(model, opts)
   opts = opts or {}
   if type(model) ~= "table" or not model._param_names then error("fsdp.shard: expected an nn module", 2) end
+  if type(opts) ~= "table" then error("fsdp.shard: options must be a table, got " .. type(opts), 2) end
+  options.check_keys(opts, M.option_names, "fsdp.shard", 2)
+  if opts.mixed_precision ~= nil then
+    if type(opts.mixed_precision) ~= "table" then
+      error("fsdp.shard: mixed_precision must be a table { compute =, reduce = }, got "
+        .. type(opts.mixed_precision), 2)
+    end
+    options.check_keys(opts.mixed_precision, mixed_precision_names, "fsdp.shard: mixed_precision", 2)
+  end
   local strategy = opts.strategy or "full_shard"
   if not M.strategies[strategy] then
     error("fsdp.shard: unknown strategy '" .. tostring(strategy) ..
@@ -257,15 +276,17 @@ function M.shard(model, opts)
   if opts.offload ~= nil and type(opts.offload) ~= "boolean" then
     error("fsdp.shard: offload must be true or false, got " .. tostring(opts.offload), 2)
   end
-  if M.plan_mode then   -- `fsdp-lua --plan`: print the plan for the asked world size and stop
+  if plan_request then
     local planner = require "fsdp.plan"
-    print(planner.format(planner.plan(model, opts, M.plan_mode.world)))
-    os.exit(0)
+    print(planner.format(planner.plan(model, opts, plan_request.world)))
+    io.stdout:flush()
+    error(M.PLANNED, 0)
   end
   local units = M.assign_units(model, opts.policy)
   local shard_comm, replica_comm, world = make_comms(strategy, opts.group_size)
   local rank = comm_info(world)
-  check_same_model(world, units, rank)
+  local group, shard_group = dist._borrow(world), dist._borrow(shard_comm)
+  check_same_model(group, units, rank)
   if C.fsdp_sched_new(sched_box, shard_comm, replica_comm, dtypes[compute], dtypes[reduce], prefetch_ids[prefetch],
         opts.forward_prefetch and 1 or 0, limit) ~= 0 then
     raise()
@@ -277,6 +298,7 @@ function M.shard(model, opts)
     offload = opts.offload == true and fsdp.default_device() ~= "cpu",   -- (a no-op where the CPU computes)
     sched = sched, shard_comm = shard_comm, replica_comm = replica_comm,
     world = world, rank = rank, grads = {}, segments = {},
+    group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
   }, Sharded)
   local seed = opts.seed or 0
   local keep_all = strategy == "shard_grad_op"
@@ -327,7 +349,6 @@ function Sharded:_init_unit(u, seed)
       -- the optimizer's view of this slice, with its gradient slice
       local g = u.grad:narrow(1, a - lo + 1, b - a)
       dst:set_grad(g)
-      optim.persistent_grad[dst] = self   -- the optimizer's zero_grad asks us
       self.segments[#self.segments + 1] = { tensor = dst, grad = g, dims = #p.shape, path = p.path }
     end
     off = off + p.numel
@@ -366,17 +387,22 @@ function Sharded:__call(...) return self.model(...) end
 -- The two groups are there on every rank, in this order, even when this
 -- rank's slices leave one empty: ranks then agree on group hyperparameters
 -- (and a checkpoint's groups mean the same on every rank count).
+-- Each group's zero_grad hook (fsdp.optim calls it instead of dropping the
+-- slices' gradients, which are views of the persistent gradient shards).
 function Sharded:param_groups(weight_decay)
   local decay, other = {}, {}
   for _, s in ipairs(self.segments) do
     if s.dims >= 2 then decay[#decay + 1] = s.tensor else other[#other + 1] = s.tensor end
   end
-  return { { params = decay, weight_decay = weight_decay or 0 }, { params = other, weight_decay = 0 } }
+  local function zero() self:zero_grad() end
+  return { { params = decay, weight_decay = weight_decay or 0, zero_grad = zero },
+    { params = other, weight_decay = 0, zero_grad = zero } }
 end
 
---- Every shard slice (for an optimizer without groups).
+--- Every shard slice (for an optimizer without groups), with the same
+-- zero_grad hook.
 function Sharded:parameters()
-  local ps = {}
+  local ps = { zero_grad = function() self:zero_grad() end }
   for _, s in ipairs(self.segments) do ps[#ps + 1] = s.tensor end
   return ps
 end
@@ -387,13 +413,13 @@ function Sharded:zero_grad()
 end
 
 --- Global gradient norm over all shards (an all-reduce over the shard group).
+local sumsq_box = ffi.new("double[1]")
 function Sharded:grad_norm()
-  local box, n = ffi.new("double[1]"), #self.grads
+  local n = #self.grads
   local grads = ffi.new("fsdp_tensor *[?]", n > 0 and n or 1)
   for i, g in ipairs(self.grads) do grads[i - 1] = g end
-  if C.fsdp_sumsq_many(grads, n, box) ~= 0 then raise() end   -- one pass, one wait
-  if C.fsdp_all_reduce_doubles(self.shard_comm, box, 1, 0) ~= 0 then raise() end
-  return math.sqrt(box[0])
+  if C.fsdp_sumsq_many(grads, n, sumsq_box) ~= 0 then raise() end   -- one pass, one wait
+  return math.sqrt(self.shard_group:sum(sumsq_box[0]))
 end
 
 function Sharded:clip_grad_norm(max_norm)
@@ -462,12 +488,11 @@ function Sharded:global_stats()
   local s = self:step_stats()
   local mem = fsdp.memory.all()
   local names = { "param", "grad", "optimizer", "activation", "comm", "other" }
-  local vals = ffi.new("double[?]", 3 + #names)
-  vals[0], vals[1], vals[2] = s.gathered_bytes, s.reduced_bytes, s.wait_seconds
-  for i, n in ipairs(names) do vals[2 + i] = mem[n].peak end
-  if C.fsdp_all_reduce_doubles(self.world, vals, 3 + #names, 2) ~= 0 then raise() end
-  local g = { gathered_bytes = vals[0], reduced_bytes = vals[1], wait_seconds = vals[2], peak = {} }
-  for i, n in ipairs(names) do g.peak[n] = vals[2 + i] end
+  local vals = { s.gathered_bytes, s.reduced_bytes, s.wait_seconds }
+  for i, n in ipairs(names) do vals[3 + i] = mem[n].peak end
+  vals = self.group:max(vals)
+  local g = { gathered_bytes = vals[1], reduced_bytes = vals[2], wait_seconds = vals[3], peak = {} }
+  for i, n in ipairs(names) do g.peak[n] = vals[3 + i] end
   return g
 end
 

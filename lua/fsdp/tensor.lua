@@ -892,10 +892,15 @@ function mt.__newindex(t, k, v)
   raise("cannot set field '" .. tostring(k) .. "' of a tensor")
 end
 
--- g(owner) returns g: what makes t:grad() (= t.grad(t)) return t.grad.
+-- t:grad() is t.grad(t): the gradient called with its owner returns
+-- itself. Any other call is a mistake (w(x) for w:matmul(x), or a tensor
+-- where a module was meant) and an error.
 function mt.__call(self, owner)
-  if owner == nil or istype(tensor_ptr, owner) then return self end
-  raise("a tensor is not callable")
+  if istype(tensor_ptr, owner) and not freed[owner] then
+    local g = get_grad(owner)
+    if g ~= nil and g == self then return self end
+  end
+  raise("a tensor is not callable (t:grad() or t.grad is the gradient; for a product use matmul)")
 end
 
 ffi.metatype("struct fsdp_tensor", mt)

@@ -55,12 +55,7 @@ function M.loader(seed)
     rank = fsdp.rank(), world = fsdp.world() }
 end
 
-local mean_box = ffi.new("double[1]")
-local function mean_over(sh, v)
-  mean_box[0] = v
-  if fsdp.C.fsdp_all_reduce_doubles(sh.world, mean_box, 1, 1) ~= 0 then fsdp.core.raise() end
-  return mean_box[0]
-end
+local function mean_over(sh, v) return sh.group:mean(v) end
 
 --- One training step: forward, backward, clip, AdamW, zero; the global mean loss.
 function M.step(model, sh, opt, loader, lr)
@@ -75,7 +70,7 @@ function M.step(model, sh, opt, loader, lr)
 end
 
 function M.barrier(sh)
-  if fsdp.C.fsdp_barrier(sh.world) ~= 0 then fsdp.core.raise() end
+  sh.group:barrier()
 end
 
 --- Each rank writes what it holds: "param|path|start", "exp_avg|path|start",

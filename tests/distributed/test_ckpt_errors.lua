@@ -2,7 +2,9 @@
 -- the file and the parameter, and leave the model and optimizer as they were:
 -- a flipped byte, a truncated file, a missing shard file, an index from
 -- another model, a shape that differs, an index that is not JSON, another
--- optimizer type.
+-- optimizer type; an edited index (a range's offset moved by 64, two ranges
+-- made to overlap: refused by the index checksum, and, with the index
+-- re-sealed as a forger would, by the tiling and blob checks).
 --   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_errors.lua --dir=build/ckpt_test_errors
 package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"
@@ -11,6 +13,7 @@ local nn = require "fsdp.nn"
 local optim = require "fsdp.optim"
 local json = require "fsdp.json"
 local ck = require "fsdp.checkpoint"
+local format = require "fsdp.checkpoint.format"
 local common = require "ckpt_common"
 
 local opts = ... or {}
@@ -119,11 +122,52 @@ local cases = {
       for _, p in ipairs(idx.params) do
         if p.path == "h.0.mlp.c_fc.weight" then p.shape = json.array({ p.shape[2], p.shape[1] }) end
       end
-      write_all(c .. "/index.json", json.encode(idx))
+      write_all(c .. "/index.json", format.encode_index(idx))   -- re-sealed: a checkpoint of another shape
     end, { "index.json", "'h.0.mlp.c_fc.weight' has shape (16, 64)", "expects (64, 16)" } },
   { "not_json", function(c)
       write_all(c .. "/index.json", read_all(c .. "/index.json"):sub(1, 100))
     end, { "index.json", "not valid JSON" } },
+  -- the index edited in place (its checksum no longer matches)
+  { "offset_edit", function(c)
+      local text = read_all(c .. "/index.json")
+      local off = target[2].offset
+      local edited, n = text:gsub('"offset": ' .. off .. ',', '"offset": ' .. (off + 64) .. ',', 1)
+      assert(n == 1)
+      write_all(c .. "/index.json", edited)
+    end, { "index.json", "checksum does not match", "edited or damaged", "in the entry of parameter '" } },
+  { "whitespace_edit", function(c)
+      write_all(c .. "/index.json", (read_all(c .. "/index.json"):gsub("\n ", "\n  ", 1)))
+    end, { "index.json", "checksum does not match", "outside the parameter entries" } },
+  -- forged: edited and re-sealed; the structure and the blob checksums still catch it
+  { "offset_resealed", function(c)
+      local idx = json.decode(read_all(c .. "/index.json"))
+      for _, p in ipairs(idx.params) do
+        for _, r in ipairs(p.ranges) do
+          if p.path == target[1] and r.file == "rank_00001.bin" then r.offset = r.offset + 64 end
+        end
+      end
+      write_all(c .. "/index.json", format.encode_index(idx))
+    end, { "index.json", "rank_00001.bin", "belong to no tensor", target[1] } },
+  { "overlap_resealed", function(c)
+      local idx = json.decode(read_all(c .. "/index.json"))
+      for _, p in ipairs(idx.params) do
+        if p.path == "wte.weight" then p.ranges[2].start = p.ranges[2].start - 128 end
+      end
+      write_all(c .. "/index.json", format.encode_index(idx))
+    end, { "index.json", "parameter 'wte.weight'", "in two files" } },
+  { "swap_resealed", function(c)   -- two blobs of one size trade places: only their checksums tell
+      local idx = json.decode(read_all(c .. "/index.json"))
+      local a, b
+      for _, p in ipairs(idx.params) do
+        for _, r in ipairs(p.ranges) do
+          if r.file == "rank_00000.bin" and p.path:match("ln_1%.weight$") then
+            if not a then a = r elseif not b then b = r end
+          end
+        end
+      end
+      a.offset, b.offset = b.offset, a.offset
+      write_all(c .. "/index.json", format.encode_index(idx))
+    end, { "rank_00000.bin", "checksum mismatch", "ln_1.weight" } },
 }
 
 for _, case in ipairs(cases) do

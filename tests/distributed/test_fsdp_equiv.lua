@@ -48,7 +48,7 @@ local ref_params = ref:parameters()
 
 -- sharded: this rank's rows of each micro-batch
 local model = nn.GPT(cfg)
-if opts.checkpoint then nn.checkpoint(model, "Block") end   -- recomputed blocks regather in backward
+if opts.recompute then nn.recompute(model, "Block") end   -- recomputed blocks regather in backward
 local sharded = fsdp.shard(model, {
   policy = policies[policy_name], strategy = strategy, group_size = opts.group_size, seed = SEED,
   mixed_precision = { compute = dtype, reduce = "f32" }, offload = opts.offload == true,
@@ -95,9 +95,7 @@ for step = 1, STEPS do
     if m < MICRO and not accum_sync then sharded:no_sync(run) else run() end
   end
   -- the loss of the global batch is the mean of the ranks' losses
-  local box = require("ffi").new("double[1]", loss)
-  fsdp.C.fsdp_all_reduce_doubles(sharded.world, box, 1, 1)
-  loss = box[0]
+  loss = fsdp.distributed.mean(loss)
   sharded:clip_grad_norm(0.5)
   opt:step()
   sharded:zero_grad()

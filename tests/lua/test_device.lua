@@ -7,6 +7,7 @@
 package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
+local C = require("fsdp.core").C   -- the binding, for the engine calls tested directly
 local ffi = require "ffi"
 
 -- ---- the default device ----
@@ -21,9 +22,9 @@ t.raises(function() fsdp.zeros(2, { device = "metal" }) end, "unknown device", "
 -- Is there a GPU (CUDA built in and a device present)? fsdp_device_info says
 -- so when the engine has it; t:cuda() must work exactly then.
 local has_cuda = pcall(function() return fsdp.zeros(1, { device = "cpu" }):cuda() end)
-if pcall(function() return fsdp.C.fsdp_device_info end) then
+if pcall(function() return C.fsdp_device_info end) then
   local avail, desc = ffi.new("int[1]"), ffi.new("char[256]")
-  if t.eq(fsdp.C.fsdp_device_info(1, avail, desc, 256), 0, "fsdp_device_info(cuda)") then
+  if t.eq(C.fsdp_device_info(1, avail, desc, 256), 0, "fsdp_device_info(cuda)") then
     t.eq(avail[0] == 1, has_cuda, "cuda() works exactly when fsdp_device_info says so (" .. ffi.string(desc) .. ")")
   end
 end
@@ -87,7 +88,7 @@ local function bits_equal(x, y)
   local n = x:numel() * ({ f32 = 4, bf16 = 2, i32 = 4, i64 = 8, u16 = 2 })[x:dtype()]
   if y:numel() ~= x:numel() or y:dtype() ~= x:dtype() then return false end
   local xb, yb = ffi.new("uint8_t[?]", n + 1), ffi.new("uint8_t[?]", n + 1)
-  if fsdp.C.fsdp_tensor_to_data(x, xb, n) ~= 0 or fsdp.C.fsdp_tensor_to_data(y, yb, n) ~= 0 then return false end
+  if C.fsdp_tensor_to_data(x, xb, n) ~= 0 or C.fsdp_tensor_to_data(y, yb, n) ~= 0 then return false end
   return ffi.string(xb, n) == ffi.string(yb, n)
 end
 
@@ -119,14 +120,14 @@ t.raises(function() return m + fsdp.ones(2, 2, { device = "cpu" }) end, { "cuda"
 do
   local p, g = fsdp.ones(5, { device = "cpu" }), fsdp.ones(5, { device = "cuda" })
   local m1, m2 = fsdp.zeros(5, { device = "cpu" }), fsdp.zeros(5, { device = "cpu" })
-  local function adamw(grad, a) return fsdp.C.fsdp_adamw_step(p, grad, a, m2, 0.1, 0.9, 0.99, 1e-8, 0, 1) end
-  t.eq(adamw(g, m1), fsdp.C.FSDP_ERR_DEVICE, "adamw: a gradient on another device is refused")
-  local msg = ffi.string(fsdp.C.fsdp_last_error())
+  local function adamw(grad, a) return C.fsdp_adamw_step(p, grad, a, m2, 0.1, 0.9, 0.99, 1e-8, 0, 1) end
+  t.eq(adamw(g, m1), C.FSDP_ERR_DEVICE, "adamw: a gradient on another device is refused")
+  local msg = ffi.string(C.fsdp_last_error())
   t.ok(msg:find("fsdp_adamw_step: grad f32%[5%] cuda and param f32%[5%] cpu are on different devices") ~= nil,
        "adamw device error names both: " .. msg)
-  t.eq(adamw(p * 0 + 1, fsdp.zeros(5, { device = "cuda" })), fsdp.C.FSDP_ERR_DEVICE, "adamw: state on another device")
+  t.eq(adamw(p * 0 + 1, fsdp.zeros(5, { device = "cuda" })), C.FSDP_ERR_DEVICE, "adamw: state on another device")
   t.all_near(p:tolist(), { 1, 1, 1, 1, 1 }, 0, "refused steps leave the parameter as it was")
-  t.eq(fsdp.C.fsdp_axpy_(p, g, 1), fsdp.C.FSDP_ERR_DEVICE, "axpy across devices is refused")
+  t.eq(C.fsdp_axpy_(p, g, 1), C.FSDP_ERR_DEVICE, "axpy across devices is refused")
 end
 
 -- ops on CUDA equal the same ops on the CPU (f32, within reassociation)
@@ -183,7 +184,6 @@ h:copy(d:t())                                        -- and back, transposed, co
 t.all_near(h:tolist(), { { 1, 1 }, { 2, 2 }, { 3, 3 } }, 0, "copy cuda -> cpu, transposed, to bf16")
 
 -- ---- collectives on CUDA tensors (the world: one rank here, or mpirun -np 1) ----
-local C = fsdp.C
 local function ok(st, what)
   if st ~= 0 then t.record(false, what, ffi.string(C.fsdp_last_error())) end
   return st == 0

@@ -135,13 +135,13 @@ do
   t.eq(llama.lm_head.weight:shape()[1], 128, "Llama's untied head covers the padded vocabulary")
 end
 
--- ---- activation checkpointing: same numbers, less activation memory ----
+-- ---- activation recomputation: same numbers, less activation memory ----
 do
   local big = { vocab_size = 100, n_layer = 4, n_head = 2, n_embd = 64, block_size = 64 }
   local x, y = ids(4, 64, 11), ids(4, 64, 12)
   local function run(checkpointed)
     local m = nn.GPT(big):materialize { seed = 8 }
-    if checkpointed then nn.checkpoint(m, "Block") end
+    if checkpointed then nn.recompute(m, "Block") end
     collectgarbage()
     fsdp.memory.reset_peak()
     local base = fsdp.memory.stats("activation").current

@@ -99,10 +99,10 @@ do
   y1:sum():backward()
   local g1 = flat(x:get_grad())
   x:zero_grad()
-  nn.checkpoint(m)
+  nn.recompute(m)
   local y2, tag2 = m(x, 0.5)
   y2:sum():backward()
-  t.eq(tag2, tag1, "a checkpointed module returns every result")
+  t.eq(tag2, tag1, "a recomputed module returns every result")
   t.all_near(flat(y2), flat(y1), 1e-7, "same output with an extra argument")
   t.all_near(flat(x:get_grad()), g1, 1e-7, "same input gradient")
 end

@@ -36,8 +36,8 @@ if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.0) }'; then ok; else
 has "eval line" "$out" "eval loss"
 has "sample line" "$out" "sample:"
 
-# the Llama variant and activation checkpointing run too
-out=$("$L" recipes/gpt2.lua --model=llama --checkpoint --steps=3 --eval-every=0 --sample=0 2>&1)
+# the Llama variant and activation recomputation run too
+out=$("$L" recipes/gpt2.lua --model=llama --recompute --steps=3 --eval-every=0 --sample=0 2>&1)
 [ $? -eq 0 ] && ok || bad "llama + checkpoint run" "$out"
 
 # options

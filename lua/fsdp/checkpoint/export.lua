@@ -11,8 +11,8 @@ local safetensors = require "fsdp.safetensors"
 local common = require "fsdp.checkpoint.common"
 local read = require "fsdp.checkpoint.read"
 
-local C = fsdp.C
-local raise = fsdp.core.raise
+local core = require "fsdp.core"
+local C, raise = core.C, core.raise
 local fmt, sort = string.format, table.sort
 local min, max = math.min, math.max
 local together, describe, numel_of, shape_str, on_host = common.together, common.describe, common.numel_of,

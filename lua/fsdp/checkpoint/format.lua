@@ -14,54 +14,93 @@ local numel_of, shape_str, is_uint = common.numel_of, common.shape_str, common.i
 local M = {}
 
 M.FORMAT = "fsdp-lua-checkpoint"
-M.VERSION = 2
+M.VERSION = 3
 M.CHECKSUM = "xxh64"
-M.chunk_bytes = 1048576          -- checksum granularity (a multiple of 64)
 M.ALIGN = 64                     -- every blob of a shard file starts at a multiple of this
 
-local u8p = ffi.typeof("const uint8_t *")
 local is_dir = fio.is_dir
 
--- ---- checksums: XXH64 per chunk, per blob and per file ----
+-- ---- checksums ----
 
-local chunk_hash = fio.hash64
-
--- Fed with the bytes of a file as they are written: the hash of every
--- chunk of chunk bytes, and of the whole file.
+-- Fed with the bytes of a shard file as they are written: the XXH64 of the
+-- whole file (as xxhsum prints it) and of each blob (its padded extent).
 local Hasher = {}
 Hasher.__index = Hasher
 
-local function new_hasher(chunk)
-  return setmetatable({ chunk = chunk, pos = 0, chunks = {}, part = fio.hasher(), whole = fio.hasher() }, Hasher)
+function M.new_hasher()
+  return setmetatable({ whole = fio.hasher(), blob = fio.hasher() }, Hasher)
 end
+
+function Hasher:begin_blob() self.blob:reset() end
 
 function Hasher:update(ptr, n)
-  local p = ffi.cast(u8p, ptr)
-  self.whole:update(p, n)
-  while n > 0 do
-    local m = min(n, self.chunk - self.pos)
-    self.part:update(p, m)
-    self.pos, p, n = self.pos + m, p + m, n - m
-    if self.pos == self.chunk then
-      self.chunks[#self.chunks + 1] = self.part:hex()
-      self.part:reset()
-      self.pos = 0
-    end
-  end
+  self.whole:update(ptr, n)
+  self.blob:update(ptr, n)
 end
 
-function Hasher:finish()
-  if self.pos > 0 then self.chunks[#self.chunks + 1] = self.part:hex() end
-  return self.whole:hex(), self.chunks
-end
+function Hasher:blob_hex() return self.blob:hex() end
+function Hasher:file_hex() return self.whole:hex() end
 
-M.new_hasher = new_hasher
-M.chunk_hash = chunk_hash
+--- The bytes of a blob of n payload bytes: padded to a multiple of ALIGN.
+function M.padded(n) return M.ALIGN * math.ceil(n / M.ALIGN) end
 
 --- The index file of a checkpoint directory.
 function M.index_path(dir) return dir .. "/index.json" end
 
--- Checks that ranges tile [0, n) exactly.
+-- The index covers itself: its text ends with a last member
+-- "index_checksum", the XXH64 of every byte before that member. A reader
+-- checks it before trusting anything else in the index.
+local SEAL = ',\n "index_checksum": "%s"\n}\n'
+
+-- Fields read_index adds for its own use, never stored.
+local RUNTIME = { label = true, blobs = true, param_map = true, file_map = true, dir = true,
+  index_checksum = true, entry_checksum = true }
+
+-- A copy of v without runtime fields (arrays stay arrays).
+local function stored(v)
+  if type(v) ~= "table" then return v end
+  local c = {}
+  for k, x in pairs(v) do
+    if not RUNTIME[k] then c[k] = stored(x) end
+  end
+  return setmetatable(c, getmetatable(v))
+end
+
+-- Each parameter's entry (and each optimizer state entry) carries the
+-- XXH64 of its own compact encoding, so that an index whose checksum fails
+-- can still say which entries were edited.
+local function entry_hash(e) return fio.hash_string(json.encode(stored(e))) end
+
+--- format.encode_index(index) -> the text of index.json (sealed).
+function M.encode_index(index)
+  local t = stored(index)
+  for _, p in ipairs(t.params or {}) do p.entry_checksum = entry_hash(p) end
+  for _, e in ipairs(t.optimizer and t.optimizer.params or {}) do e.entry_checksum = entry_hash(e) end
+  local text = json.encode(json.object(t), { indent = " " })
+  local body = text:match("^(.*)\n}$")
+  assert(body and body ~= "{", "format.encode_index: unexpected encoder output")
+  return body .. fmt(SEAL, fio.hash_string(body))
+end
+
+-- Which entries of a decoded index no longer match their own checksums.
+local function edited_entries(index)
+  local l = {}
+  local function check(list, what)
+    if type(list) ~= "table" then return end
+    for _, e in ipairs(list) do
+      if type(e) == "table" then
+        local ok, h = pcall(entry_hash, e)
+        if not ok or h ~= e.entry_checksum then l[#l + 1] = fmt(what, tostring(e.path)) end
+      end
+    end
+  end
+  check(index.params, "parameter '%s'")
+  check(type(index.optimizer) == "table" and index.optimizer.params, "optimizer state of '%s'")
+  if #l > 3 then l = { l[1], l[2], l[3], fmt("%d more", #l - 3) } end
+  return l
+end
+
+-- Checks that ranges (sorted by start) tile [0, n) exactly.
 local function check_tiling(ranges, n, what)
   local at = 0
   for _, r in ipairs(ranges) do
@@ -71,19 +110,24 @@ local function check_tiling(ranges, n, what)
     end
     at = r.start + r.count
   end
-  if at ~= n then error(fmt("%s: elements [%d, %d) are in no file", what, at, n), 0) end
+  if at ~= n then error(fmt("%s: elements [%d, %d) are %s", what, min(at, n), max(at, n),
+    at < n and "in no file" or "beyond its size"), 0) end
 end
-
 M.check_tiling = check_tiling
 
 local function bad(path, msg) error(fmt("%s: %s", path, msg), 0) end
 
---- fsdp.checkpoint.read_index(dir) -> index (checked: format, version,
--- files, ranges). Reads no tensor data.
+local function is_hex16(s) return type(s) == "string" and #s == 16 and s:match("^%x+$") ~= nil end
+
+--- fsdp.checkpoint.read_index(dir) -> index, checked in full before any
+-- tensor data is read: the index's own checksum; format and version; the
+-- files; for every parameter and optimizer state tensor, that its ranges
+-- tile it exactly (no gap, no overlap) and that each range's blob lies
+-- inside its file; that the blobs of each file tile the file exactly.
 function M.read_index(dir)
-  if type(dir) ~= "string" then raise("fsdp.checkpoint.read_index: dir must be a string") end
+  if type(dir) ~= "string" then error("fsdp.checkpoint.read_index: dir must be a string", 0) end
   dir = dir:gsub("/+$", "")
-  local path = dir .. "/index.json"
+  local path = M.index_path(dir)
   if not is_dir(dir) then bad(dir, "no such checkpoint directory") end
   local okr, text = pcall(fio.read_file, path)
   if not okr then bad(path, "cannot open: " .. tostring(text) .. " (an incomplete checkpoint?)") end
@@ -95,43 +139,53 @@ function M.read_index(dir)
   if index.version ~= M.VERSION then
     bad(path, fmt("format version %s, this build reads version %d", tostring(index.version), M.VERSION))
   end
-  local ck = index.checksum
-  if type(ck) ~= "table" or ck.algorithm ~= M.CHECKSUM or not is_uint(ck.chunk_bytes) or ck.chunk_bytes == 0
-      or ck.chunk_bytes % 32 ~= 0 then
-    bad(path, "unknown checksum scheme")
+  local body, sum = text:match('^(.*),\n "index_checksum": "(%x+)"\n}\n$')
+  if not body then bad(path, "the index has no index_checksum as its last member (edited or damaged)") end
+  if fio.hash_string(body) ~= sum then
+    local l = edited_entries(index)
+    bad(path, "the index's checksum does not match its contents: the index was edited or damaged"
+      .. (#l > 0 and (", in the entry of " .. concat(l, ", ")) or " (outside the parameter entries)"))
   end
+  local ck = index.checksum
+  if type(ck) ~= "table" or ck.algorithm ~= M.CHECKSUM then bad(path, "unknown checksum scheme") end
+
   local files = {}
-  if type(index.files) ~= "table" then bad(path, "files missing") end
+  if type(index.files) ~= "table" or not json.is_array(index.files) then bad(path, "files missing") end
   for _, fe in ipairs(index.files) do
-    if type(fe) ~= "table" or type(fe.name) ~= "string" or fe.name:find("/") or not is_uint(fe.bytes)
-        or type(fe.chunks) ~= "table" or type(fe.checksum) ~= "string" then
+    if type(fe) ~= "table" or type(fe.name) ~= "string" or not fe.name:match("^rank_%d+%.bin$")
+        or not is_uint(fe.bytes) or not is_hex16(fe.checksum) then
       bad(path, "bad entry in files")
     end
-    if #fe.chunks ~= math.ceil(fe.bytes / ck.chunk_bytes) then
-      bad(path, fmt("the index lists %d chunk checksums for %s, its %d bytes make %d chunks (the index is damaged)",
-        #fe.chunks, fe.name, fe.bytes, math.ceil(fe.bytes / ck.chunk_bytes)))
-    end
+    if files[fe.name] then bad(path, "file " .. fe.name .. " is listed twice") end
+    fe.blobs = {}
     files[fe.name] = fe
   end
   index.file_map = files
-  for _, fe in pairs(files) do fe.blobs = {} end
+
+  -- ranges of one tensor: well-formed, inside their files, tiling [0, numel)
   local function check_ranges(ranges, numel, what)
-    if type(ranges) ~= "table" then bad(path, what .. ": ranges missing") end
+    if type(ranges) ~= "table" or not json.is_array(ranges) then bad(path, what .. ": ranges missing") end
     for _, r in ipairs(ranges) do
       local fe = type(r) == "table" and files[r.file]
       if not fe then bad(path, what .. ": a range names an unknown file " .. tostring(type(r) == "table" and r.file)) end
-      if not (is_uint(r.start) and is_uint(r.count) and is_uint(r.offset)) or r.start + r.count > numel
-          or r.offset + 4 * r.count > fe.bytes then
-        bad(path, fmt("%s: range [%s, +%s) at byte %s of %s does not fit", what, tostring(r.start),
-          tostring(r.count), tostring(r.offset), r.file))
+      if not (is_uint(r.start) and is_uint(r.count) and is_uint(r.offset)) or r.count == 0
+          or r.offset % M.ALIGN ~= 0 or r.offset + M.padded(4 * r.count) > fe.bytes then
+        bad(path, fmt("%s: range [%s, +%s) at byte %s of %s does not fit in the file (%d bytes, blobs at multiples of %d)",
+          what, tostring(r.start), tostring(r.count), tostring(r.offset), r.file, fe.bytes, M.ALIGN))
       end
+      if not is_hex16(r.checksum) then bad(path, fmt("%s: range in %s has no checksum", what, r.file)) end
+      r.label = fmt("%s elements [%d, %d)", what, r.start, r.start + r.count)
       local b = fe.blobs
-      b[#b + 1] = { offset = r.offset, bytes = 4 * r.count, checksum = r.checksum,
-        label = fmt("%s elements [%d, %d)", what, r.start, r.start + r.count) }
+      b[#b + 1] = r
     end
+    local sorted = {}
+    for i, r in ipairs(ranges) do sorted[i] = r end
+    sort(sorted, function(a, b) return a.start < b.start end)
+    local okt, err = pcall(check_tiling, sorted, numel, what)
+    if not okt then bad(path, err) end
   end
   index.param_map = {}
-  if type(index.params) ~= "table" then bad(path, "params missing") end
+  if type(index.params) ~= "table" or not json.is_array(index.params) then bad(path, "params missing") end
   for _, p in ipairs(index.params) do
     if type(p) ~= "table" or type(p.path) ~= "string" or type(p.shape) ~= "table" or p.dtype ~= "F32" then
       bad(path, "bad entry in params")
@@ -140,6 +194,7 @@ function M.read_index(dir)
       if not is_uint(s) then bad(path, "parameter '" .. p.path .. "': bad shape") end
     end
     if numel_of(p.shape) ~= p.numel then bad(path, "parameter '" .. p.path .. "': numel does not match its shape") end
+    if index.param_map[p.path] then bad(path, "parameter '" .. p.path .. "' is listed twice") end
     check_ranges(p.ranges, p.numel, "parameter '" .. p.path .. "'")
     index.param_map[p.path] = p
   end
@@ -152,11 +207,26 @@ function M.read_index(dir)
     for _, e in ipairs(o.params) do
       local p = type(e) == "table" and index.param_map[e.path]
       if not p then bad(path, "optimizer state for unknown parameter " .. tostring(type(e) == "table" and e.path)) end
+      if o.param_map[e.path] then bad(path, "optimizer state of '" .. e.path .. "' is listed twice") end
       for _, nm in ipairs(o.states) do
         if e[nm] ~= nil then check_ranges(e[nm], p.numel, "optimizer state " .. nm .. " of '" .. e.path .. "'") end
       end
       o.param_map[e.path] = e
     end
+  end
+  -- every byte of a file belongs to exactly one blob
+  for name, fe in pairs(files) do
+    local b = fe.blobs
+    sort(b, function(x, y) return x.offset < y.offset end)
+    local at = 0
+    for _, r in ipairs(b) do
+      if r.offset ~= at then
+        bad(path, fmt("%s: bytes [%d, %d) %s (at %s)", name, min(at, r.offset), max(at, r.offset),
+          r.offset > at and "belong to no tensor" or "belong to two tensors", r.label))
+      end
+      at = r.offset + M.padded(4 * r.count)
+    end
+    if at ~= fe.bytes then bad(path, fmt("%s: bytes [%d, %d) belong to no tensor", name, at, fe.bytes)) end
   end
   index.dir = dir
   return index
@@ -202,7 +272,7 @@ function M.describe(dir)
   else
     add("  optimizer: none saved")
   end
-  add("  files (checksums %s, %s chunks):", index.checksum.algorithm, human(index.checksum.chunk_bytes))
+  add("  files (checksums %s):", index.checksum.algorithm)
   local total = 0
   for _, fe in ipairs(index.files) do
     local kind, bytes = fio.stat(index.dir .. "/" .. fe.name)

@@ -28,13 +28,17 @@
 --                       tensor (in parameter space, so a load can reshard);
 --                       optimizer type, hyperparameters, step counts; the
 --                       step, schedule, data-loader and RNG state, extra;
---                       per file its size and checksums.
+--                       per file its size and checksum; last, the
+--                       index's own checksum ("index_checksum").
 -- Checksums ("xxh64": XXH64, the 64-bit xxHash, from engine/io), computed
--- as the bytes are written: of each chunk of chunk_bytes (1 MiB) of a file,
--- of the whole file (as xxhsum prints it), and of each blob (one slice of
--- one tensor, over its padded extent). A load that reads part of a file
--- verifies every chunk it touches, so a flipped byte is caught without
--- reading whole files; the blob hashes then name the damaged parameter.
+-- as the bytes are written: of each blob (one slice of one tensor, over its
+-- padded extent) and of each whole file (as xxhsum prints it); the index's
+-- checksum covers every byte of index.json before its last member. A load
+-- checks the index's checksum, that the ranges of every tensor tile it
+-- exactly and that the blobs of every file tile the file, before it reads
+-- anything else; then it reads every blob it needs whole and checks it
+-- against its checksum. An edit of the index or of a shard file is an error
+-- naming the file and the parameter.
 --
 -- A save writes into dir .. ".tmp"; after every rank has written and synced
 -- its file, rank 0 writes index.json and renames the directory into place,
@@ -57,7 +61,7 @@ local write = require "fsdp.checkpoint.write"
 local read = require "fsdp.checkpoint.read"
 local export = require "fsdp.checkpoint.export"
 
-local raise = fsdp.core.raise
+local raise = require("fsdp.core").raise
 local fmt, sort = string.format, table.sort
 local together, describe, is_uint = common.together, common.describe, common.is_uint
 local remove_tree = write.remove_tree
@@ -92,6 +96,13 @@ local function step_dirs(root)
   end
   sort(list, function(a, b) return a.step < b.step end)
   return list
+end
+
+--- fsdp.checkpoint.exists(dir) -> true when dir is a complete checkpoint
+-- (its index.json is there: written last).
+function M.exists(dir)
+  if type(dir) ~= "string" then raise("fsdp.checkpoint.exists: dir must be a string") end
+  return fio.is_file((dir:gsub("/+$", "")) .. "/index.json")
 end
 
 --- fsdp.checkpoint.latest(root) -> dir, step of the newest complete

@@ -1,7 +1,10 @@
 -- fsdp.checkpoint.read: a load, on any number of ranks and any wrap
--- policy (resharding). Each rank plans the byte ranges holding its slices,
--- reads them file by file through a staging buffer, verifies them, and only
+-- policy (resharding). Each rank plans the blobs holding its slices, reads
+-- them file by file through a staging buffer, verifies them, and only
 -- after every rank succeeded copies them into the model and the optimizer.
+-- A blob is always read whole, so that its checksum covers every byte
+-- taken from it: on as many ranks as saved (or fewer) that is exactly what
+-- a rank needs; on more, a blob split between ranks is read by each of them.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local json = require "fsdp.json"
@@ -9,13 +12,12 @@ local fio = require "fsdp.io"
 local common = require "fsdp.checkpoint.common"
 local format = require "fsdp.checkpoint.format"
 
-local C = fsdp.C
-local raise = fsdp.core.raise
+local core = require "fsdp.core"
+local C, raise = core.C, core.raise
 local fmt, concat, sort = string.format, table.concat, table.sort
 local floor, min, max = math.floor, math.min, math.max
 local together, describe, optim_kind, shape_str = common.together, common.describe, common.optim_kind,
   common.shape_str
-local chunk_hash = format.chunk_hash
 local check_state = common.check_state
 local ALIGN = format.ALIGN
 
@@ -23,15 +25,22 @@ local M = {}
 
 M.stage_bytes = 64 * 1048576     -- read-staging buffer of a load
 
-local function pread_all(f, ptr, n, off) return f:pread(ptr, n, off) end
-
 -- A staging buffer for reads (host memory outside the engine's allocator).
 local function new_buffer(n) return ffi.new("uint8_t[?]", n) end
 
 -- ---- load ----
 
+local function with_stage(nbytes, fn)
+  local ok, p = pcall(new_buffer, nbytes)
+  if not ok then error(fmt("cannot allocate a %d-byte read buffer: %s", nbytes, tostring(p)), 0) end
+  local okc, err = pcall(fn, p)
+  if not okc then error(err, 0) end
+end
+
 -- Plans reads of element range [start, start + count) of a tensor stored as
--- `ranges` into dst (a float pointer); pieces go to per-file lists.
+-- `ranges` into dst (a float pointer). reads[file][blob] = the blob (one
+-- range of the index, read and verified whole) and the pieces of it to copy
+-- out: { src (byte in the blob), n, dst }.
 local function plan_reads(reads, ranges, start, count, dst, label, where)
   local covered = 0
   local stop = start + count
@@ -43,8 +52,13 @@ local function plan_reads(reads, ranges, start, count, dst, label, where)
         l = {}
         reads[r.file] = l
       end
-      l[#l + 1] = { off = r.offset + 4 * (a - r.start), n = 4 * (b - a), dst = ffi.cast("uint8_t *", dst) + 4 * (a - start),
-        label = fmt("%s elements [%d, %d)", label, a, b) }
+      local e = l[r]
+      if not e then
+        e = { blob = r, pieces = {} }
+        l[r] = e
+      end
+      e.pieces[#e.pieces + 1] = { src = 4 * (a - r.start), n = 4 * (b - a),
+        dst = ffi.cast("uint8_t *", dst) + 4 * (a - start) }
       covered = covered + (b - a)
     end
   end
@@ -53,108 +67,75 @@ local function plan_reads(reads, ranges, start, count, dst, label, where)
   end
 end
 
--- A chunk failed its checksum: which blobs in it are damaged? (Error path
--- only: each blob overlapping the chunk is read whole and checked.)
-local function blame(f, fe, clo, chi)
-  local found, near = {}, {}
-  for _, b in ipairs(fe.blobs) do
-    local padded = math.ceil(b.bytes / ALIGN) * ALIGN
-    if b.offset < chi and b.offset + padded > clo then
-      near[#near + 1] = b.label
-      if type(b.checksum) == "string" and padded > 0 then
-        local buf = new_buffer(padded)
-        local got = pread_all(f, buf, padded, b.offset)
-        if got ~= padded or chunk_hash(buf, padded) ~= b.checksum then found[#found + 1] = b.label end
-      end
-    end
-  end
-  local list = #found > 0 and found or near
-  if #list > 4 then list = { list[1], list[2], list[3], fmt("%d more", #list - 3) } end
-  return concat(list, ", ")
-end
-
--- Reads the planned pieces of one file, verifying every chunk it touches.
-local function read_file(dir, fe, pieces, chunk, stage, stage_bytes)
+-- Reads the planned blobs of one file through stage, each whole, checking
+-- it against its checksum, and copies the planned pieces out of it.
+-- Returns the bytes read.
+local function read_file(dir, fe, blobs, stage, stage_bytes, hasher, report)
   local path = dir .. "/" .. fe.name
-  sort(pieces, function(a, b) return a.off < b.off end)
+  local list = {}
+  for _, e in pairs(blobs) do list[#list + 1] = e end
+  sort(list, function(x, y) return x.blob.offset < y.blob.offset end)
   local okf, f = pcall(fio.open, path, "r")
-  if not okf then error(fmt("%s: cannot open: %s (it holds %s)", path, f, pieces[1].label), 0) end
+  if not okf then error(fmt("%s: cannot open: %s (it holds %s)", path, f, list[1].blob.label), 0) end
   local ok, rerr = pcall(function()
     local size = f:size()
     if size ~= fe.bytes then
       error(fmt("%s: the file has %d bytes, index.json says %d (truncated or replaced; it holds %s)", path, size,
-        fe.bytes, pieces[1].label), 0)
+        fe.bytes, list[1].blob.label), 0)
     end
-    -- the chunks needed, as runs of consecutive chunk numbers
-    local runs = {}
-    for _, pc in ipairs(pieces) do
-      local c0, c1 = floor(pc.off / chunk), floor((pc.off + pc.n - 1) / chunk)
-      local last = runs[#runs]
-      if last and c0 <= last[2] + 1 then
-        last[2] = max(last[2], c1)
-      else
-        runs[#runs + 1] = { c0, c1 }
-      end
-    end
-    local per = max(1, floor(stage_bytes / chunk))
-    local j = 1
-    for _, run in ipairs(runs) do
-      local c = run[1]
-      while c <= run[2] do
-        local cend = min(run[2], c + per - 1)
-        local lo = c * chunk
-        local hi = min(fe.bytes, (cend + 1) * chunk)
-        local got = pread_all(f, stage, hi - lo, lo)
-        if got ~= hi - lo then error(fmt("%s: short read at byte %d (the file shrank?)", path, lo + got), 0) end
-        for ci = c, cend do
-          local clo = ci * chunk
-          local clen = min(chunk, fe.bytes - clo)
-          if chunk_hash(stage + (clo - lo), clen) ~= fe.chunks[ci + 1] then
-            error(fmt("%s: checksum mismatch in bytes [%d, %d): the file is corrupted, in %s", path, clo,
-              clo + clen, blame(f, fe, clo, clo + clen)), 0)
-          end
+    for _, e in ipairs(list) do
+      local r = e.blob
+      local nbytes = format.padded(4 * r.count)
+      hasher:reset()
+      local at = 0
+      while at < nbytes do
+        local len = min(stage_bytes, nbytes - at)
+        local got = f:pread(stage, len, r.offset + at)
+        if got ~= len then
+          error(fmt("%s: short read at byte %d (the file shrank?), in %s", path, r.offset + at + got, r.label), 0)
         end
-        -- copy out the pieces overlapping [lo, hi)
-        while j <= #pieces and pieces[j].off + pieces[j].n <= lo do j = j + 1 end
-        local k = j
-        while k <= #pieces and pieces[k].off < hi do
-          local pc = pieces[k]
-          local a, b = max(lo, pc.off), min(hi, pc.off + pc.n)
-          if a < b then ffi.copy(pc.dst + (a - pc.off), stage + (a - lo), b - a) end
-          k = k + 1
+        hasher:update(stage, len)
+        for _, pc in ipairs(e.pieces) do   -- the parts of the pieces inside [at, at + len)
+          local lo, hi = max(at, pc.src), min(at + len, pc.src + pc.n)
+          if lo < hi then ffi.copy(pc.dst + (lo - pc.src), stage + (lo - at), hi - lo) end
         end
-        c = cend + 1
+        at = at + len
       end
+      if hasher:hex() ~= r.checksum then
+        error(fmt("%s: checksum mismatch in bytes [%d, %d): the file is corrupted, in %s", path, r.offset,
+          r.offset + nbytes, r.label), 0)
+      end
+      report(nbytes)
     end
   end)
   f:close()
   if not ok then error(rerr, 0) end
 end
 
-local function with_stage(nbytes, fn)
-  local ok, p = pcall(new_buffer, nbytes)
-  if not ok then error(fmt("cannot allocate a %d-byte read buffer: %s", nbytes, tostring(p)), 0) end
-  local okc, err = pcall(fn, p)
-  if not okc then error(err, 0) end
-end
-
 local function run_reads(dir, index, reads, opts)
-  local chunk = index.checksum.chunk_bytes
-  local stage_bytes = max(chunk, floor(M.stage_bytes / chunk) * chunk)
   local names, total = {}, 0
-  for name, pieces in pairs(reads) do
+  local biggest = 0
+  for name, blobs in pairs(reads) do
     names[#names + 1] = name
-    for _, pc in ipairs(pieces) do total = total + pc.n end
+    for _, e in pairs(blobs) do
+      local n = format.padded(4 * e.blob.count)
+      total = total + n
+      biggest = max(biggest, n)
+    end
   end
   sort(names)
   if #names == 0 then return end
-  local report = common.progress(opts, "load", total)
+  local stage_bytes = min(biggest, max(ALIGN, M.stage_bytes - M.stage_bytes % ALIGN))
+  local progress = common.progress(opts, "load", total)
   local done = 0
+  local function report(n)
+    done = done + n
+    progress(done)
+  end
+  local hasher = fio.hasher()
   with_stage(stage_bytes, function(stage)
     for _, name in ipairs(names) do
-      read_file(dir, index.file_map[name], reads[name], chunk, stage, stage_bytes)
-      for _, pc in ipairs(reads[name]) do done = done + pc.n end
-      report(done)
+      read_file(dir, index.file_map[name], reads[name], stage, stage_bytes, hasher, report)
     end
   end)
 end

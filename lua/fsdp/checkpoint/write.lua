@@ -9,7 +9,7 @@ local fio = require "fsdp.io"
 local common = require "fsdp.checkpoint.common"
 local format = require "fsdp.checkpoint.format"
 
-local raise = fsdp.core.raise
+local raise = require("fsdp.core").raise
 local fmt, sort = string.format, table.sort
 local floor, max = math.floor, math.max
 local together, describe, optim_kind = common.together, common.describe, common.optim_kind
@@ -32,11 +32,10 @@ M.remove_tree = remove_tree
 -- ---- save ----
 
 -- A shard file being written: blobs at multiples of ALIGN, hashed as written.
-local function new_out(path, chunk)
+local function new_out(path)
   local ok, f = pcall(fio.open, path, "w")
   if not ok then error(f, 0) end
-  return { f = f, path = path, pos = 0, hasher = new_hasher(chunk), blob = fio.hasher(),
-    tail = ffi.new("uint8_t[?]", ALIGN) }
+  return { f = f, path = path, pos = 0, hasher = new_hasher(), tail = ffi.new("uint8_t[?]", ALIGN) }
 end
 
 local kill_hook = os.getenv("FSDP_TEST_KILL_DURING_SAVE") == "1"
@@ -53,11 +52,10 @@ local function put(o, ptr, n)
     io.stderr:write("checkpoint test hook: rank 1 killed during save\n")
     os.exit(9)
   end
-  o.blob:reset()
+  o.hasher:begin_blob()
   if body > 0 then
     o.f:append(p, body)
     o.hasher:update(p, body)
-    o.blob:update(p, body)
   end
   local rest = n - body
   if rest > 0 then
@@ -65,10 +63,9 @@ local function put(o, ptr, n)
     ffi.copy(o.tail, p + body, rest)
     o.f:append(o.tail, ALIGN)
     o.hasher:update(o.tail, ALIGN)
-    o.blob:update(o.tail, ALIGN)
   end
   o.pos = off + body + (rest > 0 and ALIGN or 0)
-  return off, o.blob:hex()
+  return off, o.hasher:blob_hex()
 end
 
 local function finish_out(o)
@@ -77,13 +74,12 @@ local function finish_out(o)
   o.f = nil
   f:close()
   if not ok then error(err, 0) end
-  local sum, chunks = o.hasher:finish()
-  return sum, chunks
+  return o.hasher:file_hex()
 end
 
 -- This rank's file: parameter slices, then optimizer state slices. Returns
 -- the record for index.json.
-local function write_shard(d, opt, tmp, chunk, opts)
+local function write_shard(d, opt, tmp, opts)
   local name = fmt("rank_%05d.bin", d.file_id)
   local names = opt and select(2, optim_kind(opt, "fsdp.checkpoint.save")) or {}
   -- the bytes this file will hold, for progress reports
@@ -92,10 +88,10 @@ local function write_shard(d, opt, tmp, chunk, opts)
     local blobs = 1
     local st = opt and opt.state[s.key]
     for _, nm in ipairs(names) do if st and st[nm] then blobs = blobs + 1 end end
-    total = total + blobs * ALIGN * math.ceil(4 * s.count / ALIGN)
+    total = total + blobs * format.padded(4 * s.count)
   end
   local report = common.progress(opts, "save", total)
-  local o = new_out(tmp .. "/" .. name, chunk)
+  local o = new_out(tmp .. "/" .. name)
   local rec = { file = name, params = {}, optim = {} }
   local ok, err = pcall(function()
     for _, s in ipairs(d.segments) do
@@ -127,7 +123,7 @@ local function write_shard(d, opt, tmp, chunk, opts)
         end
       end
     end
-    rec.checksum, rec.chunks = finish_out(o)
+    rec.checksum = finish_out(o)
     rec.bytes = o.pos
   end)
   if not ok then
@@ -143,7 +139,7 @@ local function ranges_sorted(list)
 end
 
 -- Rank 0: the index from every writer's record.
-local function build_index(d, state, opt, texts, chunk)
+local function build_index(d, state, opt, texts)
   local records = {}
   for i, text in ipairs(texts) do records[i] = json.decode(text) end
   local index = {
@@ -151,15 +147,14 @@ local function build_index(d, state, opt, texts, chunk)
     world_size = d.world, num_files = d.nfiles, strategy = d.strategy, group_size = d.group_size,
     model = { type = d.model.__name, num_params = #d.params },
     step = state.step, schedule = state.schedule, data = state.data, rng = state.rng, extra = state.extra,
-    checksum = { algorithm = format.CHECKSUM, chunk_bytes = chunk },
+    checksum = { algorithm = format.CHECKSUM },
     files = json.array({}), params = json.array({}),
   }
   local pranges, oranges, osteps = {}, {}, {}
   local total = 0
   for _, rec in ipairs(records) do
     if rec.file then
-      index.files[#index.files + 1] = { name = rec.file, bytes = rec.bytes, checksum = rec.checksum,
-        chunks = json.array(rec.chunks) }
+      index.files[#index.files + 1] = { name = rec.file, bytes = rec.bytes, checksum = rec.checksum }
       for _, e in ipairs(rec.params) do
         pranges[e[1]] = pranges[e[1]] or {}
         local l = pranges[e[1]]
@@ -206,14 +201,10 @@ local function build_index(d, state, opt, texts, chunk)
   return index
 end
 
-local function write_text(path, text)
-  fio.write_atomic(path, text)
-end
-
 -- Rank 0, after every rank wrote and synced its file: the index, then the
 -- directory into place (an older one of the same name goes aside first).
 local function publish(dir, tmp, index, what)
-  write_text(tmp .. "/index.json", json.encode(index, { indent = " " }) .. "\n")
+  fio.write_atomic(format.index_path(tmp), format.encode_index(index))
   fio.sync_path(tmp)
   local old = dir .. ".old"
   if is_dir(dir) then
@@ -229,15 +220,12 @@ end
 --- fsdp.checkpoint.save(dir, state, opts) -> dir. Collective: every rank
 -- calls it. state: model (sharded or nn module, required), optim, step,
 -- schedule, data, rng, extra (the last five: JSON-able values, stored in
--- index.json as rank 0 has them). opts.chunk_bytes: checksum chunk size.
+-- index.json as rank 0 has them). opts.progress: see fsdp.checkpoint.
 function M.save(dir, state, opts)
   local what = "fsdp.checkpoint.save"
   if type(dir) ~= "string" or dir == "" then raise(what .. ": dir must be a non-empty string") end
   dir = dir:gsub("/+$", "")
   check_state(state, what)
-  local chunk = opts and opts.chunk_bytes or format.chunk_bytes
-  if chunk % ALIGN ~= 0 or chunk <= 0 then raise(fmt("%s: chunk_bytes %s is not a positive multiple of %d", what,
-      tostring(chunk), ALIGN)) end
   local d = describe(state.model, what)
   local comm, rank = d.comm, d.rank
   local opt = state.optim
@@ -257,11 +245,11 @@ function M.save(dir, state, opts)
   local ok, err = pcall(function()
     local rec = together(comm, function()
       if not d.writer then return {} end
-      return write_shard(d, opt, tmp, chunk, opts)
+      return write_shard(d, opt, tmp, opts)
     end)
     local records = gather_strings(comm, json.encode(rec))
     together(comm, function()
-      if rank == 0 then publish(dir, tmp, build_index(d, state, opt, records, chunk), what) end
+      if rank == 0 then publish(dir, tmp, build_index(d, state, opt, records), what) end
     end)
   end)
   if not ok then

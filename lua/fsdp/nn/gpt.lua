@@ -13,6 +13,26 @@ local tr = require "fsdp.nn.transformer"
 
 local M = {}
 
+-- Sizes by name: tiny (byte-level, for tests and a quick look) and small
+-- (GPT-2 124M).
+local presets = {
+  tiny = { vocab_size = 256, n_layer = 2, n_head = 4, n_embd = 64, block_size = 64 },
+  small = { vocab_size = 50257, n_layer = 12, n_head = 12, n_embd = 768, block_size = 1024 },
+}
+M.preset_names = { "tiny", "small" }
+
+--- A copy of the named preset's config (a caller may change it).
+function M.preset(name)
+  local p = presets[name]
+  if not p then
+    error(string.format("nn.gpt_preset: no preset '%s' (there are %s)", tostring(name),
+      table.concat(M.preset_names, ", ")), 2)
+  end
+  local c = {}
+  for k, v in pairs(p) do c[k] = v end
+  return c
+end
+
 local function padded(v, multiple)
   multiple = multiple or 128
   return math.ceil(v / multiple) * multiple
@@ -115,6 +135,13 @@ function GPT:from_hf(hf)
   local sd = {}
   for name, t in pairs(hf) do
     local path = name:gsub("^transformer%.", "")
+    if not fsdp.is_tensor(t) then
+      error(string.format("GPT:from_hf: '%s' is a %s, not a tensor", name, type(t)), 2)
+    end
+    local dt = t:dtype()
+    if dt ~= "f32" and dt ~= "bf16" and not path:match("%.attn%.bias$") and not path:match("%.attn%.masked_bias$") then
+      error(string.format("GPT:from_hf: '%s' is %s; weights are f32 or bf16", name, t:describe()), 2)
+    end
     if path == "lm_head.weight" then
       -- tied to wte: nothing to load
     elseif path:match("%.attn%.bias$") or path:match("%.attn%.masked_bias$") then

@@ -3,7 +3,6 @@ local Module = require "fsdp.nn.module"
 local layers = require "fsdp.nn.layers"
 local tr = require "fsdp.nn.transformer"
 local gpt = require "fsdp.nn.gpt"
-local checkpoint = require "fsdp.nn.checkpoint"
 
 local nn = {
   Module = Module,
@@ -14,6 +13,8 @@ local nn = {
   RMSNorm = layers.RMSNorm,
   Dropout = layers.Dropout,
   manual_seed = layers.manual_seed,
+  rng_state = layers.rng_state,
+  set_rng_state = layers.set_rng_state,
   MLP = tr.MLP,
   SwiGLU = tr.SwiGLU,
   CausalSelfAttention = tr.CausalSelfAttention,
@@ -21,15 +22,18 @@ local nn = {
   ModuleList = tr.ModuleList,
   GPT = gpt.GPT,
   Llama = gpt.Llama,
+  gpt_preset = gpt.preset,           -- nn.gpt_preset("tiny" | "small") -> config
+  gpt_preset_names = gpt.preset_names,
 }
 
---- nn.checkpoint(module): recompute module's forward during backward.
--- nn.checkpoint(model, "Block") applies it to every module of that type.
-function nn.checkpoint(module, type_name)
+--- nn.recompute(module): keep no activations of module's forward; run it
+-- again during backward (activation recomputation, fsdp.nn.recompute).
+-- nn.recompute(model, "Block") marks every module of that type.
+function nn.recompute(module, type_name)
   if type_name then
-    module:apply(function(m) if m.__name == type_name then m._checkpointed = true end end)
+    module:apply(function(m) if m.__name == type_name then m._recompute = true end end)
   else
-    module._checkpointed = true
+    module._recompute = true
   end
   return module
 end

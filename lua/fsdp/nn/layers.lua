@@ -52,10 +52,18 @@ M.RMSNorm = RMSNorm
 
 -- Dropout masks come from one counter shared by the process: each call
 -- takes the next numel-sized window, so a run is reproducible from its seed
--- and a recomputation (activation checkpointing) can rewind the counter.
+-- and a recomputation (nn.recompute) can rewind the counter.
 local rng = { seed = 0, offset = 0 }
-M.dropout_rng = rng
+M.dropout_rng = rng   -- (for fsdp.nn.recompute, which rewinds it)
 function M.manual_seed(seed) rng.seed, rng.offset = seed, 0 end
+--- The dropout counter, for a checkpoint: { dropout_seed =, dropout_offset = }.
+function M.rng_state() return { dropout_seed = rng.seed, dropout_offset = rng.offset } end
+function M.set_rng_state(st)
+  if type(st) ~= "table" or type(st.dropout_seed) ~= "number" or type(st.dropout_offset) ~= "number" then
+    error("nn.set_rng_state: expected { dropout_seed =, dropout_offset = } (as nn.rng_state gives)", 2)
+  end
+  rng.seed, rng.offset = st.dropout_seed, st.dropout_offset
+end
 
 --- Dropout(p): inverted dropout in training mode, identity in eval mode.
 local Dropout = Module:extend("Dropout")

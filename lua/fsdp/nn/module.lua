@@ -176,8 +176,11 @@ function Module:materialize(opts)
   return self
 end
 
+local float_dtypes = { f32 = true, bf16 = true }
+
 --- Loads {path = tensor} (copying values); unknown or missing names and
--- shape mismatches are errors unless opts.strict == false.
+-- shape mismatches are errors unless opts.strict == false; so are integer
+-- tensors for float parameters, always.
 function Module:load_state_dict(sd, opts)
   local strict = not (opts and opts.strict == false)
   local seen = {}
@@ -186,6 +189,14 @@ function Module:load_state_dict(sd, opts)
     if src == nil then
       if strict then error("load_state_dict: missing '" .. p.path .. "'", 2) end
     else
+      if not fsdp.is_tensor(src) then
+        error(string.format("load_state_dict: '%s' is a %s, not a tensor", p.path, type(src)), 2)
+      end
+      local want = p.tensor and p.tensor:dtype() or "f32"
+      if not float_dtypes[src:dtype()] and float_dtypes[want] then
+        error(string.format("load_state_dict: '%s' is %s, the model's parameter is %s (integer values are not "
+          .. "weights)", p.path, src:describe(), want), 2)
+      end
       local s = src:shape()
       local same = #s == #p.shape
       for i = 1, #s do same = same and s[i] == p.shape[i] end
@@ -211,22 +222,6 @@ function Module:load_state_dict(sd, opts)
   return self
 end
 
---- Runs fn() with every parameter replaced by a cast of it to dtype (say
--- "bf16"): activations then flow in that dtype, and gradients reach the f32
--- parameters through the cast's backward. The parameters are put back after.
-function Module:compute_in(dtype, fn, ...)
-  if dtype == nil or dtype == "f32" then return fn(...) end
-  local saved = {}
-  for _, p in ipairs(self:named_parameters()) do
-    saved[#saved + 1] = p
-    p.module[p.name] = p.tensor:cast(dtype)
-  end
-  local res = { pcall(fn, ...) }
-  for _, p in ipairs(saved) do p.module[p.name] = p.tensor end
-  if not res[1] then error(res[2], 0) end
-  return unpack(res, 2)
-end
-
 function Module:zero_grad()
   for _, t in ipairs(self:parameters()) do t:zero_grad() end
 end
@@ -243,10 +238,10 @@ function Module:forward()
   error(self.__name .. ": forward is not defined", 2)
 end
 
--- A checkpointed module (nn.checkpoint) needs no wrapper: calls go through
--- here, so its paths, and so its parameter names, stay the same.
+-- A module marked by nn.recompute needs no wrapper: calls go through here,
+-- so its paths, and so its parameter names, stay the same.
 function Module.__call(self, ...)
-  if self._checkpointed then return require("fsdp.nn.checkpoint").run(self, ...) end
+  if self._recompute then return require("fsdp.nn.recompute").run(self, ...) end
   return self:forward(...)
 end
 

@@ -1,4 +1,6 @@
--- Activation checkpointing: a checkpointed module keeps no activations
+-- Activation recomputation (what PyTorch calls activation checkpointing;
+-- here "checkpoint" means saved training state only): a module marked by
+-- nn.recompute keeps no activations
 -- from its forward; its backward runs the forward again on a fresh tape
 -- (fsdp_tape_push) and back-propagates through that. Parameter gradients
 -- land in the parameters' .grad directly; the input's gradient goes back to
@@ -67,7 +69,7 @@ local Recompute = fsdp.Function {
   end,
 }
 
---- Runs module(...) checkpointed when gradients are on and a tensor
+--- Runs module(...) with recomputation when gradients are on and a tensor
 -- argument takes part in the graph; otherwise a plain call (nothing would
 -- be recorded anyway).
 function M.run(module, ...)

@@ -1,0 +1,139 @@
+/* comm_impl.h: what the communicator's own files share (comm*.c); the rest
+ * of the engine sees comm_internal.h and fsdp.h only. The backend
+ * interface is comm_backend.h. */
+#ifndef FSDP_COMM_IMPL_H
+#define FSDP_COMM_IMPL_H
+
+#include "comm_backend.h"
+#include "comm_internal.h"
+#include <pthread.h>
+#include <stdint.h>
+
+/* ---- kinds and fingerprints (comm_debug.c) ---- */
+
+typedef enum {
+    K_ALL_GATHER, K_REDUCE_SCATTER, K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_DOUBLES, K_SPLIT, K_FREE
+} work_kind;
+#define K_COUNTED (K_DOUBLES + 1)   /* kinds with traffic counts: fsdp_collective_kind's values */
+extern const char *const comm_kind_names[];
+
+enum { DT_NONE = -1, DT_F64 = 100 };   /* fingerprint dtypes beyond fsdp_dtype */
+
+#define LABEL_KEEP 48
+#define COMM_NAME 96
+
+/* What identifies a collective across ranks: plain bytes, exchanged as
+ * MPI_BYTE in the detailed check. */
+typedef struct fingerprint {
+    uint64_t comm_id, seq, bytes, label_hash;
+    int32_t kind, dtype, arg, device;      /* arg: reduce op, broadcast root */
+    char label[LABEL_KEEP];                /* truncated copy, for messages */
+} fingerprint;
+
+uint64_t comm_hash_str(const char *s);
+uint64_t comm_hash_mix(uint64_t a, uint64_t b);
+const char *comm_op_name(int op);
+/* "#3 all_gather 'h.3' 4096 B f32" (+ " sum" for reductions, " root 1"). */
+void comm_fp_describe(const fingerprint *f, bool with_seq, char *buf, size_t size);
+
+/* ---- communicators ---- */
+
+#define COMM_MAGIC 0x636f6d6du   /* "comm": catches use after free, best effort */
+
+/* Traffic of a communicator and of every one split from it (shared,
+ * reference counted: children may outlive their parent). */
+typedef struct comm_counts {
+    atomic_int refs;
+    atomic_llong calls[K_COUNTED], bytes[K_COUNTED];
+} comm_counts;
+
+struct fsdp_comm {
+    uint32_t magic;
+    const comm_backend *be;       /* host collectives: mpi, single or count */
+    const comm_backend *dev;      /* CUDA collectives: nccl; NULL without CUDA */
+    MPI_Comm mpi;                 /* MPI_COMM_NULL unless be is mpi */
+    int rank, size;
+    uint64_t id;                  /* equal on every member rank */
+    uint64_t next_seq;            /* guarded by the queue lock */
+    bool is_world;
+    atomic_int world_refs;        /* handles given out for the world */
+    char name[COMM_NAME];
+    comm_gpu *gpu;                /* the NCCL side, made on the first CUDA collective (comm thread) */
+    comm_counts *counts;
+};
+
+comm_counts *comm_counts_new(void);
+void comm_counts_unref(comm_counts *k);   /* NULL: nothing */
+
+/* ---- works ---- */
+
+struct fsdp_work {
+    atomic_int refs;              /* the caller's handle + the queue's */
+    struct fsdp_work *next;
+    work_kind kind;
+    fsdp_comm *comm;              /* valid until the work ran (a free is queued after) */
+    fingerprint fp;
+    bool counted;                 /* takes a sequence number */
+    char comm_name[COMM_NAME];    /* for the watchdog, after the comm is gone */
+    int comm_size;
+    /* arguments */
+    fsdp_tensor *t_dst, *t_src;   /* retained until completion */
+    fsdp_tensor *t_scratch;       /* CUDA: device scratch for overlapping buffers, or NULL */
+    void *dst;
+    const void *src;
+    int64_t n;                    /* elements: per-rank block (gather, scatter) or total */
+    int dtype, op, root, color, key;
+    double *doubles;
+    fsdp_comm *split_out;
+    /* completion */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done, observed;
+    fsdp_status status;
+    char msg[2048];
+    /* CUDA collectives (the tensors' device; fingerprint too) */
+    int device;
+    comm_gpu_work *gw;            /* events: ready (compute stream), done (comm stream) */
+    double started;               /* comm thread: when the compute stream reached it (0: not yet) */
+    struct fsdp_work *gnext;      /* comm thread: in flight on the GPU */
+};
+
+/* ---- configuration (comm_queue.c; read once from the environment) ---- */
+
+typedef struct comm_config {
+    bool debug;            /* FSDP_DEBUG_COLLECTIVES: full fingerprints, labels */
+    bool blocking_wait;    /* FSDP_NCCL_BLOCKING_WAIT: host waits for CUDA collectives */
+    double watchdog_s;     /* FSDP_WATCHDOG_SECONDS; 0: off */
+} comm_config;
+const comm_config *comm_cfg(void);
+double comm_now(void);   /* CLOCK_MONOTONIC seconds */
+
+/* ---- the queue (comm_queue.c) ---- */
+
+fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const char *label, int64_t bytes, int dtype,
+                          int arg, const char *opname);
+void comm_work_unref(fsdp_work *w);
+/* Queues w (its sequence number taken in queue order) and either hands it
+ * to the caller (out) or waits for it (out NULL). On failure w is gone. */
+fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname);
+bool comm_overlaps(const void *a, int64_t an, const void *b, int64_t bn);
+/* This thread's last error without the " [rank N]" fsdp_set_error appends. */
+int comm_last_error_len(const char **e);
+/* What the comm thread runs now (busy) or ran last, for the watchdog. */
+void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size);
+
+/* ---- agreement (comm_debug.c) ---- */
+
+/* On the comm thread before w's data moves: every rank's fingerprint agrees
+ * with every other's, or w fails on every rank with a message naming both
+ * sides (w->status, w->msg set). */
+fsdp_status comm_agree(fsdp_work *w);
+
+/* ---- the watchdog (comm_watchdog.c) ---- */
+
+/* A caller waited longer than the watchdog allows on w: report, end the job. */
+void comm_watchdog_fire(fsdp_work *w, double waited);
+/* A CUDA collective ran on the GPU too long (waited > 0) or failed (what). */
+void comm_gpu_fatal(fsdp_work *w, const char *what, double waited);
+
+#endif

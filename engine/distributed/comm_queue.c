@@ -1,0 +1,708 @@
+/* comm_queue.c: the comm thread and its queue (DESIGN.md, decision 4).
+ *
+ * Every collective becomes a work item on ONE process-wide comm thread that
+ * runs them in issue order. Each rank therefore enters its collectives in
+ * exactly the order the caller issued them, and the calling thread blocks
+ * only inside fsdp_work_wait. A work holds its tensors until it completes.
+ * Before a work's data moves, comm_agree (comm_debug.c) checks that every
+ * rank runs the same collective.
+ *
+ * bf16 reductions: MPI has no bf16 type, so the comm thread widens the
+ * input to an f32 scratch buffer, reduces in f32 and rounds the result back
+ * to bf16 once. Sums are thus as exact as f32 sums (one rounding at the end,
+ * not one per rank).
+ *
+ * CUDA tensors (the device backend, comm_nccl.c): the same queue, the same
+ * checks, sequence numbers and fingerprints (which include the device), but
+ * the comm thread only enqueues, on one comm stream, after an event
+ * recorded on the compute stream at issue; a communicator gets its NCCL
+ * side on its first CUDA collective. fsdp_work_wait then makes the compute
+ * stream wait for the collective's "done" event and returns without
+ * stalling the host: whatever consumes the result is a kernel on the
+ * compute stream, ordered after it. (With FSDP_NCCL_BLOCKING_WAIT=1 it
+ * blocks until the GPU has finished instead, polling under the watchdog:
+ * for debugging.) The tensors stay held until the compute stream has been
+ * ordered after the collective, or the GPU has finished it, so the caching
+ * allocator cannot hand their memory to a kernel that would run before the
+ * collective is done. The watchdog covers both halves: the waiting thread
+ * measures the time until the comm thread has enqueued the collective (NCCL
+ * communicator creation included), and the comm thread polls the events of
+ * collectives in flight on the GPU, measuring from the moment the compute
+ * stream reached them; either one names the collective and ends the job, as
+ * does an asynchronous NCCL error.
+ */
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime, nanosleep, pthread_condattr_setclock under -std=c11 */
+#include "comm_impl.h"
+#include "cpu_kernels.h"
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- configuration from the environment (read once) ---- */
+
+static pthread_once_t config_once = PTHREAD_ONCE_INIT;
+static comm_config g_cfg = {.watchdog_s = 600};
+static pthread_condattr_t g_condattr;   /* waits measured on CLOCK_MONOTONIC */
+
+static bool env_flag(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] && strcmp(v, "0") != 0;
+}
+
+static void config_init(void) {
+    g_cfg.debug = env_flag("FSDP_DEBUG_COLLECTIVES");
+    g_cfg.blocking_wait = env_flag("FSDP_NCCL_BLOCKING_WAIT");
+    const char *w = getenv("FSDP_WATCHDOG_SECONDS");
+    if (w && w[0]) {
+        char *end = NULL;
+        double v = strtod(w, &end);
+        if (end != w) g_cfg.watchdog_s = v;   /* <= 0: no watchdog */
+    }
+    pthread_condattr_init(&g_condattr);
+    pthread_condattr_setclock(&g_condattr, CLOCK_MONOTONIC);
+}
+
+const comm_config *comm_cfg(void) {
+    pthread_once(&config_once, config_init);
+    return &g_cfg;
+}
+
+double comm_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static struct timespec abs_time(double t) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)t;
+    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+    return ts;
+}
+
+/* ---- statistics (fsdp_comm_stats: process-wide; fsdp_comm_counts: per family) ---- */
+
+static pthread_mutex_t stats_mu = PTHREAD_MUTEX_INITIALIZER;
+static int64_t g_gathered, g_reduced;
+static double g_wait_s;
+
+fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds) {
+    pthread_mutex_lock(&stats_mu);
+    if (gathered_bytes) *gathered_bytes = g_gathered;
+    if (reduced_bytes) *reduced_bytes = g_reduced;
+    if (wait_seconds) *wait_seconds = g_wait_s;
+    pthread_mutex_unlock(&stats_mu);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_comm_reset_stats(void) {
+    pthread_mutex_lock(&stats_mu);
+    g_gathered = g_reduced = 0;
+    g_wait_s = 0;
+    pthread_mutex_unlock(&stats_mu);
+    return FSDP_OK;
+}
+
+/* A collective that ran: the process-wide traffic and the family's counts. */
+static void count_traffic(fsdp_work *w, fsdp_comm *c) {
+    int64_t bytes = w->n * (int64_t)fsdp_dtype_size(w->dtype);
+    int64_t gathered = 0, reduced = 0;
+    if (w->kind == K_ALL_GATHER) gathered = bytes * w->comm_size;
+    if (w->kind == K_REDUCE_SCATTER) reduced = bytes * w->comm_size;
+    if (w->kind == K_ALL_REDUCE) reduced = bytes;
+    if (gathered || reduced) {
+        pthread_mutex_lock(&stats_mu);
+        g_gathered += gathered;
+        g_reduced += reduced;
+        pthread_mutex_unlock(&stats_mu);
+    }
+    if (c && c->counts && w->kind < K_COUNTED) {
+        atomic_fetch_add(&c->counts->calls[w->kind], 1);
+        atomic_fetch_add(&c->counts->bytes[w->kind], (long long)w->fp.bytes);
+    }
+}
+
+/* ---- works ---- */
+
+void comm_work_unref(fsdp_work *w) {
+    if (atomic_fetch_sub(&w->refs, 1) != 1) return;
+    tensor_release(w->t_dst);
+    tensor_release(w->t_src);
+    tensor_release(w->t_scratch);
+    if (w->gw) comm_device_backend()->work_free(w->gw);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+}
+
+fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const char *label, int64_t bytes, int dtype,
+                          int arg, const char *opname) {
+    comm_cfg();
+    fsdp_work *w = calloc(1, sizeof *w);
+    if (!w) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory for a work handle", opname);
+    atomic_init(&w->refs, 1);
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, &g_condattr);
+    w->kind = kind;
+    w->comm = c;
+    w->counted = kind != K_FREE;
+    snprintf(w->comm_name, sizeof w->comm_name, "%s", c->name);
+    w->comm_size = c->size;
+    if (!label) label = "";
+    w->fp.comm_id = c->id;
+    w->fp.bytes = (uint64_t)bytes;
+    w->fp.label_hash = comm_hash_str(label);
+    w->fp.kind = kind;
+    w->fp.dtype = dtype;
+    w->fp.arg = arg;
+    snprintf(w->fp.label, sizeof w->fp.label, "%s", label);
+    *out = w;
+    return FSDP_OK;
+}
+
+/* Gives the work's tensors back (once; from whichever thread gets there
+ * first: the comm thread at completion, or a waiting thread once the
+ * compute stream is ordered after a CUDA collective). */
+static void work_drop_tensors(fsdp_work *w) {
+    pthread_mutex_lock(&w->mu);
+    fsdp_tensor *a = w->t_dst, *b = w->t_src, *c = w->t_scratch;
+    w->t_dst = w->t_src = w->t_scratch = NULL;
+    pthread_mutex_unlock(&w->mu);
+    tensor_release(a);
+    tensor_release(b);
+    tensor_release(c);
+}
+
+/* Whether a CUDA collective reached the comm stream, so that its tensors
+ * must live until the GPU is done with it. */
+static bool work_on_gpu(const fsdp_work *w) {
+    return w->gw && comm_device_backend()->work_recorded(w->gw);
+}
+
+/* ---- the queue ---- */
+
+static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t q_cv = PTHREAD_COND_INITIALIZER;     /* work arrived, or stop */
+static pthread_cond_t q_idle = PTHREAD_COND_INITIALIZER;   /* queue drained */
+static fsdp_work *q_head, *q_tail;
+static bool q_running, q_stop, q_busy;
+static pthread_t q_thread;
+static fingerprint q_current;         /* what the thread runs now, for the watchdog */
+static char q_current_comm[COMM_NAME];
+static int q_current_size;
+
+void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size) {
+    pthread_mutex_lock(&q_mu);
+    *busy = q_busy;
+    *fp = q_current;
+    snprintf(comm_name, name_size, "%s", q_current_comm);
+    *comm_size = q_current_size;
+    pthread_mutex_unlock(&q_mu);
+}
+
+int comm_last_error_len(const char **e) {
+    char suffix[32];
+    snprintf(suffix, sizeof suffix, " [rank %d]", fsdp_current_rank());
+    *e = fsdp_last_error();
+    size_t n = strlen(*e), k = strlen(suffix);
+    if (n >= k && strcmp(*e + n - k, suffix) == 0) n -= k;
+    return (int)n;
+}
+
+/* The comm thread's error, kept in the work for the waiting thread (whose
+ * fsdp_set_error adds " [rank N]" back). */
+static void work_take_error(fsdp_work *w, fsdp_status st) {
+    const char *e;
+    int n = comm_last_error_len(&e);
+    char what[160];
+    comm_fp_describe(&w->fp, false, what, sizeof what);
+    snprintf(w->msg, sizeof w->msg, "%s (collective #%llu on comm %s(%d)): %.*s", what,
+             (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, n, e);
+    w->status = st;
+}
+
+/* ---- host collectives on the comm thread ---- */
+
+static void widen_bf16(float *out, const uint16_t *in, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
+}
+static void narrow_bf16(uint16_t *out, const float *in, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(in[i]);
+}
+static void divide_f32(float *x, int64_t n, int d) {
+    if (d == 1) return;
+    for (int64_t i = 0; i < n; i++) x[i] /= (float)d;
+}
+
+bool comm_overlaps(const void *a, int64_t an, const void *b, int64_t bn) {
+    const char *pa = a, *pb = b;
+    return an > 0 && bn > 0 && pa < pb + bn && pb < pa + an;
+}
+
+/* Scratch on the comm thread, counted under the comm tag. */
+typedef struct { void *p; size_t n; } scratch;
+static fsdp_status scratch_get(scratch *s, size_t nbytes) {
+    s->n = nbytes;
+    return fsdp_alloc(FSDP_DEVICE_CPU, FSDP_TAG_COMM, nbytes, &s->p);
+}
+static void scratch_put(scratch *s) {
+    if (s->p) fsdp_free(FSDP_DEVICE_CPU, FSDP_TAG_COMM, s->p, s->n);
+    s->p = NULL;
+}
+
+static fsdp_status run_all_gather(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    size_t esz = fsdp_dtype_size(w->dtype);
+    int64_t block = w->n * (int64_t)esz;
+    char *dst = w->dst;
+    const void *src = w->src;
+    if (src == dst + (int64_t)c->rank * block) return c->be->all_gather(c, dst, NULL, block, esz);
+    if (!comm_overlaps(src, block, dst, block * c->size)) return c->be->all_gather(c, dst, src, block, esz);
+    /* src lies inside dst but not at this rank's block: send a copy. */
+    scratch s = {0};
+    FSDP_TRY(scratch_get(&s, (size_t)block));
+    memcpy(s.p, src, (size_t)block);
+    fsdp_status st = c->be->all_gather(c, dst, s.p, block, esz);
+    scratch_put(&s);
+    return st;
+}
+
+static fsdp_status run_reduce_scatter(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    int64_t n = w->n, total = n * c->size;
+    scratch in = {0}, out = {0};
+    fsdp_status st = FSDP_OK;
+    if (w->dtype == FSDP_F32) {
+        float *dst = w->dst;
+        bool alias = comm_overlaps(w->dst, n * 4, w->src, total * 4);   /* MPI wants distinct buffers */
+        if (alias) st = scratch_get(&out, (size_t)n * 4);
+        float *res = alias ? out.p : dst;
+        if (st == FSDP_OK) st = c->be->reduce_scatter_f32(c, res, w->src, n);
+        if (st == FSDP_OK && w->op == FSDP_REDUCE_AVG) divide_f32(res, n, c->size);
+        if (st == FSDP_OK && alias) memcpy(dst, res, (size_t)n * 4);
+    } else {   /* bf16: reduce in f32, round once */
+        st = scratch_get(&in, (size_t)total * 4);
+        if (st == FSDP_OK) st = scratch_get(&out, (size_t)n * 4);
+        if (st == FSDP_OK) {
+            widen_bf16(in.p, w->src, total);
+            st = c->be->reduce_scatter_f32(c, out.p, in.p, n);
+        }
+        if (st == FSDP_OK && w->op == FSDP_REDUCE_AVG) divide_f32(out.p, n, c->size);
+        if (st == FSDP_OK) narrow_bf16(w->dst, out.p, n);
+    }
+    scratch_put(&in);
+    scratch_put(&out);
+    return st;
+}
+
+static fsdp_status run_all_reduce(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    int op = w->op == FSDP_REDUCE_MAX ? FSDP_REDUCE_MAX : FSDP_REDUCE_SUM;
+    switch (w->dtype) {
+    case FSDP_F32:
+        FSDP_TRY(c->be->all_reduce(c, w->dst, w->n, COMM_RT_F32, op));
+        if (w->op == FSDP_REDUCE_AVG) divide_f32(w->dst, w->n, c->size);
+        return FSDP_OK;
+    case FSDP_BF16: {
+        scratch s = {0};
+        FSDP_TRY(scratch_get(&s, (size_t)w->n * 4));
+        widen_bf16(s.p, w->dst, w->n);
+        fsdp_status st = c->be->all_reduce(c, s.p, w->n, COMM_RT_F32, op);
+        if (st == FSDP_OK) {
+            if (w->op == FSDP_REDUCE_AVG) divide_f32(s.p, w->n, c->size);
+            narrow_bf16(w->dst, s.p, w->n);
+        }
+        scratch_put(&s);
+        return st;
+    }
+    case FSDP_I32: return c->be->all_reduce(c, w->dst, w->n, COMM_RT_I32, op);
+    case FSDP_I64: return c->be->all_reduce(c, w->dst, w->n, COMM_RT_I64, op);
+    default: return fsdp_set_error(FSDP_ERR_DTYPE, "all_reduce: dtype %s", fsdp_dtype_name(w->dtype));
+    }
+}
+
+static fsdp_status run_doubles(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    int op = w->op == FSDP_REDUCE_MAX ? FSDP_REDUCE_MAX : FSDP_REDUCE_SUM;
+    FSDP_TRY(c->be->all_reduce(c, w->doubles, w->n, COMM_RT_F64, op));
+    if (w->op == FSDP_REDUCE_AVG)
+        for (int64_t i = 0; i < w->n; i++) w->doubles[i] /= (double)c->size;
+    return FSDP_OK;
+}
+
+static fsdp_status run_split(fsdp_work *w) {
+    fsdp_comm *p = w->comm;
+    fsdp_comm *child = w->split_out;   /* made by the caller: rank and size -1 unless known */
+    fsdp_status st = p->be->split(p, w->color, w->key, child);
+    if (st != FSDP_OK) {
+        w->split_out = NULL;
+        comm_counts_unref(child->counts);
+        free(child);
+        return st;
+    }
+    child->magic = COMM_MAGIC;
+    child->be = p->be;
+    child->dev = p->dev;
+    /* Same on every member: same parent, same split (sequence), same color. */
+    child->id = comm_hash_mix(comm_hash_mix(p->id, w->fp.seq), (uint64_t)(uint32_t)w->color);
+    snprintf(child->name, sizeof child->name, "%.48s.split%llu.color%d", p->name, (unsigned long long)w->fp.seq,
+             w->color);
+    return FSDP_OK;
+}
+
+/* ---- CUDA collectives on the comm thread ---- */
+
+/* Enqueues w on the comm stream (comm_nccl.c); the GPU runs it later. */
+static fsdp_status run_gpu(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    comm_gpu_call call = {
+        .dst = w->dst, .src = w->src, .scratch = w->t_scratch ? tensor_data(w->t_scratch) : NULL, .n = w->n,
+        .dtype = w->dtype, .op = w->op, .root = w->root, .rank = c->rank, .size = c->size, .mpi = c->mpi,
+        .between_ranks = c->be->carries_device && c->dev->between_ranks,
+    };
+    switch (w->kind) {
+    case K_ALL_GATHER: call.kind = COMM_GPU_ALL_GATHER; break;
+    case K_REDUCE_SCATTER: call.kind = COMM_GPU_REDUCE_SCATTER; break;
+    case K_ALL_REDUCE: call.kind = COMM_GPU_ALL_REDUCE; break;
+    case K_BROADCAST: call.kind = COMM_GPU_BROADCAST; break;
+    default: return fsdp_set_error(FSDP_ERR_INVALID, "%s on CUDA tensors", comm_kind_names[w->kind]);
+    }
+    return c->dev->run(&c->gpu, w->gw, &call);
+}
+
+/* CUDA collectives the GPU has not finished yet, in issue order (one comm
+ * stream: they finish in this order). Comm thread only. */
+static fsdp_work *g_inflight, *g_inflight_tail;
+
+static void inflight_push(fsdp_work *w) {
+    atomic_fetch_add(&w->refs, 1);
+    w->gnext = NULL;
+    if (g_inflight_tail) g_inflight_tail->gnext = w;
+    else g_inflight = w;
+    g_inflight_tail = w;
+}
+
+/* Retires finished collectives (their tensors go back), watches the oldest
+ * unfinished one. Never blocks. */
+static void poll_inflight(void) {
+    const comm_backend *dev = comm_device_backend();
+    while (g_inflight) {
+        fsdp_work *w = g_inflight;
+        bool started = false;
+        int r = dev->work_poll(w->gw, &started);
+        if (r < 0) comm_gpu_fatal(w, fsdp_last_error(), 0);
+        if (r > 0) {
+            g_inflight = w->gnext;
+            if (!g_inflight) g_inflight_tail = NULL;
+            work_drop_tensors(w);
+            comm_work_unref(w);
+            continue;
+        }
+        double now = comm_now();
+        if (started && w->started == 0) w->started = now;
+        /* w->comm lives while w is in flight: freeing a communicator drains first */
+        if (w->comm && dev->gpu_check(w->comm->gpu) != FSDP_OK) comm_gpu_fatal(w, fsdp_last_error(), 0);
+        if (g_cfg.watchdog_s > 0 && w->started > 0 && now - w->started > g_cfg.watchdog_s)
+            comm_gpu_fatal(w, "", now - w->started);
+        break;
+    }
+}
+
+static void drain_inflight(void) {
+    while (g_inflight) {
+        poll_inflight();
+        if (g_inflight) {
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+static fsdp_status run_free(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    fsdp_status st = FSDP_OK;
+    if (c->dev) {
+        drain_inflight();   /* nothing of it may still run on the GPU, NCCL or device copies */
+        if (c->gpu) st = c->dev->gpu_destroy(c->gpu);
+        c->gpu = NULL;
+    }
+    fsdp_status bst = c->be->destroy(c);
+    if (st == FSDP_OK) st = bst;
+    comm_counts_unref(c->counts);
+    c->magic = 0;
+    free(c);
+    w->comm = NULL;
+    return st;
+}
+
+static void run_work(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    fsdp_status st = comm_agree(w);
+    if (st != FSDP_OK) {
+        if (w->status == FSDP_OK) work_take_error(w, st);   /* the exchange itself failed */
+        return;
+    }
+    if (w->device == FSDP_DEVICE_CUDA) {
+        st = run_gpu(w);
+        if (st != FSDP_OK) work_take_error(w, st);
+        else count_traffic(w, c);
+        return;
+    }
+    /* A counting communicator leaves tensors of other devices untouched:
+     * their memory may not be readable from the host. */
+    bool touch = !(c && c->be->local && w->device != FSDP_DEVICE_CPU);
+    size_t esz = fsdp_dtype_size(w->dtype);
+    switch (w->kind) {
+    case K_ALL_GATHER: if (touch) st = run_all_gather(w); break;
+    case K_REDUCE_SCATTER: if (touch) st = run_reduce_scatter(w); break;
+    case K_ALL_REDUCE: if (touch) st = run_all_reduce(w); break;
+    case K_BROADCAST: if (touch) st = c->be->broadcast(c, w->dst, w->n * (int64_t)esz, w->root); break;
+    case K_BARRIER: st = c->be->barrier(c); break;
+    case K_DOUBLES: st = run_doubles(w); break;
+    case K_SPLIT: st = run_split(w); break;
+    case K_FREE: st = run_free(w); break;
+    }
+    if (st != FSDP_OK) {
+        work_take_error(w, st);
+        return;
+    }
+    count_traffic(w, w->comm ? c : NULL);
+}
+
+/* ---- the comm thread ---- */
+
+static void *comm_thread_main(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&q_mu);
+    for (;;) {
+        if (!q_head) {
+            /* stop once the queue is drained and the GPU has finished */
+            bool gpu_busy = g_inflight != NULL;
+            if (q_stop && !gpu_busy) break;
+            q_busy = false;
+            pthread_cond_broadcast(&q_idle);
+            if (gpu_busy) {
+                /* poll the collectives in flight every 2 ms (q_cv: realtime clock) */
+                struct timespec dl;
+                clock_gettime(CLOCK_REALTIME, &dl);
+                dl.tv_nsec += 2000000L;
+                if (dl.tv_nsec >= 1000000000L) { dl.tv_sec++; dl.tv_nsec -= 1000000000L; }
+                pthread_cond_timedwait(&q_cv, &q_mu, &dl);
+                pthread_mutex_unlock(&q_mu);
+                poll_inflight();
+                pthread_mutex_lock(&q_mu);
+            } else {
+                pthread_cond_wait(&q_cv, &q_mu);
+            }
+            continue;
+        }
+        fsdp_work *w = q_head;
+        q_head = w->next;
+        if (!q_head) q_tail = NULL;
+        q_busy = true;
+        q_current = w->fp;
+        snprintf(q_current_comm, sizeof q_current_comm, "%s", w->comm_name);
+        q_current_size = w->comm_size;
+        pthread_mutex_unlock(&q_mu);
+
+        run_work(w);
+        /* Completion: the tensors go back now, not when the handle is freed;
+         * those of a CUDA collective once the GPU is done with them. */
+        if (work_on_gpu(w)) inflight_push(w);
+        else work_drop_tensors(w);
+        pthread_mutex_lock(&w->mu);
+        w->done = true;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        comm_work_unref(w);
+        if (g_inflight) poll_inflight();
+
+        pthread_mutex_lock(&q_mu);
+    }
+    q_busy = false;
+    pthread_cond_broadcast(&q_idle);
+    pthread_mutex_unlock(&q_mu);
+    return NULL;
+}
+
+fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
+    pthread_mutex_lock(&q_mu);
+    if (!q_running) {
+        q_stop = false;
+        int rc = pthread_create(&q_thread, NULL, comm_thread_main, NULL);
+        if (rc != 0) {
+            pthread_mutex_unlock(&q_mu);
+            comm_work_unref(w);
+            return fsdp_set_error(FSDP_ERR_COMM, "%s: cannot start the comm thread: %s", opname, strerror(rc));
+        }
+        q_running = true;
+    }
+    if (w->counted) w->fp.seq = w->comm->next_seq++;
+    atomic_fetch_add(&w->refs, 1);   /* the queue's reference */
+    w->next = NULL;
+    if (q_tail) q_tail->next = w;
+    else q_head = w;
+    q_tail = w;
+    q_busy = true;
+    pthread_cond_signal(&q_cv);
+    pthread_mutex_unlock(&q_mu);
+    if (out) {
+        *out = w;
+        return FSDP_OK;
+    }
+    fsdp_status st = fsdp_work_wait(w);
+    comm_work_unref(w);
+    return st;
+}
+
+/* ---- public: works ---- */
+
+/* A CUDA collective the comm thread has enqueued: order the compute stream
+ * after it (or, with FSDP_NCCL_BLOCKING_WAIT, wait for the GPU here, under
+ * the watchdog); then its tensors may go back. */
+static fsdp_status gpu_wait(fsdp_work *w, double t0) {
+    const comm_backend *dev = comm_device_backend();
+    fsdp_status st = FSDP_OK;
+    if (g_cfg.blocking_wait) {
+        for (;;) {
+            int r = dev->work_poll(w->gw, NULL);
+            if (r > 0) break;
+            if (r < 0) {
+                st = FSDP_ERR_COMM;
+                break;
+            }
+            if (g_cfg.watchdog_s > 0 && comm_now() - t0 > g_cfg.watchdog_s) comm_watchdog_fire(w, comm_now() - t0);
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    } else {
+        st = dev->work_wait(w->gw);
+    }
+    if (st != FSDP_OK) {
+        /* the buffers stay held (until the handle goes): the GPU may still use them */
+        const char *e;
+        int n = comm_last_error_len(&e);
+        char what[160];
+        comm_fp_describe(&w->fp, false, what, sizeof what);
+        return fsdp_set_error(st, "%s (collective #%llu on comm %s(%d)): %.*s", what, (unsigned long long)w->fp.seq,
+                              w->comm_name, w->comm_size, n, e);
+    }
+    work_drop_tensors(w);
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_work_wait(fsdp_work *w) {
+    if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
+    comm_cfg();
+    double t0 = comm_now();
+    pthread_mutex_lock(&w->mu);
+    while (!w->done) {
+        if (g_cfg.watchdog_s > 0) {
+            struct timespec dl = abs_time(t0 + g_cfg.watchdog_s);
+            int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
+            if (rc == ETIMEDOUT && !w->done) {
+                pthread_mutex_unlock(&w->mu);
+                comm_watchdog_fire(w, comm_now() - t0);
+                pthread_mutex_lock(&w->mu);
+            }
+        } else {
+            pthread_cond_wait(&w->cv, &w->mu);
+        }
+    }
+    w->observed = true;
+    fsdp_status st = w->status;
+    pthread_mutex_unlock(&w->mu);
+    fsdp_status gst = work_on_gpu(w) ? gpu_wait(w, t0) : FSDP_OK;
+    double dt = comm_now() - t0;
+    pthread_mutex_lock(&stats_mu);
+    g_wait_s += dt;
+    pthread_mutex_unlock(&stats_mu);
+    /* The comm thread's message, re-set on this thread. */
+    if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);
+    return gst;
+}
+
+/* *done = 1 once complete; a completed work that failed returns its error. */
+fsdp_status fsdp_work_test(fsdp_work *w, int *done) {
+    if (!w || !done) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_test: %s is NULL", w ? "done" : "work");
+    pthread_mutex_lock(&w->mu);
+    bool is_done = w->done;
+    fsdp_status st = w->done ? w->status : FSDP_OK;
+    pthread_mutex_unlock(&w->mu);
+    if (is_done && work_on_gpu(w)) {   /* enqueued: done once the GPU is */
+        int r = comm_device_backend()->work_poll(w->gw, NULL);
+        if (r == 0) is_done = false;
+        if (r < 0 && st == FSDP_OK) {
+            const char *e;
+            int n = comm_last_error_len(&e);
+            snprintf(w->msg, sizeof w->msg, "%.*s", n, e);
+            st = FSDP_ERR_COMM;
+        }
+        if (r > 0) work_drop_tensors(w);
+    }
+    *done = is_done;
+    if (is_done) {
+        pthread_mutex_lock(&w->mu);
+        w->observed = true;
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);
+    return FSDP_OK;
+}
+
+/* Waits when needed; returns the collective's error only when nobody saw it
+ * through fsdp_work_wait or fsdp_work_test. */
+fsdp_status fsdp_work_free(fsdp_work *w) {
+    if (!w) return FSDP_OK;
+    pthread_mutex_lock(&w->mu);
+    bool seen = w->observed;
+    pthread_mutex_unlock(&w->mu);
+    fsdp_status st = fsdp_work_wait(w);
+    comm_work_unref(w);
+    return seen ? FSDP_OK : st;
+}
+
+/* ---- shutdown ---- */
+
+void comm_shutdown(void) {
+    comm_cfg();
+    pthread_mutex_lock(&q_mu);
+    if (!q_running) {
+        pthread_mutex_unlock(&q_mu);
+        return;
+    }
+    /* Drain first, under the watchdog: a collective some rank never joins
+     * must not turn finalize into a hang. */
+    double t0 = comm_now();
+    while (q_busy || q_head) {
+        if (g_cfg.watchdog_s > 0) {
+            /* q_idle uses the default (realtime) clock: wait in short slices. */
+            struct timespec rt;
+            clock_gettime(CLOCK_REALTIME, &rt);
+            rt.tv_sec += 1;
+            pthread_cond_timedwait(&q_idle, &q_mu, &rt);
+            if ((q_busy || q_head) && comm_now() - t0 > g_cfg.watchdog_s) {
+                char what[160];
+                comm_fp_describe(&q_current, true, what, sizeof what);
+                fprintf(stderr, "fsdp watchdog: rank %d waited %.0f s at shutdown for collective %s on comm %s(%d); "
+                        "aborting the job\n", fsdp_current_rank(), comm_now() - t0, what, q_current_comm,
+                        q_current_size);
+                pthread_mutex_unlock(&q_mu);
+                fsdp_runtime_abort(NULL, 1);
+            }
+        } else {
+            pthread_cond_wait(&q_idle, &q_mu);
+        }
+    }
+    q_stop = true;
+    pthread_cond_signal(&q_cv);
+    pthread_mutex_unlock(&q_mu);
+    pthread_join(q_thread, NULL);
+    pthread_mutex_lock(&q_mu);
+    q_running = false;
+    q_stop = false;
+    pthread_mutex_unlock(&q_mu);
+}
