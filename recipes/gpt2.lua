@@ -92,7 +92,9 @@ local function loader(path, split)
   local spec = { batch = o.batch, ctx = o.ctx, seed = o.seed + (split == "val" and 1 or 0), shuffle = true,
     rank = dist.rank(), world = world }
   if data.is_dir(path) then
-    spec.pattern, spec.split = path, split
+    local want = (split and split .. "_" or "") .. "*.bin"
+    spec.pattern = data.glob(path:gsub("/+$", "") .. "/" .. want)
+    if #spec.pattern == 0 then fail("gpt2.lua: no token shards (%s) in the folder %s", want, path) end
   elseif path:match("%.bin$") or path:match("[%*%?]") then
     local files = data.glob(path)
     if #files == 0 then fail("gpt2.lua: no token shards match '%s'", path) end

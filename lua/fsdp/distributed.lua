@@ -118,10 +118,10 @@ end
 
 --- Gives the communicator back now (the group is unusable afterwards).
 function Group:free()
-  if self.comm ~= nil and not self.borrowed then
-    C.fsdp_comm_free(ffi.gc(self.comm, nil))
-    self.comm = nil
-  end
+  if self.freed then return end
+  self.freed = true
+  if self.comm ~= nil and not self.borrowed then C.fsdp_comm_free(ffi.gc(self.comm, nil)) end
+  self.comm = nil
 end
 
 function Group:__tostring()
@@ -129,7 +129,7 @@ function Group:__tostring()
 end
 
 local function live(g, op)
-  if g.comm == nil then error("fsdp.distributed." .. op .. ": the group was freed", 3) end
+  if g.freed then error("fsdp.distributed." .. op .. ": the group was freed", 4) end
 end
 
 -- Reduces a number or a list of numbers; the same shape comes back.
@@ -145,8 +145,8 @@ local function reduce(g, x, op, name)
       end
     end
   end
-  if g._size == 1 then return x end
   live(g, name)
+  if g._size == 1 then return x end
   local n = is_list and #x or 1
   local buf = ffi.new("double[?]", math.max(n, 1))
   local neg = op == "min"   -- min(x) = -max(-x)
@@ -169,8 +169,8 @@ function Group:min(x) return reduce(self, x, "min", "min") end
 
 --- Waits until every rank of the group arrives.
 function Group:barrier()
-  if self._size == 1 then return end
   live(self, "barrier")
+  if self._size == 1 then return end
   if C.fsdp_barrier(self.comm) ~= 0 then raise() end
 end
 
@@ -210,8 +210,8 @@ function Group:broadcast(value, root)
   if type(root) ~= "number" or root < 0 or root >= self._size or root ~= math.floor(root) then
     error(string.format("fsdp.distributed.broadcast: root %s, expected 0..%d", tostring(root), self._size - 1), 2)
   end
-  if self._size == 1 then return value end
   live(self, "broadcast")
+  if self._size == 1 then return value end
   -- a value the root cannot send still travels, as an error every rank
   -- raises: no rank is left waiting in the collective
   local payload = ""

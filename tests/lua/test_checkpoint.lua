@@ -1,7 +1,7 @@
 -- Tests for fsdp.checkpoint on one rank (the multi-rank ones are in
 -- tests/distributed/test_ckpt_*.lua): a save and load of an nn module and
 -- its AdamW state round-trips bit for bit; progress reports rise to their
--- totals; the files' checksums are XXH64 of their bytes (an independent
+-- totals; the checksums are XXH64 of the bytes on disk (an independent
 -- check through fsdp.io); a damaged checkpoint is refused with the file and
 -- the parameter named, and leaves the model as it was.
 
@@ -106,11 +106,21 @@ do
   local fe = index.files[1]
   local bytes = fio.read_file(dir .. "/" .. fe.name)
   t.eq(#bytes, fe.bytes, "file size as indexed")
-  t.eq(fio.hash_string(bytes), fe.checksum, "file checksum is XXH64 of the whole file")
-  local p = index.params[1]
-  local r = p.ranges[1]
-  local padded = 64 * math.ceil(4 * r.count / 64)
-  t.eq(fio.hash_string(bytes:sub(r.offset + 1, r.offset + padded)), r.checksum, "blob checksum: XXH64 of its padded extent")
+  -- every blob, in file order: its XXH64, and the file's checksum from those
+  local blobs = {}
+  local function add(ranges) for _, r in ipairs(ranges) do blobs[#blobs + 1] = r end end
+  for _, p in ipairs(index.params) do add(p.ranges) end
+  for _, e in ipairs(index.optimizer.params) do add(e.exp_avg); add(e.exp_avg_sq) end
+  table.sort(blobs, function(a, b) return a.offset < b.offset end)
+  local bad, hexes = 0, {}
+  for i, r in ipairs(blobs) do
+    local padded = 64 * math.ceil(4 * r.count / 64)
+    if fio.hash_string(bytes:sub(r.offset + 1, r.offset + padded)) ~= r.checksum then bad = bad + 1 end
+    hexes[i] = r.checksum
+  end
+  t.eq(bad, 0, "every blob's checksum is XXH64 of its padded extent on disk")
+  t.eq(fio.hash_string(table.concat(hexes) .. tostring(#bytes)), fe.checksum,
+    "the file's checksum: XXH64 of its blobs' checksums and its size")
 end
 
 -- ---- damage is refused, the model stays as it was ----

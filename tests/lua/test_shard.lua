@@ -81,11 +81,9 @@ do
   t.eq(#groups, 2, "two groups always")
   t.eq(#groups[1].params, 0, "no matrices here: the decay group is empty")
   local opt = optim.AdamW(groups, { lr = 1e-2 })
-  opt:step()
-  t.ok(true, "an optimizer with an empty group steps")
+  t.no_error(function() opt:step() end, "an optimizer with an empty group steps")
   local empty = optim.AdamW({}, { lr = 1e-2 })
-  empty:step()
-  t.ok(true, "an optimizer over no parameters (a rank holding only padding) steps")
+  t.no_error(function() empty:step() end, "an optimizer over no parameters (a rank holding only padding) steps")
 end
 
 -- activation checkpointing keeps every argument and result

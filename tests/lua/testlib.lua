@@ -5,7 +5,11 @@
 --   t.eq(1 + 1, 2, "sum")
 --   t.near(x, 0.5, 1e-6, "value")
 --   local err = t.raises(function() ... end, {"fsdp_matmul", "3 vs 4"}, "matmul shapes")
+--   t.no_error(function() opt:step() end, "a step over an empty group")
 --   t.done()
+--
+-- A file that made no check at all fails in done(): a test that checks
+-- nothing is a mistake, not a pass.
 
 local M = { passed = 0, failed = 0 }
 
@@ -81,6 +85,12 @@ function M.raises(fn, needles, name)
   return err
 end
 
+-- fn must run without raising; the error is the detail when it does not.
+function M.no_error(fn, name)
+  local ok, err = pcall(fn)
+  return record(ok, name, not ok and ("raised: " .. tostring(err)) or nil)
+end
+
 --- A deterministic next-token batch: ids (B, T) in [0, vocab) from a
 -- Lehmer generator started at seed, and targets (ids shifted by one), i64.
 function M.token_batch(seed, B, T, vocab)
@@ -101,8 +111,11 @@ end
 
 function M.done()
   print(string.format("%d passed, %d failed", M.passed, M.failed))
+  if M.passed + M.failed == 0 then
+    io.stderr:write("FAIL: no checks ran (a test must check something)\n")
+  end
   io.stdout:flush()
-  if M.failed > 0 then os.exit(1) end
+  if M.failed > 0 or M.passed == 0 then os.exit(1) end
 end
 
 return M

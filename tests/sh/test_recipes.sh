@@ -62,5 +62,74 @@ fails "token id beyond the vocabulary" "fsdp_embedding" "expected 0 <= id < 256"
 out=$("$L" recipes/gpt2.lua --steps=ten 2>&1 | head -1)
 has "first line" "$out" "--steps expects an integer"
 
+# usage errors: exactly one line, no traceback, exit status 2
+one_line() {
+  local name=$1 want=$2; shift 2
+  local out rc
+  out=$("$L" "$@" 2>&1); rc=$?
+  if [ $rc -ne 2 ]; then bad "$name: exit $rc, want 2" "$out"; return; fi
+  ok
+  if [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ]; then ok; else bad "$name: more than one line" "$out"; fi
+  has "$name" "$out" "$want"
+}
+one_line "did you mean" "unknown option --stpes (did you mean --steps?" recipes/gpt2.lua --stpes=10
+one_line "did you mean a value" "got 'ful_shard' (did you mean 'full_shard'?)" recipes/gpt2.lua --strategy=ful_shard
+one_line "steps >= 1" "--steps must be at least 1, got -5" recipes/gpt2.lua --steps=-5
+one_line "steps = 0" "--steps must be at least 1, got 0" recipes/gpt2.lua --steps=0
+one_line "batch >= 1" "--batch must be at least 1, got 0" recipes/gpt2.lua --batch=0
+one_line "lr >= 0" "--lr must be at least 0, got -1" recipes/gpt2.lua --lr=-1
+one_line "threads <= 256" "--threads must be at most 256, got 1000" recipes/gpt2.lua --threads=1000
+one_line "data is a folder without shards" "no token shards" recipes/gpt2.lua --data="$TMP"
+mkdir -p "$TMP/dir.txt"
+one_line "val data missing" "$TMP/none.txt': No such file" recipes/gpt2.lua --val-data="$TMP/none.txt"
+one_line "init missing" "--init=$TMP/none.safetensors: No such file" recipes/gpt2.lua --init="$TMP/none.safetensors"
+one_line "init is a directory" "--init=$TMP/dir.txt: Is a directory" recipes/gpt2.lua --init="$TMP/dir.txt"
+if [ "$(id -u)" -ne 0 ]; then   # root reads every file
+  printf 'x' > "$TMP/locked.safetensors"; chmod 000 "$TMP/locked.safetensors"
+  one_line "init unreadable" "Permission denied" recipes/gpt2.lua --init="$TMP/locked.safetensors"
+fi
+one_line "export into a directory" "--export=$TMP/dir.txt: Is a directory" recipes/gpt2.lua --export="$TMP/dir.txt"
+one_line "export under a missing folder" "--export=$TMP/no/such/out.safetensors: No such file" recipes/gpt2.lua \
+  --export="$TMP/no/such/out.safetensors"
+[ ! -e "$TMP/out.safetensors" ] && ok || bad "nothing written by the check"
+"$L" recipes/gpt2.lua --export="$TMP/out.safetensors" --steps=1 --eval-every=0 --sample=0 --batch=2 >/dev/null 2>&1
+[ -s "$TMP/out.safetensors" ] && ok || bad "--export writes the file after training"
+one_line "llama cannot export HF names" "--export uses Hugging Face GPT-2 names, which --model=llama does not have" \
+  recipes/gpt2.lua --model=llama --export="$TMP/llama.safetensors"
+[ ! -e "$TMP/llama.safetensors" ] && ok || bad "the refused export wrote nothing"
+one_line "group size without hybrid" "--group-size goes with --strategy=hybrid_shard" recipes/gpt2.lua --group-size=2
+one_line "resume from nowhere" "--resume=$TMP/none: no checkpoint there" recipes/gpt2.lua --resume="$TMP/none"
+one_line "mlp typo" "mlp.lua: unknown option --stesp (did you mean --steps?" recipes/mlp.lua --stesp=3
+one_line "mlp range" "mlp.lua: --hidden must be at least 1, got 0" recipes/mlp.lua --hidden=0
+out=$("$L" recipes/mlp.lua --help 2>&1); rc=$?
+[ $rc -eq 0 ] && ok || bad "mlp --help exits 0" "$out"
+has "mlp --help" "$out" "--steps"
+if grep -q "^step" <<<"$out"; then bad "mlp --help trains nothing" "$out"; else ok; fi
+
+# evaluation reads held-out data: the last tenth of the text by default
+out=$("$L" recipes/gpt2.lua --steps=1 --eval-every=1 --eval-steps=1 --batch=2 --sample=0 2>&1)
+has "held-out split" "$out" "eval loss"
+"$L" -e "
+local data = require 'fsdp.data'
+local a = data.ByteLoader{ path = 'data/corpus.txt', batch = 8, ctx = 64, split = 'val' }
+assert(#a.text < 20000, 'the val split is a tenth of the corpus')" 2>&1 && ok || bad "val split size"
+
+# stdout is line-buffered through a pipe: the first line arrives while the
+# recipe still runs (a long run, stopped once the line is read)
+mkfifo "$TMP/pipe"
+"$L" recipes/gpt2.lua --steps=100000 --eval-every=0 --log-every=100000 > "$TMP/pipe" 2>/dev/null &
+pid=$!
+read -r first_line < "$TMP/pipe"
+if kill -0 $pid 2>/dev/null; then ok; else bad "the first line came only at the end"; fi
+kill $pid 2>/dev/null; wait $pid 2>/dev/null
+case "$first_line" in "gpt tiny:"*) ok ;; *) bad "first line: $first_line" ;; esac
+
+# recipes use the Lua API only: no binding, no core module, no FFI
+api_leaks() { grep -nE 'fsdp\.C\b|fsdp\.core|require *\(? *"ffi"|require *\(? *.ffi.|\bffi\.' "$@"; }
+leaks=$(api_leaks recipes/*.lua)
+[ -z "$leaks" ] && ok || bad "recipes touch the FFI" "$leaks"
+# (the same check finds the FFI where it is used, so it can fail)
+[ -n "$(api_leaks lua/fsdp/core.lua)" ] && ok || bad "the FFI check finds nothing in lua/fsdp/core.lua"
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -22,8 +22,6 @@ local parent_of = fio.parent
 
 local M = {}
 
-local function pread_all(f, ptr, n, off) return f:pread(ptr, n, off) end
-
 -- Stand-ins for tensors, handed to model:to_hf to learn its layout from the
 -- shapes alone: each records the view ops applied to it.
 local Proxy = {}
@@ -208,7 +206,7 @@ local function import_range(fd, info, e, a, n, dst, cache)
     local have = numel_of(e.shape)
     local m = max(0, min(n, have - a))
     if m > 0 then
-      local got = pread_all(fd, dst:data_ptr(), 4 * m, base + 4 * a, info.path)
+      local got = fd:pread(dst:data_ptr(), 4 * m, base + 4 * a)
       if got ~= 4 * m then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
     end
     if m < n then dst:narrow(1, m + 1, n - m):fill(0) end
@@ -219,7 +217,7 @@ local function import_range(fd, info, e, a, n, dst, cache)
   if not full then
     local t = fsdp.empty(e.shape, { dtype = "f32", device = "cpu" })
     local nb = 4 * numel_of(e.shape)
-    local got = pread_all(fd, t:data_ptr(), nb, base, info.path)
+    local got = fd:pread(t:data_ptr(), nb, base)
     if got ~= nb then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
     for i = #ops, 1, -1 do
       local op = ops[i]

@@ -22,24 +22,32 @@ local is_dir = fio.is_dir
 
 -- ---- checksums ----
 
--- Fed with the bytes of a shard file as they are written: the XXH64 of the
--- whole file (as xxhsum prints it) and of each blob (its padded extent).
+-- Fed with the bytes of a shard file as they are written: the XXH64 of
+-- each blob (its padded extent), one pass over the bytes. The file's own
+-- checksum is derived from those (file_checksum), not from a second pass.
 local Hasher = {}
 Hasher.__index = Hasher
 
 function M.new_hasher()
-  return setmetatable({ whole = fio.hasher(), blob = fio.hasher() }, Hasher)
+  return setmetatable({ blob = fio.hasher(), blobs = {} }, Hasher)
 end
 
 function Hasher:begin_blob() self.blob:reset() end
+function Hasher:update(ptr, n) self.blob:update(ptr, n) end
 
-function Hasher:update(ptr, n)
-  self.whole:update(ptr, n)
-  self.blob:update(ptr, n)
+function Hasher:blob_hex()
+  local h = self.blob:hex()
+  self.blobs[#self.blobs + 1] = h
+  return h
 end
 
-function Hasher:blob_hex() return self.blob:hex() end
-function Hasher:file_hex() return self.whole:hex() end
+--- The checksum of a whole shard file: XXH64 of its blobs' checksums (16
+-- hex digits each, in file order) followed by its size in decimal.
+function M.file_checksum(blob_hexes, bytes)
+  return fio.hash_string(concat(blob_hexes) .. fmt("%d", bytes))
+end
+
+function Hasher:file_hex(bytes) return M.file_checksum(self.blobs, bytes) end
 
 --- The bytes of a blob of n payload bytes: padded to a multiple of ALIGN.
 function M.padded(n) return M.ALIGN * math.ceil(n / M.ALIGN) end

@@ -32,7 +32,8 @@
 --                       index's own checksum ("index_checksum").
 -- Checksums ("xxh64": XXH64, the 64-bit xxHash, from engine/io), computed
 -- as the bytes are written: of each blob (one slice of one tensor, over its
--- padded extent) and of each whole file (as xxhsum prints it); the index's
+-- padded extent); a file's checksum is the XXH64 of its blobs' checksums
+-- and its size; each parameter entry has one of its own, and the index's
 -- checksum covers every byte of index.json before its last member. A load
 -- checks the index's checksum, that the ranges of every tensor tile it
 -- exactly and that the blobs of every file tile the file, before it reads

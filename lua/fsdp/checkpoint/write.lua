@@ -74,7 +74,7 @@ local function finish_out(o)
   o.f = nil
   f:close()
   if not ok then error(err, 0) end
-  return o.hasher:file_hex()
+  return o.hasher:file_hex(o.pos)
 end
 
 -- This rank's file: parameter slices, then optimizer state slices. Returns

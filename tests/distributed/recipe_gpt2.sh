@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# recipes/gpt2.lua as the README runs it, on 2 ranks (tiny preset, a short
+# run): it exits 0, the log parses, the loss falls, evaluation and the
+# sample are there, every log line comes once (from rank 0), and option
+# mistakes are one line, printed once, with exit status 2.
+#   bash recipe_gpt2.sh MPIRUN... -- LAUNCHER
+set -u
+mpirun=()
+while [ "$1" != "--" ]; do mpirun+=("$1"); shift; done
+shift
+L=${1:?usage: recipe_gpt2.sh MPIRUN... -- LAUNCHER}
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
+
+out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --steps=12 --warmup=2 --lr=3e-3 --log-every=4 --eval-every=6 \
+  --eval-steps=1 --sample=8 2>&1); rc=$?
+[ $rc -eq 0 ] && ok || bad "2-rank run exits $rc" "$out"
+grep -qF "2 rank(s), full_shard, wrap block" <<<"$out" && ok || bad "the header names 2 ranks" "$out"
+losses=$(grep -E '^step +[0-9]+ \| loss [0-9.]+ \|' <<<"$out" | sed -E 's/^step +([0-9]+) \| loss ([0-9.]+) .*/\1 \2/')
+n=$(wc -l <<<"$losses")
+[ "$n" -eq 4 ] && ok || bad "4 loss lines (steps 1, 4, 8, 12), got $n" "$out"
+first=$(awk '$1 == 1 { print $2 }' <<<"$losses")
+last=$(awk '$1 == 12 { print $2 }' <<<"$losses")
+if awk -v a="$first" -v b="$last" 'BEGIN { exit !(a > 5 && a < 6 && b < a - 0.5) }'; then ok; else
+  bad "loss starts near ln(256) = 5.55 and falls ($first -> $last)" "$out"; fi
+[ "$(grep -c 'eval loss' <<<"$out")" -eq 2 ] && ok || bad "two evaluations (steps 6 and 12)" "$out"
+[ "$(grep -c '^sample: ' <<<"$out")" -eq 1 ] && ok || bad "one sample line" "$out"
+[ "$(grep -c '^done: 12 steps' <<<"$out")" -eq 1 ] && ok || bad "one done line" "$out"
+
+out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --stpes=3 2>&1); rc=$?
+[ $rc -ne 0 ] && ok || bad "a typo fails" "$out"
+[ "$(grep -c 'gpt2.lua: unknown option --stpes (did you mean --steps?' <<<"$out")" -eq 1 ] && ok ||
+  bad "the typo's message, once" "$out"
+grep -q "traceback" <<<"$out" && bad "no traceback for an option error" "$out" || ok
+out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --batch=3 2>&1); rc=$?
+[ $rc -ne 0 ] && [ "$(grep -c 'batch=3 is not divisible by 2 ranks' <<<"$out")" -eq 1 ] && ok ||
+  bad "a batch the ranks cannot split, once" "$out"
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ] && [ $pass -gt 0 ]
