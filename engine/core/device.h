@@ -54,7 +54,8 @@ typedef struct fsdp_device_kernels {
     void (*axpy_bf16)(uint16_t *y, const uint16_t *x, float alpha, int64_t n);
     void (*sum_dim_bf16)(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
     /* sum over i < n of sumsq(ptrs[i], counts[i]), ptrs and counts host
-     * arrays of f32 device buffers: one pass over them all, one value back
+     * arrays of f32 device buffers: one pass over them all (CUDA: a launch
+     * per 14 tensors and one to add the partials), one value back
      * (gradient norms: one wait instead of one per tensor). Summed in
      * double in an order fixed by the sizes. Optional: NULL where the op
      * layer calls sumsq_f32 per tensor. */
@@ -105,8 +106,11 @@ typedef struct fsdp_device_kernels {
                                    int64_t dim);
     int64_t (*cross_entropy_forward_f32)(float *losses, float *lse, const float *logits, const int64_t *targets,
                                          int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+    /* dloss: the loss's gradient, one element in the device's memory; each
+     * row not ignored gets dloss[0] / count (count 0: nothing) */
     void (*cross_entropy_backward_f32)(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                                       const float *dloss, int64_t count);
     void (*attention_forward_f32)(float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
                                   int64_t H, int64_t T, int64_t D, int causal, float scale);
     void (*attention_backward_f32)(float *dq, float *dk, float *dv, const float *dout, const float *q,
@@ -129,7 +133,7 @@ typedef struct fsdp_device_kernels {
                                           int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
     void (*cross_entropy_backward_bf16)(uint16_t *dlogits, const uint16_t *logits, const float *lse,
                                         const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
-                                        int64_t ignore_index, float dloss);
+                                        int64_t ignore_index, const float *dloss, int64_t count);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);

@@ -117,10 +117,11 @@ void cpu_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids
  * losses (N) (0 where ignored); returns the number of rows not ignored. */
 int64_t cpu_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
-/* dlogits = dloss * (softmax - onehot) for rows not ignored, 0 elsewhere and
- * in padded columns; dloss already includes the 1/count of the mean. */
+/* dlogits = g * (softmax - onehot) for rows not ignored, 0 elsewhere and
+ * in padded columns; g = dloss[0] / count, the share of the mean's gradient. */
 void cpu_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                    int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+                                    int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,
+                                    int64_t count);
 
 /* ---- attention (attention.c) ---- */
 /* q, k, v, out (B, H, T, D); lse (B, H, T) saved for backward. */

@@ -60,8 +60,10 @@ int64_t cpu_cross_entropy_forward_f32(float *losses, float *lse, const float *lo
 }
 
 void cpu_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                    int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+                                    int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,
+                                    int64_t count) {
+    float g = count ? dloss[0] / (float)count : 0.0f;
     ce_ctx c = {.lse_in = lse, .dlogits = dlogits, .logits = logits, .targets = targets,
-                .V = V, .valid_v = valid_v, .ignore_index = ignore_index, .dloss = dloss};
+                .V = V, .valid_v = valid_v, .ignore_index = ignore_index, .dloss = g};
     cpu_parallel_for(N, row_grain(V), ce_bwd_range, &c);
 }

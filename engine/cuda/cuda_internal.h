@@ -217,7 +217,7 @@ void cuda_fail(const char *op, const char *file, int line, const char *call, con
 
 /* kernel<<<grid, block, shared bytes, compute stream>>>(args) */
 #ifdef FSDP_CUDA_EMU
-#define LAUNCH(kernel, grid, block, smem) emu_make_launcher(kernel, (grid), (block), (smem))
+#define LAUNCH(kernel, grid, block, smem) emu_make_launcher(kernel, (grid), (block), (smem), #kernel)
 #else
 #define LAUNCH(kernel, grid, block, smem) kernel<<<(grid), (block), (smem), cuda_stream()>>>
 #endif
@@ -384,14 +384,15 @@ int64_t cuda_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_
                                         int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
 void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
                                       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
-                                      int64_t ignore_index, float dloss);
+                                      int64_t ignore_index, const float *dloss, int64_t count);
 void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
 void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
                                  int64_t dim);
 int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
                                        int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss);
+                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                                     const float *dloss, int64_t count);
 /* cuda_attention.cu */
 void cuda_attention_forward_f32(float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
                                 int64_t H, int64_t T, int64_t D, int causal, float scale);

@@ -440,11 +440,13 @@ __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *cou
     }
 }
 
-/* dlogits = dloss (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere */
+/* dlogits = g (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere;
+ * g = dloss[0] / count, read here so that the host never waits for dloss */
 template <class T>
 __global__ void ce_bwd_kernel(T *__restrict__ dlogits, const T *__restrict__ logits, const float *lse,
                               const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
-                              float dloss) {
+                              const float *dloss_in, int64_t count) {
+    const float dloss = count ? dloss_in[0] / (float)count : 0.0f;
     FOR_ROWS(n, N) {
         const T *xr = logits + n * V;   // (V)
         T *dr = dlogits + n * V;
@@ -480,10 +482,11 @@ static int64_t cross_entropy_forward(float *losses, float *lse, const T *logits,
 
 template <class T>
 static void cross_entropy_backward(T *dlogits, const T *logits, const float *lse, const int64_t *targets, int64_t N,
-                                   int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+                                   int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,
+                                   int64_t count) {
     if (N <= 0 || V <= 0) return;
     LAUNCH(ce_bwd_kernel<T>, row_blocks(N), cuda_row_threads(V), 0)(dlogits, logits, lse, targets, N, V, valid_v,
-                                                                    ignore_index, dloss);
+                                                                    ignore_index, dloss, count);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -494,9 +497,10 @@ int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *l
 }
 
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
-                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss) {
+                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                                     const float *dloss, int64_t count) {
     CUDA_ENTER();
-    cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss);
+    cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss, count);
 }
 
 int64_t cuda_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
@@ -507,7 +511,7 @@ int64_t cuda_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_
 
 void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
                                       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
-                                      int64_t ignore_index, float dloss) {
+                                      int64_t ignore_index, const float *dloss, int64_t count) {
     CUDA_ENTER();
-    cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss);
+    cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss, count);
 }

@@ -57,31 +57,37 @@ double cuda_sumsq_f32(const float *in, int64_t n) {
     return flat_reduce(in, n, 1);
 }
 
-/* ---- sumsq over many tensors: one launch, one value back ----
- * Tensor k owns blocks [block0, block0 + ceil(n / SQ_PER_BLOCK)); block b
- * finds its tensor by a binary search over block0 and sums its chunk; the
- * partials are added in block order by flat_final_kernel. */
+/* ---- sumsq over many tensors: a few launches, one value back ----
+ * The tensors go SQ_GROUP at a time in a struct argument (kernel parameter
+ * space, no copy to the device); tensor k of a group owns its blocks
+ * [block0, block0 + ceil(n / SQ_PER_BLOCK)), block b finds its tensor by a
+ * search over block0 and sums its chunk into partial[b]. The partials of
+ * all groups are then added in block order by flat_final_kernel. */
 #define SQ_PER_BLOCK ((int64_t)CUDA_THREADS * FLAT_PER_THREAD)
+#define SQ_GROUP 14
 
-struct sq_desc {
-    const float *p;
-    int64_t n, block0;
+struct sq_group {
+    const float *p[SQ_GROUP];
+    int64_t n[SQ_GROUP], block0[SQ_GROUP];
+    int count;
 };
 
-__global__ void sumsq_many_kernel(double *partial, const sq_desc *d, int nt) {
+#ifdef FSDP_CUDA_EMU
+/* the emulation opens the memory a kernel reaches through a struct argument */
+static inline void emu_kernel_ptrs(const sq_group &g, emu_ptr_list &list) {
+    for (int k = 0; k < g.count; k++) list.add(g.p[k]);
+}
+#endif
+
+__global__ void sumsq_group_kernel(double *partial, sq_group g) {
     __shared__ double scratch[32];
-    int lo = 0, hi = nt - 1;
-    while (lo < hi) {   /* the last tensor whose first block is <= this one */
-        int mid = (lo + hi + 1) / 2;
-        if (d[mid].block0 <= (int64_t)blockIdx.x) lo = mid;
-        else hi = mid - 1;
-    }
-    const float *p = d[lo].p;
-    int64_t start = ((int64_t)blockIdx.x - d[lo].block0) * SQ_PER_BLOCK;
-    int64_t end = cuda_min64(start + SQ_PER_BLOCK, d[lo].n);
+    int k = 0;
+    while (k + 1 < g.count && g.block0[k + 1] <= (int64_t)blockIdx.x) k++;
+    int64_t start = ((int64_t)blockIdx.x - g.block0[k]) * SQ_PER_BLOCK;
+    int64_t end = cuda_min64(start + SQ_PER_BLOCK, g.n[k]);
     double acc = 0.0;
     for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
-        double v = p[i];
+        double v = g.p[k][i];
         acc += v * v;
     }
     acc = block_sum_d(acc, scratch);
@@ -90,39 +96,37 @@ __global__ void sumsq_many_kernel(double *partial, const sq_desc *d, int nt) {
 
 double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n) {
     CUDA_ENTER();
-    sq_desc *host = (sq_desc *)malloc((size_t)(n > 0 ? n : 1) * sizeof *host);
-    if (!host) cuda_fail(__func__, __FILE__, __LINE__, "malloc", "out of host memory for the tensor list");
-    int nt = 0;
     int64_t blocks = 0;
-    for (int i = 0; i < n; i++) {
-        if (counts[i] <= 0) continue;
-        host[nt].p = ptrs[i];
-        host[nt].n = counts[i];
-        host[nt].block0 = blocks;
-        blocks += cuda_ceil_div(counts[i], SQ_PER_BLOCK);
-        nt++;
+    for (int i = 0; i < n; i++)
+        if (counts[i] > 0) blocks += cuda_ceil_div(counts[i], SQ_PER_BLOCK);
+    if (blocks == 0) return 0.0;
+    if (blocks > INT32_MAX) cuda_fail(__func__, __FILE__, __LINE__, "sumsq_many", "more than 2^31 - 1 blocks");
+    double *partial = (double *)cuda_tmp_alloc((size_t)(blocks + 1) * sizeof(double));   // partials, then the total
+    int64_t done = 0;   /* blocks launched so far: this group's partials start there */
+    sq_group g;
+    g.count = 0;
+    for (int i = 0; i <= n; i++) {
+        bool flush = i == n || g.count == SQ_GROUP;
+        if (flush && g.count > 0) {
+            int64_t gb = g.block0[g.count - 1] + cuda_ceil_div(g.n[g.count - 1], SQ_PER_BLOCK);
+            LAUNCH(sumsq_group_kernel, (unsigned)gb, CUDA_THREADS, 0)(partial + done, g);
+            CUDA_CHECK_LAUNCH();
+            done += gb;
+            g.count = 0;
+        }
+        if (i == n || counts[i] <= 0) continue;
+        int64_t b0 = g.count ? g.block0[g.count - 1] + cuda_ceil_div(g.n[g.count - 1], SQ_PER_BLOCK) : 0;
+        g.p[g.count] = ptrs[i];
+        g.n[g.count] = counts[i];
+        g.block0[g.count] = b0;
+        g.count++;
     }
-    if (nt == 0) {
-        free(host);
-        return 0.0;
-    }
-    if (blocks >= ((int64_t)1 << 31)) cuda_fail(__func__, __FILE__, __LINE__, "sumsq_many", "more than 2^31 blocks");
-    /* descriptors, partials, then the total, in one temporary */
-    size_t desc_bytes = (size_t)nt * sizeof(sq_desc), pad = (desc_bytes + 15) / 16 * 16;
-    char *tmp = (char *)cuda_tmp_alloc(pad + (size_t)(blocks + 1) * sizeof(double));
-    sq_desc *d = (sq_desc *)tmp;
-    double *partial = (double *)(tmp + pad);
-    CUDA_CHECK(cudaMemcpyAsync(d, host, desc_bytes, cudaMemcpyHostToDevice, cuda_stream()));
-    LAUNCH(sumsq_many_kernel, (unsigned)blocks, CUDA_THREADS, 0)(partial, d, nt);
-    CUDA_CHECK_LAUNCH();
-    if (blocks > INT32_MAX) cuda_fail(__func__, __FILE__, __LINE__, "sumsq_many", "too many partials");
     LAUNCH(flat_final_kernel, 1, CUDA_THREADS, 0)(partial + blocks, partial, (int)blocks);
     CUDA_CHECK_LAUNCH();
     double result = 0.0;
     CUDA_CHECK(cudaMemcpyAsync(&result, partial + blocks, sizeof result, cudaMemcpyDeviceToHost, cuda_stream()));
-    cuda_tmp_free(tmp);
+    cuda_tmp_free(partial);
     CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-    free(host);
     return result;
 }
 

@@ -112,7 +112,7 @@ static int64_t sum_counts(const int64_t *counts, int n) {
     X(void, sum_dim_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,               \
       int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner, 1, 0, )               \
     X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
-      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), 3, 1, 0)                                          \
+      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 1, 1, 0)                          \
     X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
     X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
       2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \
@@ -181,14 +181,14 @@ static int64_t sum_counts(const int64_t *counts, int n) {
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
       F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                          \
     X(void, cross_entropy_backward_f32, "loss", (float *dlogits, const float *logits, const float *lse,           \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss),           \
-      F32 * N * V + F32 * N + 8 * N, F32 * N * V, 3 * N * valid_v, 1, 0, )                                         \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
+      int64_t count), F32 * N * V + F32 * N + 8 * N + F32, F32 * N * V, 3 * N * valid_v, 1, 0, )                   \
     X(int64_t, cross_entropy_forward_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,           \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
       BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                         \
     X(void, cross_entropy_backward_bf16, "loss", (uint16_t *dlogits, const uint16_t *logits, const float *lse,    \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, float dloss),           \
-      BF16 * N * V + F32 * N + 8 * N, BF16 * N * V, 3 * N * valid_v, 1, 0, )                                       \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
+      int64_t count), BF16 * N * V + F32 * N + 8 * N + F32, BF16 * N * V, 3 * N * valid_v, 1, 0, )                 \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
       const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
       3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \

@@ -502,21 +502,20 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
     FSDP_TRY(op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
     int64_t N = node->in[0]->shape[0], V = node->in[0]->shape[1], count = node->i[2];
-    /* the loss is a mean: each row's share of dloss is dloss / count */
-    float g = 0.0f;   /* dout lives on the op's device: read it through the table */
-    if (count) KERNELS(dout)->copy_to_host(&g, f32p(dout), sizeof g);
-    float dloss = count ? g / (float)count : 0.0f;
-    tensor_release(dout);
+    /* the loss is a mean: each row's share of dloss is dloss / count, which the
+     * kernel reads where dloss lives (on a GPU: no host read, no sync) */
     bool native = BF16_KERNEL(node->in[0], cross_entropy_backward) != NULL;   /* bf16 logits, bf16 dlogits */
     fsdp_status st = stage(&logits, node->in[0], native);
     if (st == FSDP_OK) st = tensor_as_i64(&targets, node->in[1]);
     if (st == FSDP_OK) st = op_new_as(&dx, native ? FSDP_BF16 : FSDP_F32, 2, node->in[0]->shape);
     if (st == FSDP_OK && native)
         KERNELS(dx)->cross_entropy_backward_bf16(tensor_data(dx), tensor_data(logits), f32p(node->saved[0]),
-                                                 tensor_data(targets), N, V, node->i[1], node->i[0], dloss);
+                                                 tensor_data(targets), N, V, node->i[1], node->i[0], f32p(dout),
+                                                 count);
     else if (st == FSDP_OK)
         KERNELS(dx)->cross_entropy_backward_f32(f32p(dx), f32p(logits), f32p(node->saved[0]), tensor_data(targets), N, V,
-                                       node->i[1], node->i[0], dloss);
+                                       node->i[1], node->i[0], f32p(dout), count);
+    tensor_release(dout);
     tensor_release(logits);
     tensor_release(targets);
     return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;

@@ -249,7 +249,8 @@ static void ce_case(int64_t N, int64_t V, int64_t valid_v, float scale, prec p) 
     check("ce loss", shape, losses, loss_d, N, p);
     check("ce lse", shape, lse, lse_d, N, F32);   /* saved in f32 */
     float dloss = count ? 1.0f / (float)count : 1.0f;
-    cpu_cross_entropy_backward_f32(dlogits, logits, lse, targets, N, V, valid_v, IGNORE, dloss);
+    const float one = 1.0f;
+    cpu_cross_entropy_backward_f32(dlogits, logits, lse, targets, N, V, valid_v, IGNORE, &one, count ? count : 1);
     ref_cross_entropy_backward(want, ld, targets, N, V, valid_v, IGNORE, dloss);
     check("ce_bwd", shape, dlogits, want, N * V, p);
     int64_t nonzero = 0;   /* ignored rows and padded columns must be exactly 0 */
@@ -408,7 +409,8 @@ static void test_finite_differences(void) {
     c.ids = targets;
     float losses[3], lse[3];
     int64_t count = cpu_cross_entropy_forward_f32(losses, lse, x, targets, R, C, C - 1, IGNORE);
-    cpu_cross_entropy_backward_f32(dx, x, lse, targets, R, C, C - 1, IGNORE, 1.0f / (float)count);
+    const float one = 1.0f;   /* the mean's gradient: 1 / count per row */
+    cpu_cross_entropy_backward_f32(dx, x, lse, targets, R, C, C - 1, IGNORE, &one, count);
     fd_check("ce_bwd", &c, c.x, N, dx);
 
     /* embedding: 5 ids into a (3, 7) table, gradient w.r.t. the table */
@@ -474,7 +476,8 @@ static void test_stability(void) {
     /* lse is saved in f32: at 1e4 its rounding (~5e-4) shifts every
      * probability by that much relative, hence the looser atol */
     const prec LARGE = {0, 1e-3, 1e-3, "f32"};
-    cpu_cross_entropy_backward_f32(dx, x, lse, targets, R, C, C, IGNORE, 0.25f);
+    const float quarter = 0.25f;
+    cpu_cross_entropy_backward_f32(dx, x, lse, targets, R, C, C, IGNORE, &quarter, 1);
     ref_cross_entropy_backward(want, xd, targets, R, C, C, IGNORE, 0.25);
     check("ce_bwd", "large", dx, want, N, LARGE);
     free_all();

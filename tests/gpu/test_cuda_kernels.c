@@ -514,14 +514,15 @@ static void test_sum_all(void) {
     }
 }
 
-/* many tensors at once (empty ones, one larger than a block), against the
+/* many tensors at once (empty ones, some larger than a block, more than a
+ * launch's group of 14), against the
  * CPU's sumsq per tensor added in order: 1e-10 relative to the sum */
 static void test_sumsq_many(void) {
     test_check(G->sumsq_many_f32 != NULL, "CUDA has sumsq_many_f32");
     if (!G->sumsq_many_f32) return;
-    int64_t counts[] = {7, 0, 1, 5000, 4096, 4097, 3, 0};
+    int64_t counts[] = {7, 0, 1, 5000, 4096, 4097, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9000, 10};
     const int n = (int)(sizeof counts / sizeof counts[0]);
-    const float *ptrs[8];
+    const float *ptrs[sizeof counts / sizeof counts[0]];
     double want = 0, abs = 0;
     for (int i = 0; i < n; i++) {
         float *x = hrand(counts[i] > 0 ? counts[i] : 1, 2);
@@ -724,10 +725,12 @@ static void test_cross_entropy(void) {
         check_f(name, back(gl, N), losses, N, 1e-5, 1e-6, -1);
         snprintf(name, sizeof name, "cross_entropy_forward_f32 lse (%lld, %lld)", (long long)N, (long long)V);
         check_f(name, back(glse, N), lse, N, 1e-5, 1e-6, -1);
-        float dloss = count ? 1.0f / (float)count : 1.0f;
+        /* the gradient of the mean loss (1), on each side's device; each row gets 1 / count */
+        int64_t div = count ? count : 1;
+        float dloss = 1.0f / (float)div, one = 1.0f, *gone = dupf(&one, 1);
         float *wdx = hnan(N * V), *clse = dupf(lse, N), *gdx = dnan(N * V);
-        C->cross_entropy_backward_f32(wdx, x, lse, t, N, V, valid, ignore, dloss);
-        G->cross_entropy_backward_f32(gdx, dx, clse, dt, N, V, valid, ignore, dloss);
+        C->cross_entropy_backward_f32(wdx, x, lse, t, N, V, valid, ignore, &one, div);
+        G->cross_entropy_backward_f32(gdx, dx, clse, dt, N, V, valid, ignore, gone, div);
         snprintf(name, sizeof name, "cross_entropy_backward_f32 (%lld, %lld) valid %lld", (long long)N, (long long)V,
                  (long long)valid);
         check_f(name, back(gdx, N * V), wdx, N * V, 1e-5, 1e-6, dloss);
@@ -1000,11 +1003,12 @@ static void test_bf16_nn(void) {
         test_check(gcount == count, "%s: count %lld, want %lld", name, (long long)gcount, (long long)count);
         check_f(name, back(gl, N), losses, N, 1e-5, 1e-6, -1);
         check_f(name, back(glse, N), lse, N, 1e-5, 1e-6, -1);
-        float dloss = count ? 1.0f / (float)count : 1.0f;
+        int64_t div = count ? count : 1;
+        float dloss = 1.0f / (float)div, one = 1.0f, *gone = dupf(&one, 1);
         float *wdx = hnan(N * V), *clse = dupf(lse, N);
         uint16_t *gdx = dnan16(N * V);
-        C->cross_entropy_backward_f32(wdx, x, lse, t, N, V, valid, ignore, dloss);
-        G->cross_entropy_backward_bf16(gdx, gx, clse, dt, N, V, valid, ignore, dloss);
+        C->cross_entropy_backward_f32(wdx, x, lse, t, N, V, valid, ignore, &one, div);
+        G->cross_entropy_backward_bf16(gdx, gx, clse, dt, N, V, valid, ignore, gone, div);
         snprintf(name, sizeof name, "cross_entropy_backward_bf16 (%lld, %lld) valid %lld", (long long)N, (long long)V,
                  (long long)valid);
         check_f(name, back_bf16(gdx, N * V), wdx, N * V, ULP16, 1e-6, dloss);
@@ -1289,8 +1293,9 @@ static int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulat
     int64_t *dids = dup(ids, (size_t)N * sizeof(int64_t));
     BENCH("cross_entropy forward (8192, 50304)", 8.0 * N * Vp, "GB/s",
           G->cross_entropy_forward_f32(losses, lse, logits, dids, N, Vp, V, -100));
+    float one = 1.0f, *gone = dupf(&one, 1);
     BENCH("cross_entropy backward (8192, 50304)", 8.0 * N * Vp, "GB/s",
-          G->cross_entropy_backward_f32(logits, logits, lse, dids, N, Vp, V, -100, 1.0f / N));
+          G->cross_entropy_backward_f32(logits, logits, lse, dids, N, Vp, V, -100, gone, N));
     float *table = dev_uniform(Vp * Cd);
     BENCH("embedding forward (8192 ids, 768)", 8.0 * N * Cd, "GB/s", G->embedding_forward_f32(y, dids, N, table, Cd));
     BENCH("embedding backward (50257 x 768, 8192 ids)", 4.0 * (V + 2 * N) * Cd, "GB/s",

@@ -7,6 +7,10 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -64,8 +68,11 @@ struct emu_alloc {
     size_t pages;      /* accessible pages (a guard page follows) */
     size_t n;          /* bytes asked for */
     bool live;
+    int open;          /* device ops using it now: readable and writable while > 0 */
 };
 static std::map<uintptr_t, emu_alloc> g_allocs;   /* by user pointer */
+
+static void guard_install(void);
 
 static void region_init(void) {
     if (g_region) return;
@@ -73,6 +80,7 @@ static void region_init(void) {
     void *r = mmap(NULL, REGION, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (r == MAP_FAILED) emu_fail("cannot reserve the device address range");
     g_region = g_bump = (char *)r;
+    guard_install();
 }
 
 static bool in_region(const void *p) {
@@ -106,6 +114,211 @@ static void check_range(const void *p, size_t n, const char *what) {
         emu_fail(buf);
     }
 }
+
+/* ---- the host guard ----
+ * Live device memory is PROT_NONE except while a device op that was given
+ * it runs: a kernel (its pointer arguments), a copy, a memset, a cuBLAS call
+ * or an NCCL collective (their buffers). Each allocation counts the ops
+ * using it and is readable while the count is above zero, so the compute
+ * thread and the comm stream's thread can use memory at the same time
+ * without one closing it under the other. Host code touching device memory
+ * (a bug that would crash on a GPU, or read garbage through a bad pointer)
+ * faults, and the SIGSEGV handler names the access, the allocation, the ops
+ * running and the last op of the thread, and prints a backtrace.
+ * What it cannot see: a host access to an allocation while a device op on
+ * another thread happens to have that same allocation open. */
+
+enum { EMU_OP_SLOTS = 64, EMU_OP_ALLOCS = 16 };
+struct emu_op_slot {
+    std::atomic<bool> used;
+    const char *kind, *name;
+    pthread_t thread;
+    int n;
+    int outer;                       /* the op of this thread it runs inside (a call made of calls), or -1 */
+    uintptr_t keys[EMU_OP_ALLOCS];   /* allocations opened (map keys) */
+};
+static emu_op_slot g_ops[EMU_OP_SLOTS];
+static thread_local int t_op = -1;                                  /* the op this thread runs, or -1 */
+static thread_local const char *t_last_kind = NULL, *t_last_name = NULL;   /* the last one it ran */
+static std::atomic<long long> g_ops_run;
+
+/* The allocation (live or freed) whose bytes hold p; g_mu held. */
+static std::map<uintptr_t, emu_alloc>::iterator alloc_at(const void *p) {
+    auto it = g_allocs.upper_bound((uintptr_t)p);
+    if (it == g_allocs.begin()) return g_allocs.end();
+    --it;
+    size_t n = it->second.n ? it->second.n : 1;
+    return (uintptr_t)p < it->first + n ? it : g_allocs.end();
+}
+
+static void set_open(emu_alloc &a, bool open) {
+    if (mprotect(a.base, a.pages * g_page, open ? PROT_READ | PROT_WRITE : PROT_NONE) != 0)
+        emu_fail("host guard: mprotect failed");
+}
+
+extern "C" int emu_op_begin(const char *kind, const char *name, const void *const *ptrs, int n) {
+    emu_lock lock(g_mu);
+    int slot = -1;
+    for (int i = 0; i < EMU_OP_SLOTS && slot < 0; i++) {
+        bool expect = false;
+        if (g_ops[i].used.compare_exchange_strong(expect, true)) slot = i;
+    }
+    if (slot < 0) emu_fail("host guard: more than 64 device ops at once");
+    emu_op_slot &o = g_ops[slot];
+    o.kind = kind;
+    o.name = name ? name : "?";
+    o.thread = pthread_self();
+    o.n = 0;
+    for (int i = 0; i < n; i++) {
+        if (!ptrs[i] || !in_region(ptrs[i])) continue;   /* host sides of copies */
+        auto it = alloc_at(ptrs[i]);
+        if (it == g_allocs.end() || !it->second.live) continue;   /* the op faults if it touches it */
+        bool seen = false;
+        for (int j = 0; j < o.n; j++) seen |= o.keys[j] == it->first;
+        if (seen) continue;
+        if (o.n == EMU_OP_ALLOCS) emu_fail("host guard: a device op with more than 16 buffers");
+        o.keys[o.n++] = it->first;
+        if (it->second.open++ == 0) set_open(it->second, true);
+    }
+    o.outer = t_op;
+    t_op = slot;
+    g_ops_run++;
+    return slot;
+}
+
+extern "C" void emu_op_end(int slot) {
+    emu_lock lock(g_mu);
+    emu_op_slot &o = g_ops[slot];
+    for (int j = 0; j < o.n; j++) {
+        auto it = g_allocs.find(o.keys[j]);
+        if (it == g_allocs.end()) continue;
+        if (--it->second.open == 0 && it->second.live) set_open(it->second, false);
+    }
+    t_last_kind = o.kind;
+    t_last_name = o.name;
+    t_op = o.outer;
+    o.used = false;
+}
+
+extern "C" long long emu_ops_run(void) { return g_ops_run; }
+
+/* ---- the SIGSEGV handler (the process ends in it: it may allocate) ---- */
+
+static struct sigaction g_old_segv;
+
+static void say_ops(FILE *f, int mine) {
+    int others = 0;
+    for (int i = 0; i < EMU_OP_SLOTS; i++) {
+        if (i == mine || !g_ops[i].used) continue;
+        fprintf(f, "%s%s %s (on another thread)", others++ ? ", " : "  device ops running now: ", g_ops[i].kind,
+                g_ops[i].name);
+    }
+    if (others) fprintf(f, "\n");
+}
+
+/* Frames from the faulting instruction (pc) on, as file:line where
+ * addr2line can tell (the emulation is built with -g). */
+static void say_backtrace(FILE *f, void *pc) {
+    void *frames[48];
+    int n = backtrace(frames, 48), first = 1;   /* 0: the handler */
+    for (int i = 1; i < n; i++)
+        if (frames[i] == pc) first = i;   /* the frames before it: the handler and the signal trampoline */
+    char **names = backtrace_symbols(frames, n);
+    fprintf(f, "  backtrace:\n");
+    for (int i = first; i < n; i++) {
+        char where[512] = "";
+        Dl_info info;
+        if (dladdr(frames[i], &info) && info.dli_fname && getenv("FSDP_EMU_NO_ADDR2LINE") == NULL) {
+            char cmd[1024];
+            /* a return address points after its call; the faulting pc at the access itself */
+            uintptr_t off = (uintptr_t)frames[i] - (i == first && frames[i] == pc ? 0 : 1) - (uintptr_t)info.dli_fbase;
+            snprintf(cmd, sizeof cmd, "addr2line -C -f -p -e '%s' 0x%lx 2>/dev/null", info.dli_fname,
+                     (unsigned long)off);
+            FILE *p = popen(cmd, "r");
+            if (p) {
+                if (!fgets(where, sizeof where, p)) where[0] = 0;
+                pclose(p);
+                where[strcspn(where, "\n")] = 0;
+                if (strncmp(where, "??", 2) == 0) where[0] = 0;
+            }
+        }
+        fprintf(f, "    #%-2d %s%s%s%s\n", i - first, names ? names[i] : "?", where[0] ? "  [" : "", where,
+                where[0] ? "]" : "");
+    }
+}
+
+static void on_segv(int sig, siginfo_t *si, void *uctx) {
+    const void *addr = si->si_addr;
+    if (!in_region(addr)) {   /* not ours: whoever handled SIGSEGV before */
+        if (g_old_segv.sa_flags & SA_SIGINFO) {
+            if (g_old_segv.sa_sigaction) return g_old_segv.sa_sigaction(sig, si, uctx);
+        } else if (g_old_segv.sa_handler != SIG_DFL && g_old_segv.sa_handler != SIG_IGN) {
+            return g_old_segv.sa_handler(sig);
+        }
+        signal(SIGSEGV, SIG_DFL);   /* returning re-runs the access, which now ends the process */
+        return;
+    }
+    const char *rw = "an access";
+#if defined(__x86_64__)
+    rw = (((ucontext_t *)uctx)->uc_mcontext.gregs[REG_ERR] & 2) ? "a write" : "a read";
+#endif
+    char what[256] = "an address outside every allocation";
+    auto it = g_allocs.upper_bound((uintptr_t)addr);
+    if (it != g_allocs.begin()) {
+        --it;
+        const emu_alloc &a = it->second;
+        uintptr_t start = it->first, p = (uintptr_t)addr;
+        if (p < start + (a.n ? a.n : 1))
+            snprintf(what, sizeof what, "byte %lu of %s allocation of %zu bytes at %p", (unsigned long)(p - start),
+                     a.live ? "a live" : "a FREED", a.n, (void *)start);
+        else if (p < (uintptr_t)a.base + (a.pages + 1) * g_page)
+            snprintf(what, sizeof what, "%lu bytes past the end of %s allocation of %zu bytes at %p",
+                     (unsigned long)(p - start - a.n), a.live ? "the live" : "the freed", a.n, (void *)start);
+    }
+    FILE *f = stderr;
+    int mine = t_op;
+    if (mine < 0) {
+        fprintf(f,
+                "cuda_emu: host guard: %s of device memory at %p (%s) by host code, outside every device op.\n"
+                "  Device memory is touched only by kernels, copies, memsets, cuBLAS and NCCL on a GPU: copy it to "
+                "the host first (copy_to_host), or pass the pointer to a kernel.\n"
+                "  last device op of this thread: %s %s (ended)\n",
+                rw, addr, what, t_last_kind ? t_last_kind : "none", t_last_name ? t_last_name : "");
+    } else {
+        const emu_op_slot &o = g_ops[mine];
+        fprintf(f, "cuda_emu: device op %s %s (running) made %s of %p: %s%s\n", o.kind, o.name, rw, addr, what,
+                strstr(what, "live allocation") ? " that the op was not given (only its pointer arguments and "
+                                                  "buffers are open to it)"
+                                                : "");
+    }
+    say_ops(f, mine);
+    void *pc = NULL;
+#if defined(__x86_64__)
+    pc = (void *)((ucontext_t *)uctx)->uc_mcontext.gregs[REG_RIP];
+#endif
+    say_backtrace(f, pc);
+    fflush(f);
+    signal(SIGSEGV, SIG_DFL);
+}
+
+static void guard_install(void) {
+    void *warm[2];
+    backtrace(warm, 2);   /* loads the unwinder now, not inside the handler */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_segv;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+}
+
+/* Opens its buffers for the lifetime of a scope (C++ callers). */
+struct emu_op_scope {
+    int slot;
+    emu_op_scope(const char *kind, const char *name, std::initializer_list<const void *> ptrs)
+        : slot(emu_op_begin(kind, name, ptrs.begin(), (int)ptrs.size())) {}
+    ~emu_op_scope() { emu_op_end(slot); }
+};
 
 /* ---- streams and events ---- */
 
@@ -258,7 +471,8 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     if (mprotect(base, pages * g_page, PROT_READ | PROT_WRITE) != 0) return cudaErrorMemoryAllocation;
     char *ptr = base + pages * g_page - user;   /* flush against the guard page */
     memset(ptr, 0xff, user);                    /* NaN floats: unwritten memory shows */
-    g_allocs[(uintptr_t)ptr] = emu_alloc{base, pages, n, true};
+    mprotect(base, pages * g_page, PROT_NONE);  /* the host guard: only device ops open it */
+    g_allocs[(uintptr_t)ptr] = emu_alloc{base, pages, n, true, 0};
     *p = ptr;
     return cudaSuccess;
 }
@@ -293,6 +507,7 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
     check_range(p, n, "cudaMemsetAsync");
     enqueue(s, [=]() {
         check_range(p, n, "cudaMemsetAsync (when it ran)");
+        emu_op_scope op("cudaMemsetAsync", "", {p});
         memset(p, v, n);
     });
     return cudaSuccess;
@@ -311,6 +526,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
     enqueue(s, [=]() {
         if (dd) check_range(dst, n, "cudaMemcpyAsync destination (when it ran)");
         if (sd) check_range(src, n, "cudaMemcpyAsync source (when it ran)");
+        emu_op_scope op("cudaMemcpyAsync", dd && sd ? "device to device" : dd ? "host to device" : "device to host",
+                        {dst, src});
         memmove(dst, src, n);
     });
     return cudaSuccess;
@@ -642,7 +859,7 @@ static void emu_store(void *p, cudaDataType_t t, size_t i, double v) {
 }
 
 /* column-major C = alpha op(A) op(B) + beta C, accumulated in double */
-static cublasStatus_t emu_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+static cublasStatus_t emu_gemm(const char *name, cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                                float alpha, const void *A, cudaDataType_t at, int lda, long long sa, const void *B,
                                cudaDataType_t bt, int ldb, long long sb, float beta, void *C, cudaDataType_t ct,
                                int ldc, long long sc, int batch) {
@@ -654,6 +871,7 @@ static cublasStatus_t emu_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOpe
     emu_check_device_ptr(A, "cublas A");
     emu_check_device_ptr(B, "cublas B");
     emu_check_device_ptr(C, "cublas C");
+    emu_op_scope op("cuBLAS", name, {A, B, C});
     for (int b = 0; b < batch; b++)
         for (int j = 0; j < n; j++)
             for (int i = 0; i < m; i++) {
@@ -674,7 +892,7 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          int k, const float *alpha, const float *A, int lda, long long sa,
                                          const float *B, int ldb, long long sb, const float *beta, float *C, int ldc,
                                          long long sc, int batch) {
-    return emu_gemm(h, ta, tb, m, n, k, *alpha, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, *beta, C, CUDA_R_32F,
+    return emu_gemm("cublasSgemmStridedBatched", h, ta, tb, m, n, k, *alpha, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, *beta, C, CUDA_R_32F,
                     ldc, sc, batch);
 }
 
@@ -684,7 +902,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                                           const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc,
                                           int batch, cublasComputeType_t compute, cublasGemmAlgo_t) {
     if (compute != CUBLAS_COMPUTE_32F) return CUBLAS_STATUS_INVALID_VALUE;   /* alpha, beta are floats then */
-    return emu_gemm(h, ta, tb, m, n, k, *(const float *)alpha, A, at, lda, sa, B, bt, ldb, sb, *(const float *)beta,
+    return emu_gemm("cublasGemmStridedBatchedEx", h, ta, tb, m, n, k, *(const float *)alpha, A, at, lda, sa, B, bt, ldb, sb, *(const float *)beta,
                     C, ct, ldc, sc, batch);
 }
 
@@ -699,8 +917,10 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
     check_range(Aarray, (size_t)batch * sizeof(void *), "cublasGemmBatchedEx Aarray");
     check_range(Barray, (size_t)batch * sizeof(void *), "cublasGemmBatchedEx Barray");
     check_range(Carray, (size_t)batch * sizeof(void *), "cublasGemmBatchedEx Carray");
+    /* the pointer arrays are device memory too: open while read (each product opens its operands) */
+    emu_op_scope op("cuBLAS", "cublasGemmBatchedEx", {(const void *)Aarray, (const void *)Barray, (const void *)Carray});
     for (int b = 0; b < batch; b++) {
-        cublasStatus_t s = emu_gemm(h, ta, tb, m, n, k, *(const float *)alpha, Aarray[b], at, lda, 0, Barray[b], bt,
+        cublasStatus_t s = emu_gemm("cublasGemmBatchedEx", h, ta, tb, m, n, k, *(const float *)alpha, Aarray[b], at, lda, 0, Barray[b], bt,
                                     ldb, 0, *(const float *)beta, Carray[b], ct, ldc, 0, 1);
         if (s != CUBLAS_STATUS_SUCCESS) return s;
     }

@@ -19,6 +19,14 @@
  *   past the end fault); freed memory is never reused and becomes
  *   inaccessible (use after free faults); new memory is filled with NaN
  *   bytes (reads of unwritten memory show).
+ * - The host guard: device memory is inaccessible (PROT_NONE) to host code;
+ *   only a running device op (a kernel: the allocations of its pointer
+ *   arguments; a copy, memset, cuBLAS call or NCCL collective: its buffers)
+ *   opens it, so a host read or write of device memory faults, and the
+ *   handler names the access, the allocation, the last op and a backtrace.
+ *   A new runtime, cuBLAS(Lt) or NCCL call that touches device memory wraps
+ *   that access in emu_op_begin/emu_op_end (cuda_runtime.h) with its
+ *   buffers, as the existing ones do.
  * - cuBLAS: column-major semantics and its leading-dimension rules.
  * - Streams and events: see include/cuda_runtime.h (a comm stream runs its
  *   work late); NCCL: include/nccl.h.
@@ -112,15 +120,30 @@ struct emu_launch_cfg {
     dim3 grid, block;
     size_t smem;
     const void *fn;
+    const char *name;   /* the kernel's name, for the host guard's reports */
 };
 /* Checks the configuration (returns false and sets the last error when bad),
  * then runs body in every thread of every block. */
 void emu_run(const emu_launch_cfg &cfg, const std::function<void()> &body);
 /* A pointer argument of a kernel must be NULL or device memory. */
 void emu_check_device_ptr(const void *p, const char *what);
+enum { EMU_MAX_KERNEL_PTRS = 16 };
 
-template <class T> inline void emu_check_arg(const T &v) {
-    if constexpr (std::is_pointer<T>::value) emu_check_device_ptr((const void *)v, "kernel argument");
+/* The device memory a kernel may touch: the allocations its pointer
+ * arguments point into (the host guard opens those, and only those, while
+ * it runs). A kernel that takes pointers inside a struct argument teaches
+ * the emulation with an overload of emu_kernel_ptrs for that struct, adding
+ * each pointer with list.add(p). */
+struct emu_ptr_list {
+    const void *p[EMU_MAX_KERNEL_PTRS];
+    int n = 0;
+    void add(const void *q) {
+        emu_check_device_ptr(q, "kernel argument");
+        if (n < EMU_MAX_KERNEL_PTRS) p[n++] = q;
+    }
+};
+template <class T> inline void emu_kernel_ptrs(const T &v, emu_ptr_list &list) {
+    if constexpr (std::is_pointer<T>::value) list.add((const void *)v);
 }
 
 template <class F> struct emu_launcher;
@@ -129,13 +152,18 @@ template <class... P> struct emu_launcher<void (*)(P...)> {
     emu_launch_cfg cfg;
     /* the kernel's own parameter types: arguments convert as in a call */
     void operator()(P... args) const {
-        (emu_check_arg(args), ...);
+        emu_ptr_list ptrs;
+        (emu_kernel_ptrs(args, ptrs), ...);
+        int op = emu_op_begin("kernel", cfg.name, ptrs.p, ptrs.n);
         emu_run(cfg, [&]() { kernel(args...); });
+        emu_op_end(op);
     }
 };
+/* LAUNCH(kernel, ...) of cuda_internal.h passes the kernel's name */
 template <class... P>
-emu_launcher<void (*)(P...)> emu_make_launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem) {
-    return emu_launcher<void (*)(P...)>{kernel, emu_launch_cfg{grid, block, smem, (const void *)kernel}};
+emu_launcher<void (*)(P...)> emu_make_launcher(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                                               const char *name = "a kernel") {
+    return emu_launcher<void (*)(P...)>{kernel, emu_launch_cfg{grid, block, smem, (const void *)kernel, name}};
 }
 
 #endif

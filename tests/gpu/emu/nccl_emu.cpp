@@ -241,11 +241,15 @@ static void gather_bytes(ncclComm_t c, const void *src, size_t bytes, std::vecto
     mpi_ok(MPI_Allgather(mine.data(), (int)bytes, MPI_BYTE, all.data(), (int)bytes, MPI_BYTE, c->mpi), "MPI_Allgather");
 }
 
+static const char *const kind_names[] = {"ncclAllGather", "ncclReduceScatter", "ncclAllReduce", "ncclBroadcast"};
+
 static void run_coll(void *arg) {
     coll *x = (coll *)arg;
     ncclComm_t c = x->c;
     size_t es = type_size(x->t), bytes = x->count * es;
     std::vector<char> all;
+    const void *bufs[2] = {x->send, x->recv};
+    int op = emu_op_begin("NCCL", kind_names[x->k], bufs, 2);   /* the host guard opens its buffers */
     switch (x->k) {
     case K_GATHER:
         gather_bytes(c, x->send, bytes, all);
@@ -265,6 +269,7 @@ static void run_coll(void *arg) {
         memcpy(x->recv, all.data() + (size_t)x->root * bytes, bytes);
         break;
     }
+    emu_op_end(op);
     delete x;
 }
 

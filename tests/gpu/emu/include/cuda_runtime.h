@@ -123,6 +123,15 @@ long long emu_late_runs(void);      /* work items a late stream ran */
 /* Runs fn(arg) on stream s in its order (at once on the compute stream). */
 cudaError_t emu_stream_enqueue(cudaStream_t s, void (*fn)(void *), void *arg);
 
+/* ---- the host guard (cuda_emu.h) ----
+ * A device op (kind "kernel", "cuBLAS", "NCCL", ...; name: which one) opens
+ * the allocations that ptrs[0..n) point into (host and NULL pointers are
+ * skipped) until emu_op_end; the returned slot names it in fault reports.
+ * Ops on several threads may hold one allocation open at once. */
+int emu_op_begin(const char *kind, const char *name, const void *const *ptrs, int n);
+void emu_op_end(int slot);
+long long emu_ops_run(void);   /* device ops begun so far */
+
 #ifdef __cplusplus
 }
 #endif
