@@ -107,7 +107,8 @@ for k, v in pairs(args) do
   end
 end
 if next(rest) == nil and script == "recipes/gpt2.lua" then
-  rest = { preset = "small", dtype = "bf16", batch = 16, ctx = 1024 }
+  -- (the whole corpus for evaluation too: held out, it is shorter than one batch)
+  rest = { preset = "small", dtype = "bf16", batch = 16, ctx = 1024, val_data = "data/corpus.txt" }
   shown = { "--preset=small", "--dtype=bf16", "--batch=16", "--ctx=1024" }
 end
 table.sort(shown)
@@ -122,13 +123,20 @@ local chunk, lerr = loadfile(script)
 if not chunk then error("gpu-model: " .. tostring(lerr), 0) end
 
 -- the recipe's own log lines stay out of the table
-local quiet = { print = print, write = io.write }
+-- (print, io.write and io.stdout:write say nothing while it runs)
+local file_methods = getmetatable(io.stdout).__index
+local quiet = { print = print, write = io.write, file_write = file_methods.write }
 print = function() end
+io.write = function() return io.stdout end
+file_methods.write = function(f, ...)
+  if f == io.stdout then return f end
+  return quiet.file_write(f, ...)
+end
 local r
 ok, err = pcall(function()
   r = dryrun.run(chunk, { steps = 2, mimic = "cuda" }, rest)
 end)
-print = quiet.print
+print, io.write, file_methods.write = quiet.print, quiet.write, quiet.file_write
 if not ok then error(err, 0) end
 if r.steps_run < 2 then error("gpu-model: " .. script .. " ran fewer than 2 optimizer steps", 0) end
 

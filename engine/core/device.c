@@ -21,6 +21,12 @@ void device_register(int device, const fsdp_device_kernels *k) {
     if (device > FSDP_DEVICE_CPU && device < FSDP_DEVICE_COUNT) tables[device] = k;
 }
 
+bool device_is_host_like(int device) {
+    if (device == FSDP_DEVICE_CPU) return true;
+    int mimic = -1;
+    return device == FSDP_DEVICE_META && fsdp_meta_mimicked(&mimic) == FSDP_OK && mimic == FSDP_DEVICE_CPU;
+}
+
 static int default_device = FSDP_DEVICE_CPU;
 
 fsdp_status fsdp_default_device(int *out) {

@@ -76,6 +76,11 @@ static inline void *tensor_data(const fsdp_tensor *t) {
     return (char *)t->storage->data + t->offset * (int64_t)fsdp_dtype_size(t->dtype);
 }
 static inline int tensor_device(const fsdp_tensor *t) { return t->storage->device; }
+/* Whether ops take the host's path on device: the CPU, or the counting
+ * device standing for it (it mimics the CPU's kernel set and so must see
+ * the CPU's requests; its entries then read host values without touching
+ * device memory). */
+bool device_is_host_like(int device);
 /* The kernel table of t's device (callers have checked that it exists). */
 #define KERNELS(t) device_kernels(tensor_device(t))
 void contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);

@@ -442,8 +442,8 @@ fsdp_status fsdp_fill(fsdp_tensor *t, double value) {
     int64_t zero[FSDP_MAX_DIMS] = {0};
     if (t->dtype == FSDP_F32 && tensor_is_contiguous(t)) {
         KERNELS(t)->fill_f32(tensor_data(t), v.f, n);
-    } else if (tensor_device(t) == FSDP_DEVICE_CPU) {   /* the value read in place with stride 0 */
-        cpu_copy_strided(tensor_data(t), t->strides, &v, zero, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
+    } else if (device_is_host_like(tensor_device(t))) {   /* the value read in place with stride 0 */
+        KERNELS(t)->copy_strided(tensor_data(t), t->strides, &v, zero, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
     } else {   /* elsewhere the value must live on the device first: an f32 fill, then a converting copy */
         fsdp_tensor *f;
         FSDP_TRY(tensor_new(&f, FSDP_F32, t->ndim, t->shape, tensor_device(t), FSDP_TAG_OTHER, false));

@@ -104,6 +104,7 @@ typedef struct comm_config {
     bool debug;            /* FSDP_DEBUG_COLLECTIVES: full fingerprints, labels */
     bool blocking_wait;    /* FSDP_NCCL_BLOCKING_WAIT: host waits for CUDA collectives */
     double watchdog_s;     /* FSDP_WATCHDOG_SECONDS; 0: off */
+    bool sync;             /* FSDP_COMM_SYNC: every collective completes before it returns */
 } comm_config;
 const comm_config *comm_cfg(void);
 double comm_now(void);   /* CLOCK_MONOTONIC seconds */

@@ -54,6 +54,7 @@ static bool env_flag(const char *name) {
 static void config_init(void) {
     g_cfg.debug = env_flag("FSDP_DEBUG_COLLECTIVES");
     g_cfg.blocking_wait = env_flag("FSDP_NCCL_BLOCKING_WAIT");
+    g_cfg.sync = env_flag("FSDP_COMM_SYNC");
     const char *w = getenv("FSDP_WATCHDOG_SECONDS");
     if (w && w[0]) {
         char *end = NULL;
@@ -324,6 +325,36 @@ static fsdp_status run_all_reduce(fsdp_work *w) {
     }
 }
 
+/* A counting communicator moves nothing, but on a device that stands for
+ * the host (the counting device mimicking the CPU) the plan must see the
+ * scratch the host path holds: allocated on that device under the comm
+ * tag, all of it at once as run_* holds it, and given back. */
+static fsdp_status count_scratch(fsdp_work *w) {
+    fsdp_comm *c = w->comm;
+    int64_t n = w->n, esz = (int64_t)fsdp_dtype_size(w->dtype), sizes[2] = {0, 0};
+    if (w->kind == K_ALL_GATHER) {
+        const char *dst = w->dst;
+        if (w->src != dst + (int64_t)c->rank * n * esz && comm_overlaps(w->src, n * esz, dst, n * esz * c->size))
+            sizes[0] = n * esz;
+    } else if (w->kind == K_REDUCE_SCATTER) {
+        if (w->dtype == FSDP_F32) {
+            if (comm_overlaps(w->dst, n * 4, w->src, n * c->size * 4)) sizes[0] = n * 4;
+        } else {
+            sizes[0] = n * c->size * 4;
+            sizes[1] = n * 4;
+        }
+    } else if (w->kind == K_ALL_REDUCE && w->dtype == FSDP_BF16) {
+        sizes[0] = n * 4;
+    }
+    void *p[2] = {NULL, NULL};
+    fsdp_status st = FSDP_OK;
+    for (int i = 0; i < 2 && st == FSDP_OK; i++)
+        if (sizes[i]) st = fsdp_alloc(w->device, FSDP_TAG_COMM, (size_t)sizes[i], &p[i]);
+    for (int i = 0; i < 2; i++)
+        if (p[i]) fsdp_free(w->device, FSDP_TAG_COMM, p[i], (size_t)sizes[i]);
+    return st;
+}
+
 static fsdp_status run_doubles(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     int op = w->op == FSDP_REDUCE_MAX ? FSDP_REDUCE_MAX : FSDP_REDUCE_SUM;
@@ -454,6 +485,13 @@ static void run_work(fsdp_work *w) {
     /* A counting communicator leaves tensors of other devices untouched:
      * their memory may not be readable from the host. */
     bool touch = !(c && c->be->local && w->device != FSDP_DEVICE_CPU);
+    if (!touch && c->be == &comm_count_backend && device_is_host_like(w->device)) {
+        st = count_scratch(w);
+        if (st != FSDP_OK) {
+            work_take_error(w, st);
+            return;
+        }
+    }
     size_t esz = fsdp_dtype_size(w->dtype);
     switch (w->kind) {
     case K_ALL_GATHER: if (touch) st = run_all_gather(w); break;
@@ -551,6 +589,12 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
     pthread_mutex_unlock(&q_mu);
     if (out) {
         *out = w;
+        /* A counting communicator's collectives complete before they
+         * return (nothing overlaps, and a plan must not depend on thread
+         * timing); with FSDP_COMM_SYNC=1 every collective does, so that a
+         * real run holds its buffers exactly as long as a plan says. The
+         * caller's wait then returns at once, with the work's status. */
+        if (comm_cfg()->sync || (w->comm && w->comm->be == &comm_count_backend)) (void)fsdp_work_wait(w);
         return FSDP_OK;
     }
     fsdp_status st = fsdp_work_wait(w);

@@ -61,6 +61,7 @@ struct fsdp_sched {
     int compute_dtype, reduce_dtype;
     int backward_prefetch, forward_prefetch, limit;
     bool sync;
+    bool direct;                   /* a world of one: views of the masters, no gathers (fsdp_sched_set_direct) */
     unit *units;
     int n_units, cap_units;
     int *order;                    /* units in the order of their last post_forward */
@@ -150,7 +151,7 @@ static fsdp_status convert_to(fsdp_tensor **t, int dtype, int device) {
 
 /* Allocates the full buffer and issues its all-gather (no wait). */
 static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
-    if (u->gathered) return FSDP_OK;
+    if (u->gathered || s->direct) return FSDP_OK;   /* direct: the full buffer is the master */
     fsdp_storage *st = u->full->storage;
     FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
     fsdp_tensor *src = u->master;
@@ -263,7 +264,13 @@ static fsdp_status before_backward(void *p) {
         FSDP_TRY(r);
     }
     if (!u->flat_grad) {   /* kept across micro-batches without sync */
-        FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_GRAD, true));
+        if (s->direct) {   /* gradients accumulate into the gradient shard itself */
+            int64_t one = 1;
+            u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
+            if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+        } else {
+            FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_GRAD, true));
+        }
         FSDP_TRY(link_grads(u));
     }
     if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_PRE) {
@@ -278,7 +285,11 @@ static fsdp_status after_backward(void *p) {
     marker_ctx *m = p;
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
-    if (s->sync && u->flat_grad) {
+    if (s->sync && u->flat_grad && s->direct) {   /* already in the gradient shard */
+        unlink_grads(u);
+        tensor_release(u->flat_grad);
+        u->flat_grad = NULL;
+    } else if (s->sync && u->flat_grad) {
         fsdp_tensor *src = u->flat_grad, *dst;
         tensor_retain(src);
         if (s->reduce_dtype != s->compute_dtype) {
@@ -452,6 +463,22 @@ fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device) {
     return FSDP_OK;
 }
 
+fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_direct: schedule is NULL");
+    if (s->n_units > 0)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_direct: the schedule has %d units already; choose "
+                              "before adding units", s->n_units);
+    if (on && (s->shard_size != 1 || s->replica_size != 1 || s->compute_dtype != FSDP_F32 ||
+               s->reduce_dtype != FSDP_F32 || s->shard_device != s->device))
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_direct: needs a shard group of one without replicas "
+                              "(here %d ranks, %d replicas), f32 compute and reduction (here %s, %s) and shards on "
+                              "the compute device (here %s, compute %s)", s->shard_size, s->replica_size,
+                              fsdp_dtype_name(s->compute_dtype), fsdp_dtype_name(s->reduce_dtype),
+                              fsdp_device_name(s->shard_device), fsdp_device_name(s->device));
+    s->direct = on != 0;
+    return FSDP_OK;
+}
+
 fsdp_status fsdp_sched_free(fsdp_sched *s) {
     sched_release(s);
     return FSDP_OK;
@@ -507,15 +534,22 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
     u->keep = keep != 0;
     fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, true);
     if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true);
-    if (st == FSDP_OK) st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_PARAM, false);
+    if (st == FSDP_OK && s->direct) {   /* the full buffer is the master shard (the whole unit) */
+        int64_t one = 1;
+        u->full = tensor_view(u->master, 1, &u->padded, &one, u->master->offset);
+        if (!u->full) st = fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_add_unit(%s): out of host memory", u->name);
+    } else if (st == FSDP_OK) {
+        st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_PARAM, false);
+    }
     if (st != FSDP_OK) {
         unit_clear(u);
         return st;
     }
-    /* the full buffer starts resharded: keep the storage object, drop its data */
-    fsdp_storage *fs = u->full->storage;
-    fsdp_free(fs->device, fs->tag, fs->data, fs->nbytes);
-    fs->data = NULL;
+    if (!s->direct) {   /* the full buffer starts resharded: keep the storage object, drop its data */
+        fsdp_storage *fs = u->full->storage;
+        fsdp_free(fs->device, fs->tag, fs->data, fs->nbytes);
+        fs->data = NULL;
+    }
     *index = s->n_units++;
     return FSDP_OK;
 }

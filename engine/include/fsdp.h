@@ -340,7 +340,10 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
  * returns a work handle to wait on (pass work == NULL to wait before
  * returning). For CUDA tensors, waiting orders the compute stream after the
  * collective rather than blocking the host (FSDP_NCCL_BLOCKING_WAIT=1
- * blocks). A work keeps its tensors alive until it completes. Every collective carries a sequence number and a
+ * blocks). A work keeps its tensors alive until it completes; with
+ * FSDP_COMM_SYNC=1 every collective completes before it returns (no
+ * overlap: buffers are held exactly as a plan counts them, see fsdp.plan),
+ * as a counting communicator's always do. Every collective carries a sequence number and a
  * fingerprint (kind, communicator, bytes, dtype, label): with
  * FSDP_DEBUG_COLLECTIVES=1 ranks compare them first and fail on the first
  * mismatch; a wait longer than FSDP_WATCHDOG_SECONDS (default 600) reports
@@ -408,6 +411,15 @@ fsdp_status fsdp_sched_free(fsdp_sched *s);
  * compute device (the default) or FSDP_DEVICE_CPU, offloading them to host
  * memory. Only before the first unit is added. */
 fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device);
+/* A world of one (DESIGN.md, decision 10): on a shard group of one rank,
+ * without replicas, with f32 compute and reduction and shards on the
+ * compute device, on = 1 makes each unit's parameters views of its master
+ * shard and points their gradients straight into the gradient shard:
+ * nothing is gathered, copied, reduced or freed around a unit, and the
+ * memory is that of the unsharded model. (A backward abandoned halfway then
+ * leaves its partial gradients, as on an unsharded model.) Only before the
+ * first unit is added; refused where the conditions do not hold. */
+fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
 /* A unit of n parameters with these element counts, in order; keep: leave it
  * gathered from forward to backward (the root; shard_grad_op). */
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,

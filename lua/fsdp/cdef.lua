@@ -284,6 +284,8 @@ fsdp_status fsdp_sched_free(fsdp_sched *s);
 
 fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device);
 
+fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
+
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                                 int *index);
 fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,

@@ -18,13 +18,19 @@ options:
   -l MODULE      require MODULE into the global of the same name
                  (the last part of a dotted name: -l fsdp.nn sets nn)
   -i             enter the REPL after running the script or -e code
-  --plan         plan instead of training: when the recipe calls fsdp.shard,
-                 print the units, the memory per rank and tag, and the
-                 traffic per step (fsdp.plan), then exit 0; nothing is
-                 sharded or communicated
+  --plan         plan instead of training: run the recipe's first 2
+                 training steps for real (its model, fsdp.shard, optimizer)
+                 on the counting device, which computes nothing, and a
+                 communicator that moves nothing, then print the memory per
+                 tag, the units and the traffic and kernels per step
+                 (fsdp.plan) and exit 0
   --world=N      the number of ranks --plan plans for (default: the ranks
                  this process runs with, 1 without mpirun); the recipe sees
-                 fsdp.distributed.world() = N until it calls fsdp.shard
+                 fsdp.distributed.world() = N
+  --rank=R       the rank --plan plans as (default 0)
+  --device=D     the device --plan plans for, cpu or cuda: the kernel set
+                 the op layer sees (default: this machine's default device;
+                 cuda needs a build with the CUDA table, not a GPU)
   -v, --version  print the fsdp-lua, engine and LuaJIT versions
   -h, --help     print this help
   --             stop handling options
@@ -108,23 +114,20 @@ local function guard_exit()
 end
 
 -- Runs the recipe chunk. A usage error (a bad option, an unreadable file)
--- is one line from rank 0 and exit status 2; a recipe that reached
--- fsdp.shard under --plan has printed the plan and ends with 0. Any other
+-- is one line from rank 0 and exit status 2. Any other
 -- error is printed with its traceback, as the launcher prints errors, and
 -- ends every rank.
 local function run_recipe(chunk, args)
   local options = require "fsdp.options"
-  local shard = require "fsdp.shard"
   local caught
   local ok, err = xpcall(function() return chunk(args) end, function(e)
-    if options.is_usage_error(e) or e == shard.PLANNED then
+    if options.is_usage_error(e) then
       caught = e
       return e
     end
     return debug.traceback(tostring(e), 2)
   end)
   if ok then return nil end
-  if caught == shard.PLANNED then return 0 end
   if caught then
     io.stdout:flush()
     if require("fsdp.distributed").rank() == 0 then io.stderr:write(caught.message, "\n") end
@@ -142,7 +145,7 @@ end
 function M.main(argv)
   argv = argv or {}
   local actions, interactive, show_version, script = {}, false, false, nil
-  local plan, plan_world = false, nil
+  local plan, plan_world, plan_rank, plan_device = false, nil, nil, nil
   local i = 1
   while i <= #argv do
     local a = argv[i]
@@ -163,6 +166,19 @@ function M.main(argv)
         return fail("--world expects a positive whole number of ranks, as --world=8 (got '" .. tostring(v) .. "')")
       end
       plan_world, i = n, i + 1
+    elseif a:match("^%-%-rank=") or a == "--rank" then
+      local v = a:match("^%-%-rank=(.*)$")
+      local n = tonumber(v)
+      if not n or n < 0 or n ~= math.floor(n) then
+        return fail("--rank expects a whole number, as --rank=3 (got '" .. tostring(v) .. "')")
+      end
+      plan_rank, i = n, i + 1
+    elseif a:match("^%-%-device=") then
+      plan_device = a:match("^%-%-device=(.*)$")
+      if plan_device ~= "cpu" and plan_device ~= "cuda" then
+        return fail("--device expects cpu or cuda (got '" .. plan_device .. "')")
+      end
+      i = i + 1
     elseif a == "-h" or a == "--help" then
       io.stdout:write(M.usage)
       return 0
@@ -179,6 +195,8 @@ function M.main(argv)
   end
 
   if plan_world and not plan then return fail("--world=N only applies with --plan (see --help)") end
+  if plan_rank and not plan then return fail("--rank=R only applies with --plan (see --help)") end
+  if plan_device and not plan then return fail("--device=D only applies with --plan (see --help)") end
   if plan and not script then return fail("--plan needs a recipe that calls fsdp.shard (see --help)") end
 
   local fsdp = require "fsdp"
@@ -210,20 +228,21 @@ function M.main(argv)
       chunk, err = loadfile(script)
     end
     if not chunk then error(err, 0) end
-    if plan then
-      -- fsdp.shard prints the plan instead of sharding and ends the recipe
-      -- (lua/fsdp/shard.lua). Until then the recipe runs as on N ranks:
-      -- fsdp.distributed.world() answers N.
-      local n = plan_world or fsdp.distributed.world()
-      require("fsdp.shard")._plan_instead(n)
-      fsdp.distributed._plan_world(n)
-    end
     io.stdout:setvbuf("line")   -- log lines arrive as they are printed, also through a pipe
-    local code = run_recipe(chunk, M.parse_script_args(argv, i + 1))
-    if code then return code end
+    local args = M.parse_script_args(argv, i + 1)
     if plan then
-      return fail(string.format("--plan: '%s' ended without calling fsdp.shard, so there was nothing to plan", script))
+      local n = plan_world or fsdp.distributed.world()
+      local r = plan_rank or 0
+      if r >= n then return fail(string.format("--rank=%d is not a rank of --world=%d (0..%d)", r, n, n - 1)) end
+      local planner = require "fsdp.plan"
+      local p
+      local code = run_recipe(function(a) p = planner.run(chunk, { world = n, rank = r, mimic = plan_device }, a) end, args)
+      if code then return code end
+      io.stdout:write(planner.format(p), "\n")
+      return 0
     end
+    local code = run_recipe(chunk, args)
+    if code then return code end
   end
 
   if interactive or (not script and #actions == 0 and not show_version) then

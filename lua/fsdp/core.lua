@@ -116,9 +116,13 @@ M.out = out
 local collectgarbage = collectgarbage
 local made, since_check = 0, 0
 local in_use = ffi.new("int64_t[1]")
+local dev_box = ffi.new("int[1]")
 local after_gc = 0
+-- bytes in use on the default device, where new tensors go (a GPU's, or
+-- the counting device's in a dry run)
 local function engine_bytes()
-  C.fsdp_mem_stats(0, -1, in_use, nil, nil)
+  C.fsdp_default_device(dev_box)
+  C.fsdp_mem_stats(dev_box[0], -1, in_use, nil, nil)
   return tonumber(in_use[0])
 end
 local function maybe_collect()

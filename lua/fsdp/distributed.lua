@@ -40,12 +40,11 @@ local function runtime()
   return int2[0], int2[1]
 end
 
--- `fsdp-lua --plan --world=N` lets a recipe see N ranks until it shards
--- (cli.lua sets it; the collectives still run on the real ranks).
-local planned_world = nil
-function M._plan_world(n) planned_world = n end
+-- The world a dry run stands in (fsdp.plan: N ranks played by this process
+-- over a communicator that moves nothing), or nil for the real one.
+local world_override = nil
 
--- The ranks this job runs with, whatever --plan lets recipes see.
+-- The ranks this job runs with, whatever a dry run lets recipes see.
 function M._ranks_running()
   local _, w = runtime()
   return w
@@ -53,13 +52,14 @@ end
 
 --- This process's rank in the world, 0-based.
 function M.rank()
+  if world_override then return world_override._rank end
   local r = runtime()
   return r
 end
 
 --- The number of ranks in the job (N while `--plan --world=N` plans).
 function M.world()
-  if planned_world then return planned_world end
+  if world_override then return world_override._size end
   local _, w = runtime()
   return w
 end
@@ -95,6 +95,7 @@ end
 local world_group
 --- The group of every rank.
 function M.world_group()
+  if world_override then return world_override end
   if not world_group then
     if C.fsdp_comm_world(comm_box) ~= 0 then raise() end
     world_group = group_of(comm_box[0])
@@ -113,6 +114,26 @@ function Group:split(color, key)
   end
   key = key or self._rank
   if C.fsdp_comm_split(comm_box, self.comm, color, key) ~= 0 then raise() end
+  return group_of(comm_box[0])
+end
+
+--- A new group for each color: color_of(r) gives rank r's color (>= 0)
+-- and optionally its key (default r), computed alike on every rank, so
+-- that a group also splits where no rank sees the others (a counting one).
+-- Collective over this group.
+function Group:split_by(color_of)
+  if self.comm == nil then error("fsdp.distributed.split_by: the group was freed", 2) end
+  local n = self._size
+  local colors, keys = ffi.new("int[?]", n), ffi.new("int[?]", n)
+  for r = 0, n - 1 do
+    local color, key = color_of(r)
+    if type(color) ~= "number" or color ~= math.floor(color) or color < 0 then
+      error(string.format("fsdp.distributed: split_by: the color of rank %d must be a non-negative integer, got %s",
+        r, tostring(color)), 2)
+    end
+    colors[r], keys[r] = color, key or r
+  end
+  if C.fsdp_comm_split_all(comm_box, self.comm, colors, keys, n) ~= 0 then raise() end
   return group_of(comm_box[0])
 end
 
@@ -259,9 +280,27 @@ end
 -- A one-rank world needs no communicator at all.
 local single = setmetatable({ _rank = 0, _size = 1 }, Group)
 local function default_group()
+  if world_override then return world_override end
   local _, w = runtime()
   if w == 1 then return single end
   return M.world_group()
+end
+
+--- A group of `world` ranks that this process plays alone, as `rank`:
+-- collectives move nothing and wait for nobody, with the results of a
+-- world whose ranks all hold what this one holds (the planner's).
+function M.counting_group(world, rank)
+  if C.fsdp_comm_new_counting(comm_box, world, rank) ~= 0 then raise() end
+  return group_of(comm_box[0])
+end
+
+-- Makes g (a group, or nil for the real world) the world that rank(),
+-- world(), world_group() and the calls over the world see; returns the
+-- previous one (a dry run's, fsdp.dryrun).
+function M._set_world(g)
+  local prev = world_override
+  world_override = g
+  return prev
 end
 
 function M.sum(x) return reduce(default_group(), x, "sum", "sum") end

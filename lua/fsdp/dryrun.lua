@@ -28,11 +28,31 @@ local M = {}
 M.STOP = setmetatable({}, { __tostring = function() return "fsdp.dryrun: the counted steps are done" end })
 
 local i64 = ffi.new("int64_t[2]")
-local dbl = ffi.new("double[1]")
+local kinds = { all_gather = C.FSDP_COLL_ALL_GATHER, reduce_scatter = C.FSDP_COLL_REDUCE_SCATTER,
+  all_reduce = C.FSDP_COLL_ALL_REDUCE, broadcast = C.FSDP_COLL_BROADCAST, barrier = C.FSDP_COLL_BARRIER,
+  all_reduce_doubles = C.FSDP_COLL_ALL_REDUCE_DOUBLES }
 
-local function traffic_now()
-  if C.fsdp_comm_stats(i64, i64 + 1, dbl) ~= 0 then raise() end
-  return { gathered_bytes = tonumber(i64[0]), reduced_bytes = tonumber(i64[1]) }
+-- Collectives on the counting world (and everything split from it): calls
+-- and bytes per kind.
+local function traffic_now(comm)
+  local t = {}
+  for name, kind in pairs(kinds) do
+    if C.fsdp_comm_counts(comm, kind, i64, i64 + 1) ~= 0 then raise() end
+    t[name] = { calls = tonumber(i64[0]), bytes = tonumber(i64[1]) }
+  end
+  return t
+end
+
+-- a step's traffic: per kind, and as fsdp_comm_stats counts it (gathered:
+-- all-gather outputs; reduced: reduce-scatter inputs and all-reduced tensors)
+local function traffic_between(t0, t1)
+  local d = {}
+  for name in pairs(kinds) do
+    d[name] = { calls = t1[name].calls - t0[name].calls, bytes = t1[name].bytes - t0[name].bytes }
+  end
+  d.gathered_bytes = d.all_gather.bytes
+  d.reduced_bytes = d.reduce_scatter.bytes + d.all_reduce.bytes
+  return d
 end
 
 local function memory_now(device)
@@ -64,30 +84,76 @@ local function check_opts(opts)
   return steps, mimic
 end
 
+--- Runs fn(...) with Lua's collector at fixed points only: stopped, and
+-- run by fsdp.core every 4096 tensor handles or when the default device's
+-- bytes in use grow by half (as it always does), from a collection at the
+-- start. Tensors whose handles are dead go back at those points, so two
+-- runs of the same program free them at the same moments: the dry run and
+-- a real run it is compared with (an incremental collection in between
+-- would free some earlier).
+function M.deterministic(fn, ...)
+  local running = collectgarbage("isrunning")
+  collectgarbage("stop")
+  core.collect()
+  local res = { pcall(fn, ...) }
+  if running then collectgarbage("restart") end
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2)
+end
+
+-- The world the recipe sees: `world` ranks, this process playing `rank`,
+-- over a communicator that moves nothing. Returns a function restoring it.
+local function enter_world(world, rank)
+  local dist = require "fsdp.distributed"
+  if not dist._set_world then
+    error("fsdp.dryrun: this fsdp.distributed cannot stand in a counting world", 0)
+  end
+  local g = dist.counting_group(world, rank)
+  local prev = dist._set_world(g)
+  return g, function()
+    dist._set_world(prev)
+    g:free()
+  end
+end
+
 --- Runs fn(...) on the meta device until `steps` optimizer steps are done
--- (or fn returns). Returns { steps = { [k] = { kernels, traffic } },
+-- (or fn returns). Returns { steps = { [k] = { kernels, traffic, memory } },
 -- memory = { [tag] = { peak, current, reserved } }, host = the same for the
--- CPU allocator, steps_run, mimic }.
+-- CPU allocator, sharded = every fsdp.shard result, steps_run, mimic }.
 function M.run(fn, opts, ...)
   opts = opts or {}
   local steps, mimic = check_opts(opts)
   local prev_device = fsdp.default_device()
   meta.mimic(mimic)
+  -- what an earlier run left for the collector goes back first, so that it
+  -- is not counted against this one
+  collectgarbage()
+  collectgarbage()
+  local world_group, leave_world = enter_world(opts.world or 1, opts.rank or 0)
+  -- every sharded model the run makes, for the plan's unit list
+  local shard_mod = require "fsdp.shard"
+  local real_shard = shard_mod.shard
+  local sharded = {}
+  shard_mod.shard = function(...)
+    local s = real_shard(...)
+    sharded[#sharded + 1] = s
+    return s
+  end
   fsdp.memory.empty_cache("meta")
   fsdp.memory.reset_peak("meta")
   fsdp.memory.reset_peak("cpu")
   local base, base_host = memory_now("meta"), memory_now("cpu")
   local result = { steps = {}, mimic = mimic, steps_run = 0 }
-  local t0 = traffic_now()
+  local t0 = traffic_now(world_group.comm)
   meta.reset()
   local function close_step()
     local k = result.steps_run + 1
-    local t1 = traffic_now()
+    local t1 = traffic_now(world_group.comm)
     result.steps[k] = {
       kernels = meta.counts(),
-      traffic = { gathered_bytes = t1.gathered_bytes - t0.gathered_bytes,
-        reduced_bytes = t1.reduced_bytes - t0.reduced_bytes },
+      traffic = traffic_between(t0, t1),
       memory = memory_since(base, memory_now("meta")),
+      host = memory_since(base_host, memory_now("cpu")),
     }
     result.steps_run = k
     t0 = t1
@@ -100,18 +166,28 @@ function M.run(fn, opts, ...)
   table.insert(optim.after_step, hook)
   fsdp.set_default_device("meta")
   local args = { ... }
-  local ok, err = xpcall(function() return fn(unpack(args)) end, function(e)
-    if e == M.STOP then return e end
-    return debug.traceback(tostring(e), 2)
+  local ok, err
+  M.deterministic(function()
+    ok, err = xpcall(function() return fn(unpack(args)) end, function(e)
+      if e == M.STOP or type(e) ~= "string" then return e end   -- (usage errors are tables)
+      return debug.traceback(tostring(e), 2)
+    end)
   end)
   for i = #optim.after_step, 1, -1 do
     if optim.after_step[i] == hook then table.remove(optim.after_step, i) end
   end
+  shard_mod.shard = real_shard
   fsdp.set_default_device(prev_device)
+  result.sharded = sharded
+  if result.steps_run == 0 then   -- no fsdp.optim step: the whole run counts as one
+    result.whole_run = true
+    close_step()
+  end
+  -- as the last counted step ended (what fn did after it is not counted)
+  result.memory = result.steps[result.steps_run].memory
+  result.host = result.steps[result.steps_run].host
+  leave_world()
   if not ok and err ~= M.STOP then error(err, 0) end
-  result.memory = memory_since(base, memory_now("meta"))
-  result.host = memory_since(base_host, memory_now("cpu"))
-  if result.steps_run < steps then close_step() end   -- what ran after the last optimizer step
   return result
 end
 

@@ -26,6 +26,11 @@
 -- Each gather copies this rank's shard to the GPU first, each reduced
 -- gradient shard comes back (PyTorch's CPUOffload(offload_params=True)).
 -- Where the compute device is the CPU it changes nothing.
+--
+-- On a world of one (one rank, f32 compute and reduction, shards where the
+-- model computes) the unit buffers are the parameters themselves: module
+-- fields are views of the master, gradients land in the gradient shard,
+-- nothing is gathered or copied, and memory is that of the unsharded model.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -156,13 +161,17 @@ end
 local comm_box = ffi.new("fsdp_comm *[1]")
 local int2 = ffi.new("int[2]")
 
+-- The world as fsdp.distributed sees it (a dry run's counting world under
+-- fsdp.plan); its group keeps the handle.
 local function world_comm()
-  if C.fsdp_comm_world(comm_box) ~= 0 then raise() end
-  return ffi.gc(comm_box[0], C.fsdp_comm_free)
+  return dist.world_group().comm
 end
 
-local function split(parent, color, key)
-  if C.fsdp_comm_split(comm_box, parent, color, key) ~= 0 then raise() end
+-- A split computed alike on every rank: color_of(r) -> color, key.
+local function split_by(parent, size, color_of)
+  local colors, keys = ffi.new("int[?]", size), ffi.new("int[?]", size)
+  for r = 0, size - 1 do colors[r], keys[r] = color_of(r) end
+  if C.fsdp_comm_split_all(comm_box, parent, colors, keys, size) ~= 0 then raise() end
   return ffi.gc(comm_box[0], C.fsdp_comm_free)
 end
 
@@ -179,7 +188,7 @@ local function make_comms(strategy, group_size)
   local rank, size = comm_info(world)
   if strategy == "full_shard" or strategy == "shard_grad_op" then return world, nil, world end
   if strategy == "no_shard" then
-    return split(world, rank, 0), (size > 1 and world or nil), world
+    return split_by(world, size, function(r) return r, 0 end), (size > 1 and world or nil), world
   end
   -- hybrid: shard inside consecutive groups of G ranks, replicate across them
   local G = group_size
@@ -190,8 +199,8 @@ local function make_comms(strategy, group_size)
     error(string.format("fsdp.shard: hybrid_shard group_size %d does not divide the world size %d (rank %d)", G,
       size, rank), 0)
   end
-  local shard = split(world, math.floor(rank / G), rank)
-  local replica = split(world, rank % G, rank)
+  local shard = split_by(world, size, function(r) return math.floor(r / G), r end)
+  local replica = split_by(world, size, function(r) return r % G, r end)
   return shard, replica, world
 end
 
@@ -237,13 +246,6 @@ M.option_names = { "policy", "strategy", "group_size", "mixed_precision", "prefe
   "seed", "offload" }
 local mixed_precision_names = { "compute", "reduce", "param" }
 
--- `fsdp-lua --plan`: fsdp.shard prints the plan for that many ranks instead
--- of sharding, and ends the recipe by raising M.PLANNED, which the command
--- line turns into a successful exit (lua/fsdp/cli.lua).
-local plan_request = nil
-function M._plan_instead(world) plan_request = world and { world = world } or nil end
-M.PLANNED = setmetatable({}, { __tostring = function() return "fsdp.shard: planned (fsdp-lua --plan)" end })
-
 --- fsdp.shard(model, opts) -> Sharded (see the top of this file).
 function M.shard(model, opts)
   opts = opts or {}
@@ -276,12 +278,6 @@ function M.shard(model, opts)
   if opts.offload ~= nil and type(opts.offload) ~= "boolean" then
     error("fsdp.shard: offload must be true or false, got " .. tostring(opts.offload), 2)
   end
-  if plan_request then
-    local planner = require "fsdp.plan"
-    print(planner.format(planner.plan(model, opts, plan_request.world)))
-    io.stdout:flush()
-    error(M.PLANNED, 0)
-  end
   local units = M.assign_units(model, opts.policy)
   local shard_comm, replica_comm, world = make_comms(strategy, opts.group_size)
   local rank = comm_info(world)
@@ -292,11 +288,21 @@ function M.shard(model, opts)
     raise()
   end
   local sched = ffi.gc(sched_box[0], C.fsdp_sched_free)
-  if opts.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
+  -- offload moves the shards off a GPU: a no-op where the CPU computes (or
+  -- the counting device stands for it)
+  local device = fsdp.default_device()
+  local offload = opts.offload == true and device ~= "cpu" and
+    not (device == "meta" and require("fsdp.meta").mimicked() == "cpu")
+  if offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
+  -- a world of one is not a special case for the caller, only for the
+  -- engine: parameters become views of the master, nothing is gathered
+  local direct = shard_group:size() == 1 and (replica_comm == nil or dist._borrow(replica_comm):size() == 1) and
+      compute == "f32" and reduce == "f32" and not offload
+  if direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
   local self = setmetatable({
     model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
-    offload = opts.offload == true and fsdp.default_device() ~= "cpu",   -- (a no-op where the CPU computes)
-    sched = sched, shard_comm = shard_comm, replica_comm = replica_comm,
+    offload = offload,
+    sched = sched, shard_comm = shard_comm, replica_comm = replica_comm, direct = direct,
     world = world, rank = rank, grads = {}, segments = {},
     group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
   }, Sharded)

@@ -52,12 +52,14 @@ end
 if phase == "straight" then
   local losses = {}
   train(1, TOTAL, losses)
+  t.ok(losses[TOTAL] < losses[1], string.format("the straight run trains (loss %.4f -> %.4f)", losses[1], losses[TOTAL]))
   write_result("straight", losses)
 elseif phase == "first" then
   local losses = {}
   train(1, HALF, losses)
   ck.save_step(dir .. "/ckpt", HALF, { model = sh, optim = opt, data = loader:state(),
     rng = { dropout_seed = rng.seed, dropout_offset = rng.offset }, schedule = { step = HALF } }, { keep = 2 })
+  t.ok(ck.exists(ck.step_dir(dir .. "/ckpt", HALF)), "the first half saved a complete checkpoint")
   if rank == 0 then common.write_json(dir .. "/first.json", { losses = losses, world = world }) end
 elseif phase == "second" then
   local path, step = ck.latest(dir .. "/ckpt")

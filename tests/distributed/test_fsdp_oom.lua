@@ -22,17 +22,19 @@ local T, STEPS = 32, 3
 local shard_opts = { policy = fsdp.policy.per_block(), strategy = "full_shard", seed = 5 }
 local function mib(b) return b / 2 ^ 20 end
 
--- the cap, from the planner: the same whatever the rank count
+-- the cap, from the planner: the same whatever the rank count (on one
+-- rank, the shards are the whole model: what the unsharded one holds)
 local p1 = planner.plan(nn.GPT(cfg), shard_opts, 1)
 local p4 = planner.plan(nn.GPT(cfg), shard_opts, 4)
-local unsharded = p1.unsharded.total
-local need4 = p4.max.peak + p4.max.comm.peak      -- param + grad + optimizer + comm on each of 4 ranks
+local unsharded = p1.persistent
+local need4 = p4.peak + p4.memory.comm.peak      -- param + grad + optimizer + comm on each of 4 ranks
 local cap = math.floor(0.9 * unsharded / 4096) * 4096
 t.ok(cap < unsharded, string.format("cap %.2f MiB is below the unsharded %.2f MiB", mib(cap), mib(unsharded)))
 t.ok(cap >= 1.3 * need4, string.format("cap %.2f MiB leaves room above the 4-rank need of %.2f MiB (+ activations)",
   mib(cap), mib(need4)))
 -- parameters and gradients alone fit: the failure comes from the optimizer state
-t.ok(p1.unsharded.param + p1.unsharded.grad < 0.7 * cap, "unsharded parameters and gradients fit under the cap")
+t.ok(p1.memory.param.current + p1.memory.grad.current < 0.7 * cap,
+  "unsharded parameters and gradients fit under the cap")
 
 -- one row per rank of a fixed batch: the same every step, so the loss falls
 local function batch(rows)
@@ -101,9 +103,15 @@ elseif world >= 4 then
   t.ok(s.peak <= cap, string.format("rank %d: peak in use %d B within the cap %d B", rank, s.peak, cap))
   local pg = 0
   for _, tag in ipairs({ "param", "grad", "optimizer" }) do pg = pg + fsdp.memory.stats(tag).peak end
-  local mine = planner.for_rank(planner.plan(nn.GPT(cfg), shard_opts, world), rank)
-  t.ok(math.abs(pg - mine.peak) <= 0.10 * mine.peak, string.format(
-    "rank %d: param+grad+optimizer peak %d B within 10%% of the planned %d B", rank, pg, mine.peak))
+  local mine = planner.plan(nn.GPT(cfg), shard_opts, world, { rank = rank })
+  -- the plan's collectives complete at once; a real comm thread that lags
+  -- holds flat gradients longer (FSDP_COMM_SYNC=1: it completes them too)
+  if os.getenv("FSDP_COMM_SYNC") == "1" then
+    t.eq(pg, mine.peak, string.format("rank %d: param+grad+optimizer peak as planned", rank))
+  else
+    t.ok(pg >= mine.peak and pg <= 1.25 * mine.peak, string.format(
+      "rank %d: param+grad+optimizer peak %d B between the planned %d B and a quarter more", rank, pg, mine.peak))
+  end
   print(string.format("rank %d of %d: trained %d steps under a cap of %.2f MiB (unsharded needs %.2f MiB): "
     .. "peak %.2f MiB in use, of which param+grad+optimizer %.2f MiB (planned %.2f)", rank, world, STEPS, mib(cap),
     mib(unsharded), mib(s.peak), mib(pg), mib(mine.peak)))
