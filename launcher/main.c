@@ -15,26 +15,316 @@
 
 #include "fsdp.h"
 
+#include <mpi.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <unistd.h>
+#include <errno.h>
+#include <sys/select.h>
+
+void fsdp_repl_free(char *p) { free(p); }
+
+/* ---- Ctrl-C: the REPL interrupts the running chunk ----
+ * While a chunk runs, SIGINT sets a Lua hook that raises "interrupted" at
+ * the next Lua instruction (as luajit itself does); while reading a line,
+ * it clears the line. */
+static lua_State *g_L;
+static volatile sig_atomic_t g_sigint_mode;   /* 0 default action, 1 chunk running, 2 reading */
+static volatile sig_atomic_t g_sigint_seen;
+
+static void interrupt_hook(lua_State *L, lua_Debug *ar) {
+    (void)ar;
+    lua_sethook(L, NULL, 0, 0);
+    luaL_error(L, "interrupted");
+}
+
+static void on_sigint(int sig) {
+    if (g_sigint_mode == 1 && g_sigint_seen) {
+        /* a second Ctrl-C before the first took effect (the chunk is inside a
+         * long C call): the default action, ending the process */
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    g_sigint_seen = 1;
+    if (g_sigint_mode == 1 && g_L)
+        lua_sethook(g_L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+}
+
+/* mode: 0 default SIGINT (ends the process), 1 a chunk runs, 2 reading with
+ * readline (the read is interrupted), 3 reading without (it goes on).
+ * Returns 1 when a SIGINT came since the last call. */
+int fsdp_repl_sigint(int mode) {
+    int seen = g_sigint_seen;
+    g_sigint_seen = 0;
+    if (mode == 0) {
+        signal(SIGINT, SIG_DFL);
+    } else {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_sigint;
+        sa.sa_flags = mode == 3 ? SA_RESTART : 0;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+    }
+    if (mode != 1 && g_L) lua_sethook(g_L, NULL, 0, 0);
+    g_sigint_mode = mode;
+    return seen;
+}
+
 #ifdef FSDP_HAVE_READLINE
 #include <readline/readline.h>
 #include <readline/history.h>
 
-/* Line editing for the REPL. The result is malloc'd (fsdp_repl_free); NULL at EOF. */
-char *fsdp_repl_readline(const char *prompt) {
+/* Tab completion: the REPL registers a Lua function (an FFI callback) that
+ * is given the line and the word's start and end, and calls
+ * fsdp_repl_add_completion for each candidate. */
+typedef void (*fsdp_repl_completer)(const char *line, int start, int end);
+static fsdp_repl_completer g_completer;
+static char **g_cands;
+static int g_ncand, g_capcand, g_nextcand;
+
+void fsdp_repl_add_completion(const char *s) {
+    if (g_ncand == g_capcand) {
+        int cap = g_capcand ? 2 * g_capcand : 64;
+        char **p = realloc(g_cands, (size_t)cap * sizeof *p);
+        if (!p) return;
+        g_capcand = cap;
+        g_cands = p;
+    }
+    char *c = strdup(s);
+    if (c) g_cands[g_ncand++] = c;
+}
+
+static char *next_candidate(const char *text, int state) {
+    (void)text;
+    if (state == 0) g_nextcand = 0;
+    return g_nextcand < g_ncand ? g_cands[g_nextcand++] : NULL;   /* readline frees them */
+}
+
+static char **complete(const char *text, int start, int end) {
+    rl_attempted_completion_over = 1;   /* never file names */
+    rl_completion_append_character = '\0';   /* reset by readline before each completion */
+    if (start == end && (start == 0 || strchr(" \t", rl_line_buffer[start - 1]))) {
+        rl_insert_text("  ");            /* Tab at the start of a word indents */
+        return NULL;
+    }
+    g_ncand = 0;
+    if (g_completer) g_completer(rl_line_buffer, start, end);
+    int taken = g_ncand;
+    char **m = taken ? rl_completion_matches(text, next_candidate) : NULL;
+    for (int i = g_nextcand; i < taken; i++) free(g_cands[i]);   /* those readline did not take */
+    g_ncand = 0;
+    return m;
+}
+
+void fsdp_repl_set_completer(fsdp_repl_completer f) { g_completer = f; }
+
+/* readline's callback interface, so that a Ctrl-C (SIGINT interrupts the
+ * select) can drop the line at once: the prompt comes back empty. */
+static char *g_line;
+static int g_line_done;
+static void on_line(char *line) {
+    g_line = line;
+    g_line_done = 1;
+    rl_callback_handler_remove();
+}
+
+/* Line editing for the REPL. The result is malloc'd (fsdp_repl_free); NULL
+ * at EOF. *interrupted is 1 when Ctrl-C dropped the line (the result is ""). */
+char *fsdp_repl_readline(const char *prompt, int *interrupted) {
     static int ready = 0;
     if (!ready) {
         rl_readline_name = "fsdp-lua";
-        rl_bind_key('\t', rl_insert);   /* Tab indents instead of completing file names */
+        rl_attempted_completion_function = complete;
+        rl_completer_word_break_characters = " \t\n\"'><=;|&{}()[]+-*/%^~,#";
+        rl_basic_quote_characters = "";
+        rl_completion_append_character = '\0';
+        rl_catch_signals = 0;   /* SIGINT is the REPL's (fsdp_repl_sigint) */
         ready = 1;
     }
-    return readline(prompt);
+    if (interrupted) *interrupted = 0;
+    g_line = NULL;
+    g_line_done = 0;
+    rl_callback_handler_install(prompt, on_line);
+    int fd = fileno(rl_instream ? rl_instream : stdin);
+    while (!g_line_done) {
+        fd_set fds;
+        FD_ZERO(&fds);
+        FD_SET(fd, &fds);
+        int r = select(fd + 1, &fds, NULL, NULL, NULL);
+        if (r < 0 && errno == EINTR) {
+            if (!g_sigint_seen) continue;
+            g_sigint_seen = 0;
+            rl_free_line_state();
+            rl_callback_sigcleanup();
+            rl_callback_handler_remove();
+            fputs("^C", rl_outstream ? rl_outstream : stdout);
+            rl_crlf();
+            if (interrupted) *interrupted = 1;
+            return strdup("");
+        }
+        if (r > 0) rl_callback_read_char();
+        else if (r < 0) break;
+    }
+    return g_line;
 }
 void fsdp_repl_add_history(const char *line) { add_history(line); }
-void fsdp_repl_free(char *line) { free(line); }
 /* History file I/O; 0 on success, an errno value on failure. */
 int fsdp_repl_read_history(const char *path) { return read_history(path); }
 int fsdp_repl_write_history(const char *path) { return write_history(path); }
 #endif
+
+/* ---- the REPL across ranks ----
+ * Rank 0 reads; every rank evaluates. The REPL talks on a communicator of
+ * its own (a duplicate of MPI_COMM_WORLD), so its messages never mix with
+ * the collectives the chunks run. A rank whose chunk fails tells the others
+ * at once (TAG_FAILED); a listener thread on each rank that is still running
+ * that chunk then makes its collective waits give up (fsdp_comm_abandon):
+ * they wait on collectives the failed rank will never join. After each
+ * chunk all ranks exchange their outcome; when some rank gave up a wait,
+ * its communicators are broken (a collective stays half-entered), and the
+ * REPL ends the job with a message rather than hang or mix collectives. */
+enum { TAG_FAILED = 7001, TAG_QUIT = 7002, NOTICE_MAX = 512 };
+static MPI_Comm g_ctl = MPI_COMM_NULL;
+static int g_ctl_rank, g_ctl_size;
+static pthread_t g_listener;
+static long long g_chunk = -1;           /* the chunk being run, or -1 between chunks */
+static pthread_mutex_t g_chunk_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void *listen_for_failures(void *arg) {
+    (void)arg;
+    char buf[NOTICE_MAX + 16];
+    for (;;) {
+        MPI_Status st;
+        if (MPI_Recv(buf, (int)sizeof buf, MPI_BYTE, MPI_ANY_SOURCE, MPI_ANY_TAG, g_ctl, &st) != MPI_SUCCESS) break;
+        if (st.MPI_TAG == TAG_QUIT) break;
+        long long chunk;
+        memcpy(&chunk, buf, sizeof chunk);
+        int n = 0;
+        MPI_Get_count(&st, MPI_BYTE, &n);
+        char reason[NOTICE_MAX + 64];
+        snprintf(reason, sizeof reason, "rank %d failed this chunk and will not join it: %.*s", st.MPI_SOURCE,
+                 n - (int)sizeof chunk, buf + sizeof chunk);
+        pthread_mutex_lock(&g_chunk_mu);
+        if (chunk == g_chunk) fsdp_comm_abandon(reason, NULL);
+        pthread_mutex_unlock(&g_chunk_mu);
+    }
+    return NULL;
+}
+
+/* Starts the control channel; returns the world size (1: nothing to do). */
+int fsdp_repl_ctl_start(void) {
+    int inited = 0, size = 1;
+    MPI_Initialized(&inited);
+    if (inited) MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (size <= 1 || g_ctl != MPI_COMM_NULL) return size;
+    if (MPI_Comm_dup(MPI_COMM_WORLD, &g_ctl) != MPI_SUCCESS) return -1;
+    MPI_Comm_rank(g_ctl, &g_ctl_rank);
+    MPI_Comm_size(g_ctl, &g_ctl_size);
+    g_chunk = -1;
+    if (pthread_create(&g_listener, NULL, listen_for_failures, NULL) != 0) return -1;
+    return size;
+}
+
+void fsdp_repl_ctl_stop(void) {
+    if (g_ctl == MPI_COMM_NULL) return;
+    char none = 0;
+    MPI_Send(&none, 1, MPI_BYTE, g_ctl_rank, TAG_QUIT, g_ctl);
+    pthread_join(g_listener, NULL);
+    MPI_Comm_free(&g_ctl);
+    g_ctl = MPI_COMM_NULL;
+}
+
+/* Rank 0's input to every rank: n bytes (n < 0: end of input). *out is a
+ * malloc'd copy (fsdp_repl_free), *out_n its length (-1 at the end). */
+int fsdp_repl_bcast(const char *in, int64_t n, char **out, int64_t *out_n) {
+    long long len = n;
+    if (MPI_Bcast(&len, 1, MPI_LONG_LONG, 0, g_ctl) != MPI_SUCCESS) return -1;
+    *out_n = len;
+    *out = malloc(len > 0 ? (size_t)len + 1 : 1);
+    if (!*out) return -1;
+    if (len > 0) {
+        if (g_ctl_rank == 0) memcpy(*out, in, (size_t)len);
+        if (MPI_Bcast(*out, (int)len, MPI_BYTE, 0, g_ctl) != MPI_SUCCESS) return -1;
+    }
+    (*out)[len > 0 ? len : 0] = '\0';
+    return 0;
+}
+
+void fsdp_repl_chunk_begin(long long chunk) {
+    pthread_mutex_lock(&g_chunk_mu);
+    fsdp_comm_abandon(NULL, NULL);
+    g_chunk = chunk;
+    pthread_mutex_unlock(&g_chunk_mu);
+}
+
+/* Ends a chunk: a failed rank (err != NULL) tells the others first. Then
+ * every rank's record reaches every rank: *out holds, per rank, an int64
+ * length n, then n bytes: an int64 count of the collective waits that rank
+ * gave up, then its record (the outcome, as the REPL writes it). */
+int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, char **out, int64_t *out_n) {
+    long long chunk = g_chunk;
+    MPI_Request *reqs = NULL;
+    char notice[NOTICE_MAX + 16];
+    if (err) {
+        size_t n = strlen(err);
+        if (n > NOTICE_MAX) n = NOTICE_MAX;
+        memcpy(notice, &chunk, sizeof chunk);
+        memcpy(notice + sizeof chunk, err, n);
+        reqs = calloc((size_t)g_ctl_size, sizeof *reqs);
+        if (!reqs) return -1;
+        for (int r = 0; r < g_ctl_size; r++) {
+            reqs[r] = MPI_REQUEST_NULL;
+            if (r != g_ctl_rank)
+                MPI_Isend(notice, (int)(sizeof chunk + n), MPI_BYTE, r, TAG_FAILED, g_ctl, &reqs[r]);
+        }
+    }
+    /* This rank is done with the chunk: later notices are ignored, and no
+     * wait of the chunk is left to give up. */
+    int64_t abandoned = 0;
+    pthread_mutex_lock(&g_chunk_mu);
+    g_chunk = -1;
+    fsdp_comm_abandon(NULL, &abandoned);
+    pthread_mutex_unlock(&g_chunk_mu);
+
+    int len = (int)record_n + 8;
+    char *mine = malloc((size_t)len);
+    int *lens = calloc((size_t)g_ctl_size, sizeof *lens), *offs = calloc((size_t)g_ctl_size, sizeof *offs);
+    int rc = mine && lens && offs ? 0 : -1;
+    if (rc == 0) {
+        memcpy(mine, &abandoned, 8);
+        memcpy(mine + 8, record, (size_t)record_n);
+    }
+    if (rc == 0 && MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, g_ctl) != MPI_SUCCESS) rc = -1;
+    long long total = 0;
+    for (int r = 0; rc == 0 && r < g_ctl_size; r++) offs[r] = (int)total, total += lens[r];
+    char *all = rc == 0 ? malloc((size_t)total + 1) : NULL;
+    if (rc == 0 && !all) rc = -1;
+    if (rc == 0 && MPI_Allgatherv(mine, len, MPI_BYTE, all, lens, offs, MPI_BYTE, g_ctl) != MPI_SUCCESS) rc = -1;
+    if (reqs) {
+        MPI_Waitall(g_ctl_size, reqs, MPI_STATUSES_IGNORE);
+        free(reqs);
+    }
+    if (rc == 0) {
+        *out = malloc((size_t)total + 8 * (size_t)g_ctl_size + 1);
+        char *p = *out;
+        for (int r = 0; p && r < g_ctl_size; r++) {
+            int64_t l = lens[r];
+            memcpy(p, &l, 8);
+            memcpy(p + 8, all + offs[r], (size_t)l);
+            p += 8 + l;
+        }
+        if (!p) rc = -1;
+        else *out_n = (int64_t)(p - *out);
+    }
+    free(mine);
+    free(all);
+    free(lens);
+    free(offs);
+    return rc;
+}
 
 /* Message handler: the error (or what its __tostring says) and a traceback. */
 static int traceback(lua_State *L) {
@@ -49,10 +339,31 @@ static int traceback(lua_State *L) {
     return 1;
 }
 
+/* The Lua library: share/fsdp-lua/lua beside an installed fsdp-lua
+ * (<prefix>/bin/fsdp-lua), else the source tree it was built from. */
+static const char *lua_dir(void) {
+    static char dir[4096];
+    char exe[3072];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = '\0';
+            char probe[sizeof dir + 32];
+            snprintf(dir, sizeof dir, "%s/../share/fsdp-lua/lua", exe);
+            snprintf(probe, sizeof probe, "%s/fsdp/init.lua", dir);
+            if (access(probe, R_OK) == 0) return dir;
+        }
+    }
+    return FSDP_LUA_DIR;
+}
+
 /* package.path: $FSDP_LUA_PATH (a path template, or a folder), then the
  * library folder, then LuaJIT's default. */
 static void set_path(lua_State *L) {
     const char *env = getenv("FSDP_LUA_PATH");
+    const char *lib = lua_dir();
     lua_getglobal(L, "package");
     lua_getfield(L, -1, "path");
     const char *deflt = lua_tostring(L, -1);
@@ -62,8 +373,7 @@ static void set_path(lua_State *L) {
         lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", env, env);
     else
         lua_pushliteral(L, "");
-    lua_pushfstring(L, "%s%s/?.lua;%s/?/init.lua;%s", lua_tostring(L, -1), FSDP_LUA_DIR, FSDP_LUA_DIR,
-                    deflt ? deflt : "");
+    lua_pushfstring(L, "%s%s/?.lua;%s/?/init.lua;%s", lua_tostring(L, -1), lib, lib, deflt ? deflt : "");
     lua_setfield(L, -4, "path");
     lua_pop(L, 3);
 }
@@ -80,8 +390,27 @@ static int script_index(int argc, char **argv) {
     return i;
 }
 
+/* --trace=FILE before the script: the timeline of the whole run
+ * (FSDP_TRACE, read by the runtime); taken out of argv. */
+static int take_trace_option(int argc, char **argv) {
+    int end = script_index(argc, argv);
+    for (int i = 1; i < end && i < argc; i++) {
+        if (strncmp(argv[i], "--trace=", 8) == 0) {
+            if (!argv[i][8]) {
+                fprintf(stderr, "fsdp-lua: --trace needs a file, as --trace=trace.json\n");
+                exit(2);
+            }
+            setenv("FSDP_TRACE", argv[i] + 8, 1);
+            for (int k = i; k < argc; k++) argv[k] = argv[k + 1];
+            return argc - 1;
+        }
+    }
+    return argc;
+}
+
 int main(int argc, char **argv) {
     int rank = 0, world = 1, code = 0;
+    argc = take_trace_option(argc, argv);
     if (fsdp_runtime_init(&rank, &world) != FSDP_OK) {
         fprintf(stderr, "fsdp-lua: runtime init failed: %s\n", fsdp_last_error());
         return 1;
@@ -93,6 +422,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     luaL_openlibs(L);
+    g_L = L;
     set_path(L);
 
     /* arg as luajit builds it: arg[0] the script, arg[-1]... the interpreter

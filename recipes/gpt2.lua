@@ -49,6 +49,7 @@ local o = options.parse(..., {
   { "top_k", "int", 1, "1 = greedy; >1 samples among the k most likely", min = 1 },
   { "init", "file", nil, "a Hugging Face GPT-2 safetensors file to start from" },
   { "export", "outfile", nil, "write the trained weights (HF names) to this safetensors file" },
+  { "metrics", "outfile", nil, "write one JSON object per step to this file (tools/plot draws it)" },
   { "save_every", "int", 0, "save a sharded checkpoint every N steps (0 = never)", min = 0 },
   { "save_dir", "string", "checkpoints/", "where checkpoints go, one step_NNNNNNNN folder each" },
   { "keep", "int", 0, "keep only the newest K checkpoints in --save-dir (0 = all)", min = 0 },
@@ -168,9 +169,16 @@ local function evaluate()
 end
 
 local now = require("fsdp.timer").now
-local tokens, t_total = o.batch * o.ctx, 0
+local tokens, t_total, peak_total = o.batch * o.ctx, 0, 0
+-- per-step figures (max over ranks) for the log line and --metrics
+local meter = require("fsdp.metrics").new {
+  path = o.metrics, tokens_per_step = tokens,
+  flops_per_token = require("fsdp.metrics").gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx),
+}
+if meter.peak_flops then log("MFU against %.1f TFLOP/s (%s)", meter.peak_flops / 1e12, meter.peak_source) end
 for step = first_step, o.steps do
   local t0 = now()
+  meter:begin_step()
   local lr = lr_at(step)
   opt:set_lr(lr)
   local x, y = train:next()
@@ -189,29 +197,30 @@ for step = first_step, o.steps do
   opt:step()
   opt:zero_grad()
   loss = dist.mean(loss)
+  local rec = meter:end_step { step = step, loss = loss, lr = lr, grad_norm = norm }
   local dt = now() - t0
   t_total = t_total + dt
-  if step == 1 or step % o.log_every == 0 or step == o.steps then
-    log("step %5d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms/step | %.0f tokens/s", step, loss, lr, norm,
-      dt * 1e3, tokens / dt)
-    local g = sharded:global_stats()   -- max over ranks, since the last log line
-    log("           | gathered %.1f MiB, reduced %.1f MiB, comm wait %.1f ms | peak MiB: param %.1f, grad %.1f, "
-      .. "optimizer %.1f, activation %.1f", g.gathered_bytes / 2 ^ 20, g.reduced_bytes / 2 ^ 20, g.wait_seconds * 1e3,
-      g.peak.param / 2 ^ 20, g.peak.grad / 2 ^ 20, g.peak.optimizer / 2 ^ 20, g.peak.activation / 2 ^ 20)
-  end
+  peak_total = math.max(peak_total, rec.peak_bytes.total)
+  if step == 1 or step % o.log_every == 0 or step == o.steps then log("%s", meter:format(rec)) end
   if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps) then
-    log("step %5d | eval loss %.4f", step, evaluate())
+    local el = evaluate()
+    meter:record { step = step, eval_loss = el }
+    log("step %5d | eval loss %.4f", step, el)
   end
   if o.save_every > 0 and step % o.save_every == 0 then save_checkpoint(step) end
 end
-log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (rank 0)", o.steps,
-  t_total / math.max(1, o.steps - first_step + 1) * 1e3, fsdp.memory.stats().peak / 2 ^ 20)
+meter:close()
+log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (max over ranks)", o.steps,
+  t_total / math.max(1, o.steps - first_step + 1) * 1e3, peak_total / 2 ^ 20)
 
 if o.sample > 0 then   -- every rank runs the forwards (sharded units gather collectively)
   local prompt = val:next():narrow(1, 1, 1):narrow(2, 1, math.min(16, o.ctx))
   local rows = model:generate(prompt, o.sample, { top_k = o.top_k, seed = o.seed })
   if cfg.vocab_size == 256 then
     log("sample: %s", (data.decode_bytes(rows[1]):gsub("[%c]", " ")))
+  elseif cfg.vocab_size == 50257 then   -- GPT-2's vocabulary: decoded with its tokenizer
+    local ok, text = pcall(function() return require("fsdp.tokenizer").gpt2():decode(rows[1]) end)
+    if ok then log("sample: %s", (text:gsub("[%c]", " "))) else log("sample tokens: %s", table.concat(rows[1], " ")) end
   else
     log("sample tokens: %s", table.concat(rows[1], " "))
   end

@@ -11,6 +11,7 @@ packages=(
   libopenmpi-dev openmpi-bin              # multi-rank runs
   libreadline-dev                         # REPL line editing
   util-linux                              # `script`, for the REPL pseudo-terminal test
+  gnuplot-nox                             # tools/plot
   python3 python3-torch python3-numpy     # reference scripts and golden fixtures
 )
 

@@ -71,7 +71,7 @@ if opts.tokenizer == "gpt2" then
   local tokenizer = require "fsdp.tokenizer"
   local ok, tok = pcall(tokenizer.gpt2, opts["tokenizer-dir"])
   if not ok then usage(tostring(tok)) end
-  local buf, n = tok:encode_buffer(text)
+  local buf, n = tok:encode_buffer(text, require("fsdp.progress").bar("tokenize"))
   tokens = ffi.new("uint16_t[?]", n + 1)
   tokens[0] = tok.eot
   ffi.copy(tokens + 1, buf, 2 * n)

@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "cpu_kernels.h"
 #include "comm_internal.h"
+#include "trace.h"
 #ifdef FSDP_HAVE_CUDA
 #include "cuda_internal.h"
 #endif
@@ -61,6 +62,8 @@ fsdp_status fsdp_runtime_init(int *rank, int *world) {
 #endif
     if (rank) *rank = g_rank;
     if (world) *world = g_world;
+    const char *trace = getenv("FSDP_TRACE");
+    if (trace && *trace && !fsdp_trace_on) FSDP_TRY(fsdp_trace_start(trace));   /* init may run again */
     return FSDP_OK;
 }
 
@@ -72,6 +75,7 @@ fsdp_status fsdp_runtime_rank(int *rank, int *world) {
 
 fsdp_status fsdp_runtime_finalize(void) {
     comm_shutdown();   /* drain the comm thread before MPI goes away */
+    if (fsdp_trace_stop() != FSDP_OK) fprintf(stderr, "fsdp: rank %d: %s\n", g_rank, fsdp_last_error());
     int inited = 0, finalized = 0;
     MPI_Initialized(&inited);
     MPI_Finalized(&finalized);

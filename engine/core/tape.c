@@ -10,6 +10,7 @@
  * activation checkpointing) records and runs backward on its own tape while
  * the outer backward is paused. */
 #include "internal.h"
+#include "trace.h"
 #include "cpu_kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -423,7 +424,13 @@ fsdp_status fsdp_backward_step(int *custom_id) {
             bool was = grad_enabled;
             grad_enabled = false;
             op_device = node_device(node);
+            double tt0 = trace_now();
             fsdp_status st = node->backward(node);
+            if (tt0 > 0) {
+                char name[48];
+                snprintf(name, sizeof name, "%s backward", node->op);
+                trace_event_add(TRACE_COMPUTE, name, NULL, -1, -1, tt0, trace_now());
+            }
             grad_enabled = was;
             if (st != FSDP_OK) {
                 char msg[4096];

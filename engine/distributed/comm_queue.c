@@ -34,6 +34,7 @@
 #define _POSIX_C_SOURCE 200809L   /* clock_gettime, nanosleep, pthread_condattr_setclock under -std=c11 */
 #include "comm_impl.h"
 #include "cpu_kernels.h"
+#include "trace.h"
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -546,7 +547,11 @@ static void *comm_thread_main(void *arg) {
         q_current_size = w->comm_size;
         pthread_mutex_unlock(&q_mu);
 
+        double tt0 = trace_now();
         run_work(w);
+        if (tt0 > 0)
+            trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
+                            tt0, trace_now());
         /* Completion: the tensors go back now, not when the handle is freed;
          * those of a CUDA collective once the GPU is done with them. */
         if (work_on_gpu(w)) inflight_push(w);
@@ -638,27 +643,63 @@ static fsdp_status gpu_wait(fsdp_work *w, double t0) {
     return FSDP_OK;
 }
 
+/* fsdp_comm_abandon: waits give up (the REPL, when a peer failed a chunk). */
+static _Atomic int g_abandon_on;
+static long long g_abandoned;
+static char g_abandon_reason[512];
+static pthread_mutex_t g_abandon_mu = PTHREAD_MUTEX_INITIALIZER;
+
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned) {
+    pthread_mutex_lock(&g_abandon_mu);
+    if (abandoned) *abandoned = g_abandoned;
+    if (reason) {
+        snprintf(g_abandon_reason, sizeof g_abandon_reason, "%s", reason);
+        g_abandon_on = 1;
+    } else {
+        g_abandon_on = 0;
+        g_abandoned = 0;
+    }
+    pthread_mutex_unlock(&g_abandon_mu);
+    return FSDP_OK;
+}
+
+static fsdp_status abandon_wait(fsdp_work *w) {
+    pthread_mutex_lock(&g_abandon_mu);
+    g_abandoned++;
+    char what[160];
+    comm_fp_describe(&w->fp, false, what, sizeof what);
+    fsdp_status st = fsdp_set_error(FSDP_ERR_COMM, "%s (collective #%llu on comm %s(%d)) abandoned: %s", what,
+                                    (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, g_abandon_reason);
+    pthread_mutex_unlock(&g_abandon_mu);
+    return st;
+}
+
 fsdp_status fsdp_work_wait(fsdp_work *w) {
     if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
     comm_cfg();
     double t0 = comm_now();
     pthread_mutex_lock(&w->mu);
     while (!w->done) {
-        if (g_cfg.watchdog_s > 0) {
-            struct timespec dl = abs_time(t0 + g_cfg.watchdog_s);
-            int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
-            if (rc == ETIMEDOUT && !w->done) {
-                pthread_mutex_unlock(&w->mu);
-                comm_watchdog_fire(w, comm_now() - t0);
-                pthread_mutex_lock(&w->mu);
-            }
-        } else {
-            pthread_cond_wait(&w->cv, &w->mu);
+        if (g_abandon_on) {
+            pthread_mutex_unlock(&w->mu);
+            return abandon_wait(w);   /* the work keeps its tensors: the comm thread may still use them */
+        }
+        /* wake up now and then to see fsdp_comm_abandon */
+        double until = t0 + (g_cfg.watchdog_s > 0 ? g_cfg.watchdog_s : 1e18), tick = comm_now() + 0.1;
+        struct timespec dl = abs_time(tick < until ? tick : until);
+        int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
+        if (rc == ETIMEDOUT && !w->done && g_cfg.watchdog_s > 0 && comm_now() - t0 > g_cfg.watchdog_s) {
+            pthread_mutex_unlock(&w->mu);
+            comm_watchdog_fire(w, comm_now() - t0);
+            pthread_mutex_lock(&w->mu);
         }
     }
     w->observed = true;
     fsdp_status st = w->status;
     pthread_mutex_unlock(&w->mu);
+    if (fsdp_trace_on)
+        trace_event_add(TRACE_COMPUTE, "wait", w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, t0 * 1e6,
+                        trace_now());
     fsdp_status gst = work_on_gpu(w) ? gpu_wait(w, t0) : FSDP_OK;
     double dt = comm_now() - t0;
     pthread_mutex_lock(&stats_mu);

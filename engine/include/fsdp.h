@@ -392,7 +392,26 @@ fsdp_status fsdp_work_free(fsdp_work *w);
  * bytes reduced (sent into reduce-scatter and all-reduce), and seconds the
  * caller spent blocked in fsdp_work_wait. */
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+/* With a reason: every fsdp_work_wait of this process, now or later, fails
+ * at once with that reason instead of waiting (the REPL, when a peer rank
+ * failed a chunk this rank still runs). A collective given up this way may
+ * still be running on the comm thread, so the communicators are not usable
+ * afterwards. With reason NULL: waits wait again; *abandoned (optional)
+ * says how many waits were given up since the reason was set. */
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
 fsdp_status fsdp_comm_reset_stats(void);
+
+/* ---- the timeline (Chrome / Perfetto trace JSON) ----
+ * fsdp_trace_start (on every rank) records ops, backward nodes, collectives
+ * and the waits for them; fsdp_trace_stop (on every rank) sends each rank's
+ * events to rank 0, which writes them to path as one file: one process per
+ * rank, tracks "compute", "comm" and "steps". FSDP_TRACE=FILE in the
+ * environment starts it at runtime init and stops it at finalize.
+ * fsdp_trace_step marks the end of a step (the "steps" track). Off, each
+ * hook costs one test of a flag. */
+fsdp_status fsdp_trace_start(const char *path);
+fsdp_status fsdp_trace_step(int64_t step);
+fsdp_status fsdp_trace_stop(void);
 
 /* ---- sharded units and their schedule (DESIGN.md, "The FSDP contract") ----
  * A unit's parameters are flattened into one buffer padded to a multiple of

@@ -1,6 +1,7 @@
 /* arith.c: broadcasting arithmetic, reductions, matmul and casts, with
  * their backward. */
 #include "ops_util.h"
+#include "trace.h"
 #include "reduce_shape.h"
 #include <math.h>
 #include <stdlib.h>
@@ -165,6 +166,7 @@ done:
 }
 
 fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *b) {
+    TRACE_OP("binary", out);
     if (op < FSDP_ADD || op > FSDP_DIV)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_binary: unknown op %d (expected 0..3)", op);
     const char *name = binary_names[op];
@@ -262,6 +264,7 @@ static fsdp_status scalar_op(const char *name, fsdp_tensor **out, fsdp_tensor *a
 
 fsdp_status fsdp_scale(fsdp_tensor **out, fsdp_tensor *a, double s) { return scalar_op("fsdp_scale", out, a, s, false); }
 fsdp_status fsdp_add_scalar(fsdp_tensor **out, fsdp_tensor *a, double s) {
+    TRACE_OP("add_scalar", out);
     return scalar_op("fsdp_add_scalar", out, a, s, true);
 }
 
@@ -342,9 +345,11 @@ static fsdp_status reduce_op(const char *name, fsdp_tensor **out, fsdp_tensor *t
 }
 
 fsdp_status fsdp_sum(fsdp_tensor **out, fsdp_tensor *t, int ndims, const int *dims, int keepdim) {
+    TRACE_OP("sum", out);
     return reduce_op("fsdp_sum", out, t, ndims, dims, keepdim, false);
 }
 fsdp_status fsdp_mean(fsdp_tensor **out, fsdp_tensor *t, int ndims, const int *dims, int keepdim) {
+    TRACE_OP("mean", out);
     return reduce_op("fsdp_mean", out, t, ndims, dims, keepdim, true);
 }
 
@@ -445,6 +450,7 @@ done:
 }
 
 fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int trans_a, int trans_b) {
+    TRACE_OP("matmul", out);
     const char *names[] = {"a", "b"};
     fsdp_tensor *ts[] = {a, b};
     FSDP_TRY(op_check("fsdp_matmul", out, 2, names, ts, NULL));
@@ -542,6 +548,7 @@ static fsdp_status cast_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype) {
+    TRACE_OP("cast", out);
     const char *names[] = {"t"};
     fsdp_tensor *ts[] = {t};
     FSDP_TRY(op_check("fsdp_cast", out, 1, names, ts, NULL));

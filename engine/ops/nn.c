@@ -8,6 +8,7 @@
  * from node->in[] and the op's output from node->out[]; node->saved[] holds
  * only what the forward computed on the side (row statistics, lse). */
 #include "ops_util.h"
+#include "trace.h"
 #include <stddef.h>
 #include <stdlib.h>
 #include <math.h>
@@ -130,10 +131,12 @@ static fsdp_status silu_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("gelu", out);
     return unary_forward(out, x, "fsdp_gelu", "gelu", SLOT(gelu_forward_f32), SLOT(gelu_forward_bf16), gelu_backward);
 }
 
 fsdp_status fsdp_silu(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("silu", out);
     return unary_forward(out, x, "fsdp_silu", "silu", SLOT(silu_forward_f32), SLOT(silu_forward_bf16), silu_backward);
 }
 
@@ -193,11 +196,13 @@ static fsdp_status log_softmax_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_softmax(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("softmax", out);
     return softmax_like_forward(out, x, "fsdp_softmax", "softmax", SLOT(softmax_forward_f32),
                                 SLOT(softmax_forward_bf16), softmax_backward);
 }
 
 fsdp_status fsdp_log_softmax(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("log_softmax", out);
     return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", SLOT(log_softmax_forward_f32),
                                 SLOT(log_softmax_forward_bf16), log_softmax_backward);
 }
@@ -281,6 +286,7 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias, double eps) {
+    TRACE_OP("layernorm", out);
     const char *op = "fsdp_layernorm", *names[] = {"x", "weight", "bias"};
     fsdp_tensor *ts[] = {x, weight, bias};
     const bool optional[] = {false, true, true};
@@ -348,6 +354,7 @@ static fsdp_status rmsnorm_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, double eps) {
+    TRACE_OP("rmsnorm", out);
     const char *op = "fsdp_rmsnorm", *names[] = {"x", "weight"};
     fsdp_tensor *ts[] = {x, weight};
     const bool optional[] = {false, true};
@@ -437,6 +444,7 @@ static void gather_rows(void *out, const void *table, const int64_t *ids, int64_
 }
 
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids) {
+    TRACE_OP("embedding", out);
     const char *op = "fsdp_embedding", *names[] = {"table", "ids"};
     fsdp_tensor *ts[] = {table, ids};
     FSDP_TRY(op_check(op, out, 2, names, ts, NULL));
@@ -523,6 +531,7 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
 
 fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets, int64_t ignore_index,
                                int64_t valid_vocab) {
+    TRACE_OP("cross_entropy", out);
     const char *op = "fsdp_cross_entropy", *names[] = {"logits", "targets"};
     fsdp_tensor *ts[] = {logits, targets};
     FSDP_TRY(op_check(op, out, 2, names, ts, NULL));
@@ -620,6 +629,7 @@ static fsdp_status attention_backward(fsdp_node *node) {
 
 fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fsdp_tensor *v, int causal,
                            double scale) {
+    TRACE_OP("attention", out);
     const char *op = "fsdp_attention", *names[] = {"q", "k", "v"};
     fsdp_tensor *ts[] = {q, k, v};
     FSDP_TRY(op_check(op, out, 3, names, ts, NULL));
@@ -775,6 +785,7 @@ static fsdp_status attention_qkv_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale) {
+    TRACE_OP("attention_qkv", out);
     const char *op = "fsdp_attention_qkv", *names[] = {"qkv"};
     fsdp_tensor *ts[] = {qkv};
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
@@ -863,6 +874,7 @@ static fsdp_status dropout_backward(fsdp_node *node) {
 }
 
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset) {
+    TRACE_OP("dropout", out);
     const char *op = "fsdp_dropout", *names[] = {"x"};
     fsdp_tensor *ts[] = {x}, *x32, *r;
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));

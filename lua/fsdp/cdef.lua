@@ -276,7 +276,13 @@ fsdp_status fsdp_work_test(fsdp_work *w, int *done);
 fsdp_status fsdp_work_free(fsdp_work *w);
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+
+fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
 fsdp_status fsdp_comm_reset_stats(void);
+
+fsdp_status fsdp_trace_start(const char *path);
+fsdp_status fsdp_trace_step(int64_t step);
+fsdp_status fsdp_trace_stop(void);
 
 fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
                            int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit);

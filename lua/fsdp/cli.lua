@@ -31,6 +31,9 @@ options:
   --device=D     the device --plan plans for, cpu or cuda: the kernel set
                  the op layer sees (default: this machine's default device;
                  cuda needs a build with the CUDA table, not a GPU)
+  --trace=FILE   write a timeline of the run to FILE (Chrome/Perfetto trace
+                 JSON: ops, collectives, waits and steps, one process per
+                 rank; FSDP_TRACE=FILE does the same)
   -v, --version  print the fsdp-lua, engine and LuaJIT versions
   -h, --help     print this help
   --             stop handling options

@@ -87,6 +87,7 @@ local function step_each(self, update)
       end
     end
   end
+  C.fsdp_trace_step(self.step_count)   -- a step boundary on the timeline (when one is recorded)
   for _, fn in ipairs(M.after_step) do fn(self) end
 end
 

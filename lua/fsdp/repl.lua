@@ -4,8 +4,20 @@
 -- their values; input that ends early (an open `for`, `function`, string)
 -- continues on the next line under ">> ". Errors print with a traceback and
 -- the loop goes on (DESIGN.md, "Decided" 2: the REPL survives every user
--- mistake). Line editing and history come from readline when the launcher
--- was built with it and stdin is a terminal.
+-- mistake). Line editing, history and Tab completion (globals, fields,
+-- methods) come from readline when the launcher was built with it and stdin
+-- is a terminal. Ctrl-C interrupts the running chunk, or clears the line.
+-- help(f) prints the comment above f's definition.
+--
+-- Across ranks (`mpirun -np N fsdp-lua`): rank 0 reads each complete chunk
+-- and sends it to every rank; every rank runs it; rank 0 prints the values
+-- and every rank's error, marked with its rank; then all go on. The launcher
+-- carries this on a communicator of its own (launcher/main.c). A chunk that
+-- fails on some ranks only may leave the others waiting in a collective the
+-- failed ranks never join: those waits give up at once (fsdp_comm_abandon)
+-- and the chunk fails there too. A collective given up is half-entered and
+-- cannot be taken back, so then the REPL ends the job with a message saying
+-- which rank failed and why, instead of hanging or mixing collectives up.
 
 local ffi = require "ffi"
 
@@ -16,14 +28,31 @@ ffi.cdef [[ int isatty(int fd); ]]
 -- The launcher's readline wrappers, absent when built without readline.
 local rl = pcall(function()
   ffi.cdef [[
-    char *fsdp_repl_readline(const char *prompt);
+    char *fsdp_repl_readline(const char *prompt, int *interrupted);
     void fsdp_repl_add_history(const char *line);
     void fsdp_repl_free(char *line);
     int fsdp_repl_read_history(const char *path);
     int fsdp_repl_write_history(const char *path);
+    void fsdp_repl_set_completer(void (*f)(const char *line, int start, int end));
+    void fsdp_repl_add_completion(const char *s);
   ]]
   return ffi.C.fsdp_repl_readline
 end) and ffi.C or nil
+
+-- The launcher's Ctrl-C handling and the channel between ranks.
+local launcher = pcall(function()
+  ffi.cdef [[
+    void fsdp_repl_free(char *line);
+    int fsdp_repl_sigint(int mode);
+    int fsdp_repl_ctl_start(void);
+    void fsdp_repl_ctl_stop(void);
+    int fsdp_repl_bcast(const char *in, int64_t n, char **out, int64_t *out_n);
+    void fsdp_repl_chunk_begin(long long chunk);
+    int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, char **out, int64_t *out_n);
+  ]]
+  return ffi.C.fsdp_repl_ctl_start
+end) and ffi.C or nil
+local SIGINT_DEFAULT, SIGINT_CHUNK, SIGINT_READING = 0, 1, 2
 
 M.PROMPT, M.CONTINUE = "fsdp> ", ">> "
 local MAX_ITEMS = 40
@@ -143,13 +172,16 @@ local function make_reader(tty)
   if tty and rl then
     local hist = history_path()
     if hist then pcall(rl.fsdp_repl_read_history, hist) end
+    local flag = ffi.new("int[1]")
     local function read(prompt)
-      local p = rl.fsdp_repl_readline(prompt)
+      local p = rl.fsdp_repl_readline(prompt, flag)
       if p == nil then return nil end
       local s = ffi.string(p)
       rl.fsdp_repl_free(p)
+      if flag[0] ~= 0 then return s, "interrupted" end
       return s
     end
+    jit.off(read)   -- completion calls back into Lua from inside readline
     local function remember(line) rl.fsdp_repl_add_history(line) end
     local function close()
       if hist then pcall(rl.fsdp_repl_write_history, hist) end   -- best effort
@@ -166,50 +198,332 @@ local function make_reader(tty)
   return read, function() end, function() end
 end
 
+
+-- ---- Tab completion ----
+
+local KEYWORDS = { "and", "break", "do", "else", "elseif", "end", "false", "for", "function", "goto", "if",
+                   "in", "local", "nil", "not", "or", "repeat", "return", "then", "true", "until", "while" }
+
+-- The fields a value offers: a table's keys (and its __index table's), a
+-- tensor's methods.
+local function fields_of(v, methods_only)
+  local out, seen = {}, {}
+  local function add(k, val)
+    if type(k) == "string" and k:match("^[%a_][%w_]*$") and not seen[k] then
+      if not methods_only or type(val) == "function" then
+        seen[k] = true
+        out[#out + 1] = k
+      end
+    end
+  end
+  local t = v
+  for _ = 1, 4 do   -- a few levels of __index tables
+    if type(t) == "table" then
+      for k, val in pairs(t) do add(k, val) end
+      local m = getmetatable(t)
+      t = type(m) == "table" and type(m.__index) == "table" and m.__index or nil
+    elseif is_tensor(t) then
+      for k, val in pairs(require("fsdp.tensor").methods) do add(k, val) end
+      t = nil
+    else
+      break
+    end
+  end
+  table.sort(out)
+  return out
+end
+
+--- repl.complete(word) -> candidates for the word before the cursor:
+-- globals and keywords, `a.b.` fields, `a:` methods. Nothing is called:
+-- only plain lookups along the dotted name.
+function M.complete(word)
+  local base, sep, part = word:match("^(.-)([%.:])([%w_]*)$")
+  local out = {}
+  if not base then
+    if not word:match("^[%a_][%w_]*$") then return out end
+    for _, k in ipairs(fields_of(_G)) do
+      if k:sub(1, #word) == word then out[#out + 1] = k end
+    end
+    for _, k in ipairs(KEYWORDS) do
+      if k:sub(1, #word) == word and k ~= word then out[#out + 1] = k end
+    end
+    return out
+  end
+  if not base:match("^[%a_][%w_]*[%w_%.]*$") then return out end
+  local v = _G
+  for name in base:gmatch("[^%.]+") do
+    local ok, nv = pcall(function() return v[name] end)
+    if not ok or nv == nil then return out end
+    v = nv
+  end
+  for _, k in ipairs(fields_of(v, sep == ":")) do
+    if k:sub(1, #part) == part then out[#out + 1] = base .. sep .. k end
+  end
+  return out
+end
+
+local completer_cb   -- kept alive as long as readline may call it
+local function install_completer()
+  if not rl or completer_cb then return end
+  completer_cb = ffi.cast("void (*)(const char *, int, int)", function(line, start, stop)
+    local ok, list = pcall(M.complete, ffi.string(line):sub(start + 1, stop))
+    if ok then
+      for _, c in ipairs(list) do rl.fsdp_repl_add_completion(c) end
+    end
+  end)
+  rl.fsdp_repl_set_completer(completer_cb)
+end
+
+-- ---- help ----
+
+local source_lines = {}
+local function lines_of(path)
+  if source_lines[path] == nil then
+    local f = io.open(path, "r")
+    local list = false
+    if f then
+      list = {}
+      for l in f:lines() do list[#list + 1] = l end
+      f:close()
+    end
+    source_lines[path] = list
+  end
+  return source_lines[path] or nil
+end
+
+--- repl.doc(f) -> the definition line and the comment just above it, or
+-- nil (C functions, code typed at the prompt).
+function M.doc(f)
+  if type(f) ~= "function" then return nil end
+  local info = debug.getinfo(f, "S")
+  if info.what ~= "Lua" or info.source:sub(1, 1) ~= "@" then return nil end
+  local lines = lines_of(info.source:sub(2))
+  if not lines or not lines[info.linedefined] then return nil end
+  local doc, i = {}, info.linedefined - 1
+  while i >= 1 and lines[i]:match("^%s*%-%-") do
+    table.insert(doc, 1, (lines[i]:gsub("^%s*%-%-%-?%s?", "")))
+    i = i - 1
+  end
+  local head = lines[info.linedefined]:gsub("^%s+", "")
+  return head .. (#doc > 0 and ("\n" .. table.concat(doc, "\n")) or "")
+end
+
+--- help(value): a function's definition and comment; for a table, its
+-- functions with the first line of each comment.
+function M.help(v)
+  if type(v) == "function" then
+    local d = M.doc(v)
+    print(d or "no documentation (a C function, or defined at the prompt)")
+  elseif type(v) == "table" or is_tensor(v) then
+    local names = fields_of(v)
+    local rows = {}
+    for _, k in ipairs(names) do
+      local val = is_tensor(v) and require("fsdp.tensor").methods[k] or v[k]
+      if type(val) == "function" then
+        local d = M.doc(val)
+        local first = d and d:match("\n([^\n]*)") or ""
+        rows[#rows + 1] = string.format("  %-24s %s", k, first)
+      end
+    end
+    print(#rows > 0 and table.concat(rows, "\n") or ("a " .. type(v) .. " without functions"))
+  else
+    print("help(f): give a function or a table, e.g. help(fsdp.randn), help(fsdp)")
+  end
+end
+
+-- ---- across ranks ----
+
+local out_p, out_n = ffi.new("char *[1]"), ffi.new("int64_t[1]")
+
+-- Rank 0's string (nil: end of input) on every rank.
+local function bcast(s)
+  if launcher.fsdp_repl_bcast(s, s and #s or -1, out_p, out_n) ~= 0 then
+    error("fsdp.repl: rank " .. tostring(require("fsdp").rank()) .. ": sending the input between ranks failed", 0)
+  end
+  local n = tonumber(out_n[0])
+  local r = n >= 0 and ffi.string(out_p[0], n) or nil
+  launcher.fsdp_repl_free(out_p[0])
+  return r
+end
+
+-- Ends a chunk on every rank: { { abandoned = n, record = s }, ... } by rank + 1.
+local function chunk_end(err, record)
+  if launcher.fsdp_repl_chunk_end(err, record, #record, out_p, out_n) ~= 0 then
+    error("fsdp.repl: exchanging chunk outcomes between ranks failed", 0)
+  end
+  local p, total, at, list = out_p[0], tonumber(out_n[0]), 0, {}
+  while at < total do
+    local len = tonumber(ffi.cast("int64_t *", p + at)[0])
+    local abandoned = tonumber(ffi.cast("int64_t *", p + at + 8)[0])
+    list[#list + 1] = { abandoned = abandoned, record = ffi.string(p + at + 16, len - 8) }
+    at = at + 8 + len
+  end
+  launcher.fsdp_repl_free(p)
+  return list
+end
+
+-- Whether rank 0's user sits at a terminal: under mpirun its stdin is a
+-- pipe from mpirun, so look at mpirun's own stdin (FSDP_REPL_TTY=0/1 decides).
+local function mpirun_on_terminal()
+  local env = os.getenv("FSDP_REPL_TTY")
+  if env and env ~= "" then return env ~= "0" end
+  ffi.cdef [[ int getppid(void); long readlink(const char *path, char *buf, size_t n); ]]
+  local buf = ffi.new("char[256]")
+  local n = ffi.C.readlink("/proc/" .. ffi.C.getppid() .. "/fd/0", buf, 255)
+  local target = n > 0 and ffi.string(buf, n) or ""
+  return target:match("^/dev/pts/") ~= nil or target:match("^/dev/tty") ~= nil
+end
+
+-- "[rank 1] msg", or "[ranks 0,1] msg" for one message from several ranks.
+local function report_errors(list)
+  local order, by = {}, {}
+  for r, e in ipairs(list) do
+    if e.record:sub(1, 1) == "E" then
+      local msg = e.record:sub(2)
+      if not by[msg] then by[msg] = {}; order[#order + 1] = msg end
+      table.insert(by[msg], r - 1)
+    end
+  end
+  -- on stdout: under mpirun stdout and stderr travel apart, and the
+  -- messages must come before the next prompt
+  for _, msg in ipairs(order) do
+    local ranks = by[msg]
+    local who = #ranks == #list and #list > 1 and "all ranks" or
+                ((#ranks > 1 and "ranks " or "rank ") .. table.concat(ranks, ","))
+    io.stdout:write("[", who, "] ", msg, "\n")
+  end
+  io.stdout:flush()
+end
+
 --- Runs the loop until EOF (Ctrl-D) or exit()/quit(). opts.tty forces the
 -- terminal behaviour (prompts, readline) on or off.
 function M.run(opts)
-  local tty = opts and opts.tty
-  if tty == nil then tty = ffi.C.isatty(0) == 1 end
   local fsdp = require "fsdp"
   _G.fsdp = fsdp
+  _G.help = M.help
+  local world = launcher and launcher.fsdp_repl_ctl_start() or 1
+  if world < 0 then error("fsdp.repl: cannot open the channel between ranks", 0) end
+  local rank = world > 1 and fsdp.rank() or 0
+  local tty = opts and opts.tty
+  if tty == nil then
+    if world == 1 then tty = ffi.C.isatty(0) == 1 else tty = rank == 0 and mpirun_on_terminal() end
+  end
+  if rank ~= 0 then tty = false end
   local function leave(code)
     exit_code = code
     error(EXIT, 0)
   end
   _G.exit, _G.quit = leave, leave
 
-  local read, remember, close = make_reader(tty)
-  if tty then
-    print(string.format("fsdp-lua %s on %s; `fsdp` is loaded. exit() or Ctrl-D leaves.",
-                        fsdp.version(), jit and jit.version or _VERSION))
-  end
-
-  local buf
-  while true do
-    local line = read(buf and M.CONTINUE or M.PROMPT)
-    if line == nil then
-      if tty then io.stdout:write("\n") end
-      break
+  local read, remember, close = make_reader(tty and (world == 1))
+  local prompt_only = tty and world > 1   -- prompts, but no readline: mpirun owns the terminal
+  if prompt_only then
+    read = function(prompt)
+      io.stdout:write(prompt)
+      io.stdout:flush()
+      return io.stdin:read("*l")
     end
-    buf = buf and (buf .. "\n" .. line) or line
-    if buf:match("^%s*$") then
-      buf = nil
-    else
-      local f, err = compile(buf)
-      if err ~= "incomplete" then
-        remember(buf)
+  end
+  local use_rl = tty and world == 1 and rl ~= nil
+  if use_rl then install_completer() end
+  if tty then
+    print(string.format("fsdp-lua %s on %s%s; `fsdp` is loaded. help(f), Tab, Ctrl-C; exit() or Ctrl-D leaves.",
+                        fsdp.version(), jit and jit.version or _VERSION,
+                        world > 1 and string.format(", %d ranks", world) or ""))
+  end
+  local sigint = launcher and launcher.fsdp_repl_sigint or function() return 0 end
+  -- while reading: readline clears the line; plain reads just go on
+  local reading_mode = use_rl and SIGINT_READING or (tty and 3 or SIGINT_DEFAULT)
+
+  -- Rank 0: the next complete chunk, or nil at the end of input.
+  local function read_chunk()
+    local buf
+    while true do
+      sigint(reading_mode)
+      local line, why = read(buf and M.CONTINUE or M.PROMPT)
+      if line == nil then
+        if tty then io.stdout:write("\n") end
+        return nil
+      end
+      if why == "interrupted" then
         buf = nil
-        if f then
-          if report(xpcall(f, handler, pack_results)) then break end
+      else
+        buf = buf and (buf .. "\n" .. line) or line
+        if buf:match("^%s*$") then
+          buf = nil
         else
-          io.stdout:flush()
-          io.stderr:write(err, "\n")
+          local f, err = compile(buf)
+          if err ~= "incomplete" then
+            remember(buf)
+            if f then return buf end
+            buf = nil
+            io.stdout:flush()
+            io.stderr:write(err, "\n")
+          end
         end
       end
     end
   end
+
+  local chunk_no, done = 0, false
+  while not done do
+    local src
+    chunk_no = chunk_no + 1
+    -- the chunk's number is set before rank 0 sends it, so that no rank can
+    -- fail it (and tell the others) before every rank listens for that
+    if world > 1 then launcher.fsdp_repl_chunk_begin(chunk_no) end
+    if rank == 0 then src = read_chunk() end
+    if world > 1 then src = bcast(src) end
+    if src == nil then break end
+    local f, err = compile(src)
+    -- Compiled loops never look at hooks, so Ctrl-C could not stop
+    -- `while true do end`: the chunk's own code (not the library) runs
+    -- interpreted, which costs little at a prompt.
+    if f and jit then jit.off(f, true) end
+    sigint(SIGINT_CHUNK)
+    local res
+    if f then res = pack_results(xpcall(f, handler, pack_results))
+    else res = pack_results(false, err) end
+    sigint(SIGINT_DEFAULT)
+    if world == 1 then
+      done = report(unpack(res, 1, res.n))
+    else
+      local ok, e = res[1], res[2]
+      local record = ok and "O" or e == EXIT and ("X" .. tostring(exit_code or 0)) or ("E" .. tostring(e))
+      -- the notice to the other ranks: the message without its traceback
+      local list = chunk_end((not ok and e ~= EXIT) and tostring(e):match("^[^\n]*") or nil, record)
+      if rank == 0 and ok then report(unpack(res, 1, res.n)) end
+      if rank == 0 then report_errors(list) end
+      local gave_up
+      for r, x in ipairs(list) do
+        if x.abandoned > 0 then gave_up = gave_up or r - 1 end
+        if x.record:sub(1, 1) == "X" then
+          done = true
+          exit_code = exit_code or tonumber(x.record:sub(2)) or 0
+        end
+      end
+      if gave_up then
+        local failed = {}
+        for r, x in ipairs(list) do
+          if x.record:sub(1, 1) == "E" and x.abandoned == 0 then failed[#failed + 1] = r - 1 end
+        end
+        -- rank 0 ends the job, once its messages are out; the others wait
+        -- for that (and end it themselves should it not come)
+        if rank ~= 0 then
+          ffi.cdef [[ unsigned int sleep(unsigned int s); ]]
+          ffi.C.sleep(30)
+        end
+        io.stdout:flush()
+        require("fsdp.core").C.fsdp_runtime_abort(rank == 0 and string.format(
+          "fsdp-lua: the chunk failed on rank(s) %s while rank %d waited in a collective they will never join; "
+          .. "a collective cannot be taken back once entered, so the ranks cannot go on together: ending the job",
+          #failed > 0 and table.concat(failed, ",") or "?", gave_up) or nil, 1)
+      end
+    end
+  end
+  sigint(SIGINT_DEFAULT)
   close()
+  if world > 1 then launcher.fsdp_repl_ctl_stop() end
   if exit_code and exit_code ~= 0 and exit_code ~= true then os.exit(exit_code) end
 end
 

@@ -297,12 +297,18 @@ end
 
 local CACHE_MAX = 1000000   -- pieces remembered; forgotten all at once past it
 
--- Calls emit(id) for each token of text, in order.
-local function encode_with(self, text, emit)
+-- Calls emit(id) for each token of text, in order; report(done, total)
+-- (optional) every MiB of text and at the end.
+local function encode_with(self, text, emit, report)
   if type(text) ~= "string" then error("tokenizer:encode: text must be a string, got " .. type(text), 3) end
   local p, n, i = ffi.cast("const uint8_t *", text), #text, 0
   local cache = self._cache
+  local next_report = report and 1048576 or math.huge
   while i < n do
+    if i >= next_report then
+      report(i, n)
+      next_report = i + 1048576
+    end
     local j = piece_end(p, i, n)
     local piece = sub(text, i + 1, j)
     local ids = cache[piece]
@@ -315,6 +321,7 @@ local function encode_with(self, text, emit)
     for k = 1, #ids do emit(ids[k]) end
     i = j
   end
+  if report then report(n, n) end
 end
 
 --- tok:encode(text) -> list of token ids (1-based Lua list).
@@ -324,9 +331,10 @@ function Tokenizer:encode(text)
   return out
 end
 
---- tok:encode_buffer(text) -> uint16_t[n] cdata (0-based), n. For large
--- texts: no Lua list of every id is built.
-function Tokenizer:encode_buffer(text)
+--- tok:encode_buffer(text[, progress]) -> uint16_t[n] cdata (0-based), n.
+-- For large texts: no Lua list of every id is built. progress(done, total),
+-- optional, hears how many bytes are done (fsdp.progress.bar fits).
+function Tokenizer:encode_buffer(text, progress)
   if type(text) ~= "string" then error("tokenizer:encode_buffer: text must be a string, got " .. type(text), 2) end
   local cap = math.max(16, floor(#text / 3))
   local buf, n = ffi.new("uint16_t[?]", cap), 0
@@ -338,7 +346,7 @@ function Tokenizer:encode_buffer(text)
     end
     buf[n] = id
     n = n + 1
-  end)
+  end, progress)
   return buf, n
 end
 

@@ -159,5 +159,106 @@ else
   echo "note: no python3; skipping the pseudo-terminal checks"
 fi
 
+# ---- Ctrl-C, Tab completion, help(): one rank, through a pseudo-terminal ----
+if [ -n "$PY" ] && nm -D "$L" 2>/dev/null | grep -q fsdp_repl_readline; then
+  cat > "$TMP/one.steps" <<'EOF'
+expect fsdp> 
+# Ctrl-C stops a running chunk (an endless loop) and the REPL goes on
+send io.write("loop", "ing\\n") io.flush() while true do end\n
+expect looping
+sleep 0.2
+send \x03
+expect interrupted
+expect fsdp> 
+send 1 + 1\n
+expect 2
+expect fsdp> 
+# Ctrl-C at the prompt drops the half-typed line
+send abc def
+expect abc def
+sleep 0.2
+send \x03
+expect ^C
+send 20 + 1\n
+expect 21
+expect fsdp> 
+# Tab completes globals, fields and methods
+send my_unique_value = 5\n
+expect fsdp> 
+send my_uni\t * 2\n
+expect 10
+expect fsdp> 
+send tbl = {alpha_field = 7}\n
+expect fsdp> 
+send tbl.alp\t + 1\n
+expect 8
+expect fsdp> 
+send t = fsdp.ones(3)\n
+expect fsdp> 
+send t:nume\t()\n
+expect 3
+expect fsdp> 
+# help(f) prints the comment above a function's definition
+send help(require("fsdp.tokenizer").gpt2)\n
+expect Without an argument: $FSDP_GPT2_TOKENIZER
+expect fsdp> 
+send \x04
+wait 0
+EOF
+  out=$("$PY" tests/sh/repl_pty.py "$TMP/one.steps" -- "$L" 2>&1)
+  has "pty, 1 rank: Ctrl-C, completion, help" "$out" "ALL_OK"
+  if grep -qxF "t:numel()" "$TMP/.fsdp_lua_history"; then ok; else bad "completed method kept in history" "$(cat "$TMP/.fsdp_lua_history")"; fi
+fi
+
+# ---- the REPL across 2 ranks, through a pseudo-terminal ----
+MPIRUN=$(command -v mpirun || true)
+if [ -n "$PY" ] && [ -n "$MPIRUN" ]; then
+  cat > "$TMP/two.steps" <<'EOF'
+expect 2 ranks
+expect fsdp> 
+# every rank runs each chunk (fsdp.shard needs them all)
+send nn = require "fsdp.nn"\n
+expect fsdp> 
+send s = fsdp.shard(nn.Linear(4, 4))\n
+expect fsdp> 
+send fsdp.rank() + 40\n
+expect 40
+expect fsdp> 
+# errors name the ranks; every rank goes on
+send error("everywhere")\n
+expect [all ranks] stdin:1: everywhere
+expect fsdp> 
+send if fsdp.rank() == 1 then error("only on one") end\n
+expect [rank 1] stdin:1: only on one
+expect fsdp> 
+send x = fsdp.rank() * 10 + 1\n
+expect fsdp> 
+send x + 0\n
+expect 1
+expect fsdp> 
+send s:forward(fsdp.ones(2, 4)):sum():backward()\n
+expect fsdp> 
+# a rank that fails while the other waits in a collective: the job ends,
+# saying so, instead of hanging
+send if fsdp.rank() == 1 then error("left early") end s2 = fsdp.shard(nn.Linear(4, 4))\n
+expect [rank 1] stdin:1: left early
+expect will never join
+wait 1
+EOF
+  out=$(FSDP_NUM_THREADS=1 timeout 200 "$PY" tests/sh/repl_pty.py "$TMP/two.steps" -- \
+        "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  has "pty, 2 ranks: chunks on every rank, errors by rank, no hang" "$out" "ALL_OK"
+
+  # through a pipe: the example that used to hang
+  out=$(printf 'nn = require "fsdp.nn"\nm = nn.Linear(4,4)\ns = fsdp.shard(m)\nprint("sharded")\n' |
+        FSDP_NUM_THREADS=1 timeout 120 "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  rc=$?
+  [ $rc -eq 0 ] && ok || bad "2 ranks through a pipe exit 0 (got $rc)" "$out"
+  n=$(grep -cxF "sharded" <<<"$out")
+  [ "$n" -eq 2 ] && ok || bad "both ranks ran the chunks (got $n)" "$out"
+else
+  bad "python3 and mpirun are needed for the REPL tests across ranks"
+fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -216,10 +216,12 @@ M.check_state = check_state
 
 --- progress(opts, op, total) -> report(done): calls opts.progress(op, done,
 -- total) (bytes on this rank; op "save", "load", "export" or "import") when
--- the caller gave one; report is a no-op otherwise.
+-- the caller gave one; without one, a bar on rank 0's terminal
+-- (fsdp.progress; opts.progress = false: none); else a no-op.
 function M.progress(opts, op, total)
   local fn = opts and opts.progress
-  if fn == nil then return function() end end
+  if fn == nil and require("fsdp.distributed").rank() == 0 then fn = require("fsdp.progress").reporter() end
+  if fn == nil or fn == false then return function() end end
   if type(fn) ~= "function" then error("fsdp.checkpoint." .. op .. ": opts.progress must be a function", 0) end
   return function(done) fn(op, done, total) end
 end

@@ -1,0 +1,220 @@
+/* trace.c: the timeline (DESIGN.md, decision 9). Ops, backward nodes,
+ * collectives and the waits for them are recorded as Chrome trace events
+ * ("ph": "X", microseconds) and written as one JSON file that Perfetto and
+ * chrome://tracing open: one process per rank, one track (thread) per
+ * stream of work, "compute" (the calling thread: ops, backward, waits) and
+ * "comm" (the comm thread: collectives), plus "steps" (step boundaries).
+ *
+ * Off by default: every hook is one test of a global flag. On:
+ * fsdp_trace_start, or FSDP_TRACE=FILE for any program (the runtime starts
+ * it at init and writes it at finalize); fsdp-lua --trace=FILE sets that.
+ * Each rank keeps its events in memory; at the end every rank sends them to
+ * rank 0 (MPI_Gatherv on the world), which writes the file. Times are
+ * CLOCK_MONOTONIC from a start all ranks take after a barrier.
+ *
+ * On the CUDA path an op's event spans the host's enqueue, not the GPU's
+ * run: the kernels are asynchronous. */
+#define _POSIX_C_SOURCE 200809L
+#include "internal.h"
+#include "trace.h"
+#include <mpi.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int fsdp_trace_on;
+
+typedef struct {
+    double ts, dur;          /* microseconds since the start */
+    int64_t bytes;           /* -1: none */
+    int64_t seq;             /* collective sequence number, -1: none */
+    int track;
+    char name[48];
+    char unit[80];
+} trace_event;
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static trace_event *g_ev;
+static size_t g_n, g_cap, g_dropped, g_max = 4000000;
+static double g_t0;
+static double g_last_mark;   /* the end of the last step, or the start */
+static char g_path[1024];
+
+static double mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+double trace_now(void) { return fsdp_trace_on ? mono_us() : 0; }
+
+void trace_event_add(int track, const char *name, const char *unit, int64_t bytes, int64_t seq, double t0,
+                     double t1) {
+    if (!fsdp_trace_on) return;
+    pthread_mutex_lock(&g_mu);
+    if (g_n == g_cap) {
+        size_t cap = g_cap ? 2 * g_cap : 65536;
+        trace_event *p = g_n < g_max ? realloc(g_ev, cap * sizeof *p) : NULL;
+        if (!p) {
+            g_dropped++;
+            pthread_mutex_unlock(&g_mu);
+            return;
+        }
+        g_ev = p;
+        g_cap = cap;
+    }
+    trace_event *e = &g_ev[g_n++];
+    e->ts = t0 - g_t0;
+    e->dur = t1 > t0 ? t1 - t0 : 0;
+    e->bytes = bytes;
+    e->seq = seq;
+    e->track = track;
+    snprintf(e->name, sizeof e->name, "%s", name ? name : "?");
+    snprintf(e->unit, sizeof e->unit, "%s", unit ? unit : "");
+    pthread_mutex_unlock(&g_mu);
+}
+
+void trace_op_end(trace_scope *s) {
+    if (s->t0 <= 0 || !fsdp_trace_on) return;
+    int64_t bytes = -1;
+    if (s->out && *s->out) bytes = tensor_numel(*s->out) * (int64_t)fsdp_dtype_size((*s->out)->dtype);
+    trace_event_add(TRACE_COMPUTE, s->name, NULL, bytes, -1, s->t0, mono_us());
+}
+
+static int mpi_world(int *rank, int *size) {
+    int inited = 0, finalized = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    *rank = 0;
+    *size = 1;
+    if (!inited || finalized) return 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, rank);
+    MPI_Comm_size(MPI_COMM_WORLD, size);
+    return 1;
+}
+
+fsdp_status fsdp_trace_start(const char *path) {
+    if (!path || !*path) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_trace_start: path is empty");
+    if (fsdp_trace_on) return fsdp_set_error(FSDP_ERR_STATE, "fsdp_trace_start: a trace (to '%s') is already on", g_path);
+    int rank, size;
+    if (mpi_world(&rank, &size) && size > 1) MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 0) {   /* say now, not at the end, that the file cannot be written */
+        FILE *f = fopen(path, "w");
+        if (!f) return fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_start: cannot write '%s'", path);
+        fclose(f);
+    }
+    const char *m = getenv("FSDP_TRACE_MAX_EVENTS");
+    if (m && atol(m) > 0) g_max = (size_t)atol(m);
+    snprintf(g_path, sizeof g_path, "%s", path);
+    g_n = 0;
+    g_dropped = 0;
+    g_t0 = mono_us();
+    g_last_mark = g_t0;
+    fsdp_trace_on = 1;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_trace_step(int64_t step) {
+    if (!fsdp_trace_on) return FSDP_OK;
+    double now = mono_us();
+    char name[48];
+    snprintf(name, sizeof name, "step %lld", (long long)step);
+    trace_event_add(TRACE_STEPS, name, NULL, -1, -1, g_last_mark, now);
+    g_last_mark = now;
+    return FSDP_OK;
+}
+
+static const char *track_names[] = {"steps", "compute", "comm"};
+
+/* JSON string body: quotes, backslashes and control bytes escaped. */
+static void put_json(FILE *f, const char *s) {
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+}
+
+/* This rank's events as JSON objects, each followed by ",\n". */
+static char *events_json(int rank, size_t *len) {
+    char *buf = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&buf, &n);
+    if (!f) return NULL;
+    fprintf(f, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n", rank, rank);
+    fprintf(f, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_sort_index\",\"args\":{\"sort_index\":%d}},\n", rank, rank);
+    for (int t = 0; t < 3; t++)
+        fprintf(f, "{\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"name\":\"thread_name\",\"args\":{\"name\":\"%s\"}},\n", rank,
+                t, track_names[t]);
+    for (size_t i = 0; i < g_n; i++) {
+        trace_event *e = &g_ev[i];
+        fprintf(f, "{\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,\"name\":\"", rank, e->track, e->ts,
+                e->dur);
+        put_json(f, e->name);
+        fprintf(f, "\",\"cat\":\"%s\",\"args\":{", track_names[e->track]);
+        const char *sep = "";
+        if (e->unit[0]) {
+            fputs("\"unit\":\"", f);
+            put_json(f, e->unit);
+            fputs("\"", f);
+            sep = ",";
+        }
+        if (e->bytes >= 0) fprintf(f, "%s\"bytes\":%lld", sep, (long long)e->bytes), sep = ",";
+        if (e->seq >= 0) fprintf(f, "%s\"seq\":%lld", sep, (long long)e->seq);
+        fputs("}},\n", f);
+    }
+    if (g_dropped)
+        fprintf(f, "{\"ph\":\"i\",\"pid\":%d,\"tid\":1,\"ts\":0,\"s\":\"p\",\"name\":\"%zu events dropped "
+                   "(FSDP_TRACE_MAX_EVENTS)\"},\n", rank, g_dropped);
+    fclose(f);
+    *len = n;
+    return buf;
+}
+
+fsdp_status fsdp_trace_stop(void) {
+    if (!fsdp_trace_on) return FSDP_OK;
+    fsdp_trace_on = 0;
+    int rank, size;
+    int mpi = mpi_world(&rank, &size) && size > 1;
+    size_t len = 0;
+    char *mine = events_json(rank, &len);
+    if (!mine) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_trace_stop: no memory for the events");
+    fsdp_status st = FSDP_OK;
+    char *all = mine;
+    long long total = (long long)len;
+    int *lens = NULL, *offs = NULL;
+    if (mpi) {
+        int l = (int)len;
+        lens = calloc((size_t)size, sizeof *lens);
+        offs = calloc((size_t)size, sizeof *offs);
+        if (!lens || !offs) st = fsdp_set_error(FSDP_ERR_OOM, "fsdp_trace_stop: no memory");
+        MPI_Gather(&l, 1, MPI_INT, lens, 1, MPI_INT, 0, MPI_COMM_WORLD);
+        total = 0;
+        if (rank == 0)
+            for (int r = 0; r < size; r++) offs[r] = (int)total, total += lens[r];
+        all = rank == 0 ? malloc((size_t)total + 1) : NULL;
+        MPI_Gatherv(mine, l, MPI_CHAR, all, lens, offs, MPI_CHAR, 0, MPI_COMM_WORLD);
+    }
+    if (rank == 0 && st == FSDP_OK) {
+        FILE *f = fopen(g_path, "w");
+        if (!f || !all) {
+            st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: cannot write '%s'", g_path);
+        } else {
+            fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
+            fwrite(all, 1, (size_t)total, f);
+            fprintf(f, "{\"ph\":\"M\",\"pid\":0,\"name\":\"trace_end\",\"args\":{\"ranks\":%d}}\n]}\n", size);
+            if (fclose(f) != 0) st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: writing '%s' failed", g_path);
+        }
+    }
+    if (all != mine) free(all);
+    free(mine);
+    free(lens);
+    free(offs);
+    free(g_ev);
+    g_ev = NULL;
+    g_n = g_cap = 0;
+    return st;
+}

@@ -1,0 +1,31 @@
+/* trace.h: the timeline's hooks (trace.c). Each costs one test of
+ * fsdp_trace_on when tracing is off. */
+#ifndef FSDP_TRACE_H
+#define FSDP_TRACE_H
+
+#include "fsdp.h"
+#include <stdint.h>
+
+enum { TRACE_STEPS = 0, TRACE_COMPUTE = 1, TRACE_COMM = 2 };
+
+extern int fsdp_trace_on;
+
+/* Microseconds on the trace clock; 0 when tracing is off. */
+double trace_now(void);
+/* One complete event [t0, t1] on a track; bytes and seq -1 when none. */
+void trace_event_add(int track, const char *name, const char *unit, int64_t bytes, int64_t seq, double t0,
+                     double t1);
+
+/* TRACE_OP("fsdp_matmul", out) as an op's first line: the op, from there
+ * to whichever return, with the bytes of *out. */
+typedef struct {
+    const char *name;
+    fsdp_tensor **out;
+    double t0;
+} trace_scope;
+void trace_op_end(trace_scope *s);
+#define TRACE_OP(name_, out_)                                                                     \
+    __attribute__((cleanup(trace_op_end))) trace_scope trace_scope_ = {                          \
+        (name_), (out_), __builtin_expect(fsdp_trace_on, 0) ? trace_now() : 0}
+
+#endif

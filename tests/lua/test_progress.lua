@@ -1,0 +1,38 @@
+-- Tests for fsdp.progress: the bar's text, off when stderr is not a
+-- terminal, and the bar a checkpoint save draws by default.
+package.path = (arg and arg[0] and arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+local t = require "testlib"
+local progress = require "fsdp.progress"
+
+t.eq(progress.line("save", 512, 1024, 2), "save [###############...............]  50% 512 B / 1.0 KiB 256 B/s",
+     "half way")
+t.eq(progress.line("load", 3 * 2 ^ 30, 3 * 2 ^ 30, 1.5),
+     "load [##############################] 100% 3.00 GiB / 3.00 GiB 2.00 GiB/s", "done")
+t.eq(progress.line("x", 0, 0, 0), "x [##############################] 100% 0 B / 0 B 0 B/s", "nothing to do")
+t.eq(progress.size(1536), "1.5 KiB", "sizes")
+
+local launcher = os.getenv("FSDP_TEST_LAUNCHER") or (arg and arg[-1])
+local tmp = os.tmpname()
+os.remove(tmp)
+local function run(env)
+  local code = string.format([[
+    local nn = require "fsdp.nn"
+    local s = fsdp.shard(nn.Linear(64, 64))
+    fsdp.save(%q, { model = s })
+    io.stderr:write("saved\n")
+  ]], tmp .. "/ckpt" .. env:gsub("%W", ""))
+  local p = io.popen(string.format("%s '%s' -e %q 2>&1 >/dev/null", env, launcher, code))
+  local out = p:read("*a")
+  p:close()
+  return out
+end
+-- this test's stderr is not a terminal: no bar unless forced
+local plain = run("FSDP_PROGRESS=")
+t.ok(plain:find("saved", 1, true) and not plain:find("save [", 1, true), "no bar when stderr is not a terminal: " .. plain)
+local forced = run("FSDP_PROGRESS=1")
+t.ok(forced:find("save [", 1, true) ~= nil, "a bar when forced: " .. forced)
+t.ok(forced:find("100%", 1, true) ~= nil and forced:find("/s\n", 1, true) ~= nil, "the bar ends at 100% with a rate")
+local off = run("FSDP_PROGRESS=0")
+t.ok(not off:find("save [", 1, true), "FSDP_PROGRESS=0 turns bars off")
+os.execute("rm -rf '" .. tmp .. "'")
+t.done()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# fsdp.metrics on 1 and 2 ranks (tests/sh/metrics_job.lua checks the
+# records), then tools/plot draws the file into a PNG.
+#   bash tests/sh/test_metrics.sh <launcher> <repo root>
+set -u
+L=${1:?usage: test_metrics.sh <launcher> <repo root>}
+ROOT=${2:?usage: test_metrics.sh <launcher> <repo root>}
+cd "$ROOT" || exit 1
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
+
+out=$("$L" tests/sh/metrics_job.lua "$TMP/one.jsonl" 2>&1) && ok || bad "metrics on 1 rank" "$out"
+MPIRUN=$(command -v mpirun || true)
+if [ -n "$MPIRUN" ]; then
+  out=$("$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 -x OPENBLAS_NUM_THREADS \
+        -x FSDP_NUM_THREADS "$L" tests/sh/metrics_job.lua "$TMP/two.jsonl" 2>&1) && ok || bad "metrics on 2 ranks" "$out"
+else
+  bad "mpirun is needed for the 2-rank metrics"
+fi
+
+# the plot: a PNG from the 2-rank file; errors for files without steps
+if command -v gnuplot >/dev/null; then
+  out=$(tools/plot "$TMP/two.jsonl" "$TMP/two.png" 2>&1) && ok || bad "tools/plot runs" "$out"
+  if [ -s "$TMP/two.png" ] && [ "$(head -c 8 "$TMP/two.png" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ]; then
+    ok
+  else
+    bad "tools/plot wrote a PNG" "$out"
+  fi
+  grep -q "4 steps, 1 evaluations" <<<"$out" && ok || bad "tools/plot read the steps and the evaluation" "$out"
+  printf '{"step": 1, "eval_loss": 3}\n' > "$TMP/none.jsonl"
+  out=$(tools/plot "$TMP/none.jsonl" "$TMP/none.png" 2>&1); rc=$?
+  [ $rc -ne 0 ] && grep -q "no training steps" <<<"$out" && ok || bad "tools/plot refuses a file without steps" "$out"
+  printf '{"step": 1, "loss": 3}\n{"step": 2,\n' > "$TMP/broken.jsonl"
+  out=$(tools/plot "$TMP/broken.jsonl" 2>&1); rc=$?
+  [ $rc -ne 0 ] && grep -q "line 2 is not a JSON object" <<<"$out" && ok || bad "tools/plot names a broken line" "$out"
+else
+  bad "gnuplot is needed for tools/plot (tools/install-deps.sh installs gnuplot-nox)"
+fi
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]

@@ -1,0 +1,20 @@
+-- A small sharded GPT trained for 3 steps, for tests/sh/test_trace.sh: its
+-- timeline (--trace=FILE) is then checked by tests/sh/check_trace.lua.
+package.path = "tests/lua/?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local nn = require "fsdp.nn"
+local optim = require "fsdp.optim"
+local cfg = { vocab_size = 64, n_layer = 2, n_head = 2, n_embd = 32, block_size = 16 }
+local model = nn.GPT(cfg)
+local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), seed = 3 })
+local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 1e-3 })
+for step = 1, 3 do
+  local x, y = t.token_batch(step * 31 + fsdp.rank(), 2, 16, cfg.vocab_size)
+  local _, loss = model(x, y)
+  loss:backward()
+  sharded:clip_grad_norm(1.0)
+  opt:step()
+  sharded:zero_grad()
+end
+print("trained")
