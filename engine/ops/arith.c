@@ -170,6 +170,7 @@ fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *
     if (op < FSDP_ADD || op > FSDP_DIV)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_binary: unknown op %d (expected 0..3)", op);
     const char *name = binary_names[op];
+    trace_scope_.name = name + 5;   /* "fsdp_add" -> "add" on the timeline */
     const char *names[] = {"a", "b"};
     fsdp_tensor *ts[] = {a, b};
     FSDP_TRY(op_check(name, out, 2, names, ts, NULL));
