@@ -11,6 +11,7 @@
 -- 30 terms, agrees much closer (measured 2e-4): 2^-9.
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
+local fsdp = require "fsdp"
 local nn = require "fsdp.nn"
 local st = require "fsdp.safetensors"
 
@@ -27,6 +28,10 @@ local cfg = {
 }
 local model = nn.GPT(cfg)
 model:from_hf(init)
+local shapes = {}
+for _, p in ipairs(model:named_parameters()) do shapes[p.path] = p.tensor:shape() end
+-- one rank: the shards are the whole model, gathered in bf16 for compute
+local sharded = fsdp.shard(model, { mixed_precision = { compute = "bf16" } })
 
 local function rel_err(a, b)
   local x, y = a:float():contiguous():view(-1):tolist(), b:float():contiguous():view(-1):tolist()
@@ -47,7 +52,7 @@ end
 
 local idx, targets = gold16.input_ids, gold16.targets
 t.eq(rel_err(idx, gold64.input_ids) + rel_err(targets, gold64.targets), 0, "same batch as the float64 fixture")
-local logits, loss = model:compute_in("bf16", model.forward, model, idx, targets)
+local logits, loss = sharded(idx, targets)
 t.eq(logits:dtype(), "bf16", "activations flow in bf16")
 local V = cfg.vocab_size
 close(logits:narrow(3, 1, V), gold16.logits, gold64.logits, "logits")
@@ -57,7 +62,7 @@ t.ok(math.abs(l - want) <= TOL_LOSS * math.abs(want),
     math.abs(l - want) / math.abs(want), TOL_LOSS))
 loss:backward()
 local grads = {}
-for _, p in ipairs(model:named_parameters()) do grads[p.path] = p.tensor:get_grad() end
+for _, seg in ipairs(sharded.segments) do grads[seg.path] = seg.grad:view(unpack(shapes[seg.path])) end
 local n = 0
 for name, g in pairs(model:to_hf(grads)) do
   local want_g = gold16["grad." .. name]
