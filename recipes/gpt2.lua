@@ -53,32 +53,23 @@ local o = options.parse(..., {
   { "save_every", "int", 0, "save a sharded checkpoint every N steps (0 = never)", min = 0 },
   { "save_dir", "string", "checkpoints/", "where checkpoints go, one step_NNNNNNNN folder each" },
   { "keep", "int", 0, "keep only the newest K checkpoints in --save-dir (0 = all)", min = 0 },
-  { "resume", "path or flag", nil, "--resume: go on from the newest checkpoint in --save-dir (if any); "
+  { "resume", "path_or_flag", nil, "--resume: go on from the newest checkpoint in --save-dir (if any); "
     .. "--resume=PATH: from that checkpoint, or the newest under PATH" },
 }, "gpt2.lua")
 
 if o.threads then fsdp.set_num_threads(o.threads) end
-local cfg = nn.gpt_preset(o.preset)
-local world = dist.world()
-if o.ctx > cfg.block_size then
-  fail("gpt2.lua: --ctx=%d is longer than the %s model's context of %d", o.ctx, o.preset, cfg.block_size)
-end
-if o.batch % (world * o.accum) ~= 0 then
-  fail("gpt2.lua: --batch=%d is not divisible by %d ranks x %d micro-batches", o.batch, world, o.accum)
-end
-if o.model ~= "gpt" and (o.export or o.init) then
-  fail("gpt2.lua: --%s uses Hugging Face GPT-2 names, which --model=%s does not have", o.export and "export" or
-    "init", o.model)
-end
-if (o.strategy == "hybrid_shard") ~= (o.group_size ~= nil) then
-  fail("gpt2.lua: --group-size goes with --strategy=hybrid_shard, and that needs it")
-end
-if o.group_size and world % o.group_size ~= 0 then
-  fail("gpt2.lua: --group-size=%d does not divide the world size %d", o.group_size, world)
-end
-if o.resume ~= nil and o.resume ~= true and o.resume ~= false and type(o.resume) ~= "string" then
-  fail("gpt2.lua: --resume expects a checkpoint path or nothing, got '%s'", tostring(o.resume))
-end
+local cfg, world = nn.gpt_preset(o.preset), dist.world()
+options.check("gpt2.lua", {   -- what cannot work is refused before anything is built
+  { o.ctx <= cfg.block_size, "--ctx=%d is longer than the %s model's context of %d", o.ctx, o.preset, cfg.block_size },
+  { o.batch % (world * o.accum) == 0, "--batch=%d is not divisible by %d ranks x %d micro-batches", o.batch, world,
+    o.accum },
+  { o.model == "gpt" or not (o.export or o.init), "--%s uses Hugging Face GPT-2 names, which --model=%s does not "
+    .. "have", o.export and "export" or "init", o.model },
+  { (o.strategy == "hybrid_shard") == (o.group_size ~= nil), "--group-size goes with --strategy=hybrid_shard, and "
+    .. "that needs it" },
+  { not o.group_size or world % o.group_size == 0, "--group-size=%s does not divide the world size %d",
+    tostring(o.group_size), world },
+})
 local resume_from = o.resume and (o.resume == true and o.save_dir or o.resume)
 local resume_dir = resume_from and (fsdp.checkpoint.exists(resume_from) and resume_from or
   fsdp.checkpoint.latest(resume_from))

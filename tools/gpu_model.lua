@@ -46,9 +46,10 @@ local compute_rate = {
   matmul_f32 = function() return H200.gemm_f32 end,
   attention_forward_f32 = function() return H200.attention_f32 end,
   attention_backward_f32 = function() return H200.attention_f32 end,
-  -- batched bf16 GEMMs over batch x heads (T x T x D): large enough tiles
-  attention_qkv_forward_bf16 = function() return H200.gemm_bf16 end,
-  attention_qkv_backward_bf16 = function() return H200.gemm_bf16 end,
+  -- the packed bf16 attention's batched GEMMs compute every one of the T x T
+  -- scores, the counts hold the useful (causal: half) FLOPs: half the GEMM rate
+  attention_qkv_forward_bf16 = function() return H200.gemm_bf16 / 2 end,
+  attention_qkv_backward_bf16 = function() return H200.gemm_bf16 / 2 end,
 }
 -- Entries whose FLOPs count as the model's (for MFU).
 local model_flops = { gemm_bf16 = true, gemm_f32 = true, attention = true, attention_bf16 = true }

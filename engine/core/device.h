@@ -44,6 +44,22 @@ typedef struct fsdp_device_kernels {
     void (*sum_dim_f32)(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
     double (*sum_all_f32)(const float *in, int64_t n);
     double (*sumsq_f32)(const float *in, int64_t n);
+    /* bf16 versions of the above (f32 math, one rounding per result);
+     * optional: NULL where bf16 goes through f32. Sums accumulate as the
+     * f32 ones do and round once at the end. */
+    void (*binary_bf16)(int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides, const uint16_t *b,
+                        const int64_t *b_strides, int ndim, const int64_t *shape);
+    void (*scale_bf16)(uint16_t *out, const uint16_t *a, float s, int64_t n);
+    void (*add_scalar_bf16)(uint16_t *out, const uint16_t *a, float s, int64_t n);
+    void (*axpy_bf16)(uint16_t *y, const uint16_t *x, float alpha, int64_t n);
+    void (*sum_dim_bf16)(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+    /* sum over i < n of sumsq(ptrs[i], counts[i]), ptrs and counts host
+     * arrays of f32 device buffers: one pass over them all (CUDA: a launch
+     * per 14 tensors and one to add the partials), one value back
+     * (gradient norms: one wait instead of one per tensor). Summed in
+     * double in an order fixed by the sizes. Optional: NULL where the op
+     * layer calls sumsq_f32 per tensor. */
+    double (*sumsq_many_f32)(const float *const *ptrs, const int64_t *counts, int n);
     /* activation.c, softmax.c */
     void (*gelu_forward_f32)(float *out, const float *x, int64_t n);
     void (*gelu_backward_f32)(float *dx, const float *x, const float *dout, int64_t n);
@@ -53,6 +69,16 @@ typedef struct fsdp_device_kernels {
     void (*softmax_backward_f32)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
     void (*log_softmax_forward_f32)(float *out, const float *x, int64_t rows, int64_t cols);
     void (*log_softmax_backward_f32)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+    /* bf16 versions (optional) */
+    void (*gelu_forward_bf16)(uint16_t *out, const uint16_t *x, int64_t n);
+    void (*gelu_backward_bf16)(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n);
+    void (*silu_forward_bf16)(uint16_t *out, const uint16_t *x, int64_t n);
+    void (*silu_backward_bf16)(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n);
+    void (*softmax_forward_bf16)(uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols);
+    void (*softmax_backward_bf16)(uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, int64_t cols);
+    void (*log_softmax_forward_bf16)(uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols);
+    void (*log_softmax_backward_bf16)(uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows,
+                                      int64_t cols);
     /* norm.c */
     void (*layernorm_forward_f32)(float *out, float *mean, float *rstd, const float *x, const float *weight,
                                   const float *bias, int64_t rows, int64_t cols, float eps);
@@ -63,6 +89,17 @@ typedef struct fsdp_device_kernels {
                                 int64_t cols, float eps);
     void (*rmsnorm_backward_f32)(float *dx, float *dweight, const float *dout, const float *x, const float *weight,
                                  const float *rstd, int64_t rows, int64_t cols);
+    /* bf16 versions (optional): tensors bf16, mean and rstd f32; the weight
+     * and bias gradients are summed in double and rounded once */
+    void (*layernorm_forward_bf16)(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
+                                   const uint16_t *bias, int64_t rows, int64_t cols, float eps);
+    void (*layernorm_backward_bf16)(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                    const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
+                                    int64_t rows, int64_t cols);
+    void (*rmsnorm_forward_bf16)(uint16_t *out, float *rstd, const uint16_t *x, const uint16_t *weight, int64_t rows,
+                                 int64_t cols, float eps);
+    void (*rmsnorm_backward_bf16)(uint16_t *dx, uint16_t *dweight, const uint16_t *dout, const uint16_t *x,
+                                  const uint16_t *weight, const float *rstd, int64_t rows, int64_t cols);
     /* embedding.c, loss.c, attention.c */
     void (*embedding_forward_f32)(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
     void (*embedding_backward_f32)(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
@@ -91,6 +128,12 @@ typedef struct fsdp_device_kernels {
     void (*attention_qkv_backward_bf16)(uint16_t *dqkv, float *dprobs, uint16_t *dscores, const uint16_t *dout,
                                         const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,
                                         int64_t D, int causal, float scale);
+    /* cross-entropy on bf16 logits (optional): losses and lse f32, dlogits bf16 */
+    int64_t (*cross_entropy_forward_bf16)(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
+                                          int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+    void (*cross_entropy_backward_bf16)(uint16_t *dlogits, const uint16_t *logits, const float *lse,
+                                        const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
+                                        int64_t ignore_index, const float *dloss, int64_t count);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);

@@ -187,6 +187,13 @@ static fsdp_status add_into(fsdp_tensor *acc, fsdp_tensor *g) {
         KERNELS(acc)->axpy_f32(tensor_data(acc), tensor_data(g), 1.0f, n);
         return FSDP_OK;
     }
+    if (acc->dtype == FSDP_BF16 && g->dtype == FSDP_BF16 && KERNELS(acc)->axpy_bf16 && tensor_is_contiguous(acc)) {
+        fsdp_tensor *gc;   /* bf16 natively: f32 math, one rounding per element */
+        FSDP_TRY(tensor_contiguous(&gc, g));
+        KERNELS(acc)->axpy_bf16(tensor_data(acc), tensor_data(gc), 1.0f, n);
+        tensor_release(gc);
+        return FSDP_OK;
+    }
     fsdp_tensor *a32, *g32;
     FSDP_TRY(tensor_as_f32(&a32, acc));
     fsdp_status st = tensor_as_f32(&g32, g);

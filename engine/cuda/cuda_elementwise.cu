@@ -183,22 +183,44 @@ __device__ __forceinline__ float binary_op(int op, float x, float y) {
 }
 
 /* out (contiguous) [i] = a[plan(i) in s0] op b[plan(i) in s1] */
-__global__ void binary_kernel(int op, float *out, const float *a, const float *b, nd_plan p, int64_t numel) {
+template <class T>
+__global__ void binary_kernel(int op, T *__restrict__ out, const T *__restrict__ a, const T *__restrict__ b,
+                              nd_plan p, int64_t numel) {
     GRID_STRIDE(i, numel) {
         int64_t oa, ob;
         nd_offsets(p, i, &oa, &ob);
-        out[i] = binary_op(op, a[oa], b[ob]);
+        stf(out + i, binary_op(op, ldf(a[oa]), ldf(b[ob])));
     }
 }
 
 /* same shape, both contiguous */
-__global__ void binary_contig_kernel(int op, float *out, const float *a, const float *b, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = binary_op(op, a[i], b[i]);
+template <class T>
+__global__ void binary_contig_kernel(int op, T *__restrict__ out, const T *__restrict__ a, const T *__restrict__ b,
+                                     int64_t n) {
+    GRID_STRIDE(i, n) stf(out + i, binary_op(op, ldf(a[i]), ldf(b[i])));
 }
 
-void cuda_binary_f32(int op, float *out, const float *a, const int64_t *a_strides, const float *b,
-                     const int64_t *b_strides, int ndim, const int64_t *shape) {
-    CUDA_ENTER();
+/* bf16, same shape, contiguous, 16-byte aligned: 8 elements per 16-byte
+ * load and store */
+struct bf16x8 {
+    uint16_t h[8];
+};
+
+__global__ void binary_contig_bf16x8_kernel(int op, bf16x8 *__restrict__ out, const bf16x8 *__restrict__ a,
+                                            const bf16x8 *__restrict__ b, int64_t n8) {
+    GRID_STRIDE(i, n8) {
+        bf16x8 x = a[i], y = b[i], r;
+#pragma unroll
+        for (int k = 0; k < 8; k++) r.h[k] = f32_to_bf16(binary_op(op, bf16_to_f32(x.h[k]), bf16_to_f32(y.h[k])));
+        out[i] = r;
+    }
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+template <class T>
+static void binary_launch(int op, T *out, const T *a, const int64_t *a_strides, const T *b, const int64_t *b_strides,
+                          int ndim, const int64_t *shape) {
     if (op < 0 || op > 3) return;   /* the op layer checks */
     nd_plan p;
     int64_t numel = plan_dims(&p, ndim, shape, a_strides, b_strides);
@@ -209,42 +231,74 @@ void cuda_binary_f32(int op, float *out, const float *a, const int64_t *a_stride
         p.s0[0] = p.s1[0] = 0;
     }
     unsigned blocks = cuda_blocks(numel, CUDA_THREADS);
-    if (p.nd == 1 && p.s0[0] == 1 && p.s1[0] == 1)
-        LAUNCH(binary_contig_kernel, blocks, CUDA_THREADS, 0)(op, out, a, b, numel);
-    else
-        LAUNCH(binary_kernel, blocks, CUDA_THREADS, 0)(op, out, a, b, p, numel);
+    if (p.nd == 1 && p.s0[0] == 1 && p.s1[0] == 1) {
+        if (sizeof(T) == 2 && numel % 8 == 0 && aligned16(out) && aligned16(a) && aligned16(b))
+            LAUNCH(binary_contig_bf16x8_kernel, cuda_blocks(numel / 8, CUDA_THREADS), CUDA_THREADS, 0)(
+                op, (bf16x8 *)out, (const bf16x8 *)a, (const bf16x8 *)b, numel / 8);
+        else
+            LAUNCH(binary_contig_kernel<T>, blocks, CUDA_THREADS, 0)(op, out, a, b, numel);
+    } else {
+        LAUNCH(binary_kernel<T>, blocks, CUDA_THREADS, 0)(op, out, a, b, p, numel);
+    }
     CUDA_CHECK_LAUNCH();
+}
+
+void cuda_binary_f32(int op, float *out, const float *a, const int64_t *a_strides, const float *b,
+                     const int64_t *b_strides, int ndim, const int64_t *shape) {
+    CUDA_ENTER();
+    binary_launch(op, out, a, a_strides, b, b_strides, ndim, shape);
+}
+
+void cuda_binary_bf16(int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides, const uint16_t *b,
+                      const int64_t *b_strides, int ndim, const int64_t *shape) {
+    CUDA_ENTER();
+    binary_launch(op, out, a, a_strides, b, b_strides, ndim, shape);
 }
 
 /* ---- scalar ops and axpy ---- */
 
-__global__ void scale_kernel(float *out, const float *a, float s, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = a[i] * s;
+template <class T> __global__ void scale_kernel(T *out, const T *a, float s, int64_t n) {
+    GRID_STRIDE(i, n) stf(out + i, ldf(a[i]) * s);
 }
-__global__ void add_scalar_kernel(float *out, const float *a, float s, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = a[i] + s;
+template <class T> __global__ void add_scalar_kernel(T *out, const T *a, float s, int64_t n) {
+    GRID_STRIDE(i, n) stf(out + i, ldf(a[i]) + s);
 }
-__global__ void axpy_kernel(float *y, const float *x, float alpha, int64_t n) {
-    GRID_STRIDE(i, n) y[i] += alpha * x[i];
+template <class T> __global__ void axpy_kernel(T *__restrict__ y, const T *__restrict__ x, float alpha, int64_t n) {
+    GRID_STRIDE(i, n) stf(y + i, ldf(y[i]) + alpha * ldf(x[i]));
 }
-
-void cuda_scale_f32(float *out, const float *a, float s, int64_t n) {
-    CUDA_ENTER();
-    if (n <= 0) return;
-    LAUNCH(scale_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, a, s, n);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_add_scalar_f32(float *out, const float *a, float s, int64_t n) {
-    CUDA_ENTER();
-    if (n <= 0) return;
-    LAUNCH(add_scalar_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, a, s, n);
-    CUDA_CHECK_LAUNCH();
+/* bf16 y += alpha x, 8 elements per 16-byte access */
+__global__ void axpy_bf16x8_kernel(bf16x8 *__restrict__ y, const bf16x8 *__restrict__ x, float alpha, int64_t n8) {
+    GRID_STRIDE(i, n8) {
+        bf16x8 a = y[i], b = x[i];
+#pragma unroll
+        for (int k = 0; k < 8; k++) a.h[k] = f32_to_bf16(bf16_to_f32(a.h[k]) + alpha * bf16_to_f32(b.h[k]));
+        y[i] = a;
+    }
 }
 
-void cuda_axpy_f32(float *y, const float *x, float alpha, int64_t n) {
+#define SCALAR_ENTRY(name, kernel, T, params, args)                                     \
+    void name params {                                                                  \
+        CUDA_ENTER();                                                                   \
+        if (n <= 0) return;                                                             \
+        LAUNCH(kernel<T>, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0) args;          \
+        CUDA_CHECK_LAUNCH();                                                            \
+    }
+SCALAR_ENTRY(cuda_scale_f32, scale_kernel, float, (float *out, const float *a, float s, int64_t n), (out, a, s, n))
+SCALAR_ENTRY(cuda_add_scalar_f32, add_scalar_kernel, float, (float *out, const float *a, float s, int64_t n),
+             (out, a, s, n))
+SCALAR_ENTRY(cuda_axpy_f32, axpy_kernel, float, (float *y, const float *x, float alpha, int64_t n), (y, x, alpha, n))
+SCALAR_ENTRY(cuda_scale_bf16, scale_kernel, uint16_t, (uint16_t *out, const uint16_t *a, float s, int64_t n),
+             (out, a, s, n))
+SCALAR_ENTRY(cuda_add_scalar_bf16, add_scalar_kernel, uint16_t, (uint16_t *out, const uint16_t *a, float s, int64_t n),
+             (out, a, s, n))
+
+void cuda_axpy_bf16(uint16_t *y, const uint16_t *x, float alpha, int64_t n) {
     CUDA_ENTER();
     if (n <= 0) return;
-    LAUNCH(axpy_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(y, x, alpha, n);
+    if (n % 8 == 0 && aligned16(y) && aligned16(x))
+        LAUNCH(axpy_bf16x8_kernel, cuda_blocks(n / 8, CUDA_THREADS), CUDA_THREADS, 0)((bf16x8 *)y, (const bf16x8 *)x,
+                                                                                     alpha, n / 8);
+    else
+        LAUNCH(axpy_kernel<uint16_t>, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(y, x, alpha, n);
     CUDA_CHECK_LAUNCH();
 }

@@ -228,8 +228,10 @@ void cuda_fail(const char *op, const char *file, int line, const char *call, con
 void *cuda_tmp_alloc(size_t nbytes);
 void cuda_tmp_free(void *ptr);
 
-/* out[i] = (float) sum_s partial[s * n + i], s in order (cuda_reduce.cu). */
+/* out[i] = (float) sum_s partial[s * n + i], s in order (cuda_reduce.cu);
+ * bf16: rounded once more, to bf16. */
 void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n);
+void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64_t n);
 
 #define CUDA_THREADS 256
 
@@ -257,6 +259,15 @@ __device__ __forceinline__ float *cuda_dyn_smem_(void) {
     return fsdp_dyn_smem;
 }
 #endif
+
+/* ---- bf16 in memory, f32 in registers ----
+ * Kernels templated on the element type T (float or uint16_t holding bf16)
+ * read with ldf and write with stf; for float both are the identity, so the
+ * f32 entries compute exactly what they did before the bf16 ones existed. */
+__device__ __forceinline__ float ldf(float x) { return x; }
+__device__ __forceinline__ float ldf(uint16_t x) { return bf16_to_f32(x); }
+__device__ __forceinline__ void stf(float *p, float v) { *p = v; }
+__device__ __forceinline__ void stf(uint16_t *p, float v) { *p = f32_to_bf16(v); }
 
 /* ---- warp and block reductions; blockDim.x * blockDim.y a multiple of 32 ----
  * The xor butterfly leaves every lane with the same value (each step adds
@@ -316,6 +327,11 @@ void cuda_binary_f32(int op, float *out, const float *a, const int64_t *a_stride
 void cuda_scale_f32(float *out, const float *a, float s, int64_t n);
 void cuda_add_scalar_f32(float *out, const float *a, float s, int64_t n);
 void cuda_axpy_f32(float *y, const float *x, float alpha, int64_t n);
+void cuda_binary_bf16(int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides, const uint16_t *b,
+                      const int64_t *b_strides, int ndim, const int64_t *shape);
+void cuda_scale_bf16(uint16_t *out, const uint16_t *a, float s, int64_t n);
+void cuda_add_scalar_bf16(uint16_t *out, const uint16_t *a, float s, int64_t n);
+void cuda_axpy_bf16(uint16_t *y, const uint16_t *x, float alpha, int64_t n);
 /* cuda_matmul.cu */
 void cuda_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                       int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,
@@ -327,6 +343,8 @@ void cuda_matmul_f32(float *c, const float *a, const float *b, int64_t batch, in
 void cuda_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
 double cuda_sum_all_f32(const float *in, int64_t n);
 double cuda_sumsq_f32(const float *in, int64_t n);
+void cuda_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n);
 /* cuda_nn.cu */
 void cuda_gelu_forward_f32(float *out, const float *x, int64_t n);
 void cuda_gelu_backward_f32(float *dx, const float *x, const float *dout, int64_t n);
@@ -345,6 +363,28 @@ void cuda_rmsnorm_forward_f32(float *out, float *rstd, const float *x, const flo
                               int64_t cols, float eps);
 void cuda_rmsnorm_backward_f32(float *dx, float *dweight, const float *dout, const float *x, const float *weight,
                                const float *rstd, int64_t rows, int64_t cols);
+void cuda_gelu_forward_bf16(uint16_t *out, const uint16_t *x, int64_t n);
+void cuda_gelu_backward_bf16(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n);
+void cuda_silu_forward_bf16(uint16_t *out, const uint16_t *x, int64_t n);
+void cuda_silu_backward_bf16(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n);
+void cuda_softmax_forward_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols);
+void cuda_softmax_backward_bf16(uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, int64_t cols);
+void cuda_log_softmax_forward_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols);
+void cuda_log_softmax_backward_bf16(uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, int64_t cols);
+void cuda_layernorm_forward_bf16(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
+                                 const uint16_t *bias, int64_t rows, int64_t cols, float eps);
+void cuda_layernorm_backward_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                  const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
+                                  int64_t rows, int64_t cols);
+void cuda_rmsnorm_forward_bf16(uint16_t *out, float *rstd, const uint16_t *x, const uint16_t *weight, int64_t rows,
+                               int64_t cols, float eps);
+void cuda_rmsnorm_backward_bf16(uint16_t *dx, uint16_t *dweight, const uint16_t *dout, const uint16_t *x,
+                                const uint16_t *weight, const float *rstd, int64_t rows, int64_t cols);
+int64_t cuda_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
+                                        int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
+                                      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
+                                      int64_t ignore_index, const float *dloss, int64_t count);
 void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
 void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
                                  int64_t dim);

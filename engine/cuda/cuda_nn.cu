@@ -16,34 +16,39 @@
 
 __device__ __forceinline__ float sigmoid_f(float z) { return 1.0f / (1.0f + expf(-z)); }
 
-__global__ void gelu_fwd_kernel(float *out, const float *x, int64_t n) {
+template <class T> __global__ void gelu_fwd_kernel(T *__restrict__ out, const T *__restrict__ x, int64_t n) {
     GRID_STRIDE(i, n) {
-        float v = x[i];
+        float v = ldf(x[i]);
         float u = GELU_C * (v + GELU_A * v * v * v);
-        out[i] = v * sigmoid_f(2.0f * u);
+        stf(out + i, v * sigmoid_f(2.0f * u));
     }
 }
 
 /* d/dx [x s(2u)] = s + x * 2 s (1 - s) * du/dx */
-__global__ void gelu_bwd_kernel(float *dx, const float *x, const float *dout, int64_t n) {
+template <class T>
+__global__ void gelu_bwd_kernel(T *__restrict__ dx, const T *__restrict__ x, const T *__restrict__ dout, int64_t n) {
     GRID_STRIDE(i, n) {
-        float v = x[i];
+        float v = ldf(x[i]);
         float u = GELU_C * (v + GELU_A * v * v * v);
         float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
         float s = sigmoid_f(2.0f * u);
-        dx[i] = dout[i] * (s + 2.0f * v * s * (1.0f - s) * du);
+        stf(dx + i, ldf(dout[i]) * (s + 2.0f * v * s * (1.0f - s) * du));
     }
 }
 
-__global__ void silu_fwd_kernel(float *out, const float *x, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = x[i] * sigmoid_f(x[i]);
+template <class T> __global__ void silu_fwd_kernel(T *__restrict__ out, const T *__restrict__ x, int64_t n) {
+    GRID_STRIDE(i, n) {
+        float v = ldf(x[i]);
+        stf(out + i, v * sigmoid_f(v));
+    }
 }
 
 /* d/dx [x s(x)] = s + x s (1 - s) */
-__global__ void silu_bwd_kernel(float *dx, const float *x, const float *dout, int64_t n) {
+template <class T>
+__global__ void silu_bwd_kernel(T *__restrict__ dx, const T *__restrict__ x, const T *__restrict__ dout, int64_t n) {
     GRID_STRIDE(i, n) {
-        float v = x[i], s = sigmoid_f(v);
-        dx[i] = dout[i] * s * (1.0f + v * (1.0f - s));
+        float v = ldf(x[i]), s = sigmoid_f(v);
+        stf(dx + i, ldf(dout[i]) * s * (1.0f + v * (1.0f - s)));
     }
 }
 
@@ -54,12 +59,20 @@ __global__ void silu_bwd_kernel(float *dx, const float *x, const float *dout, in
         LAUNCH(kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0) args;             \
         CUDA_CHECK_LAUNCH();                                                            \
     }
-ELEMENTWISE_ENTRY(cuda_gelu_forward_f32, gelu_fwd_kernel, (float *out, const float *x, int64_t n), (out, x, n))
-ELEMENTWISE_ENTRY(cuda_gelu_backward_f32, gelu_bwd_kernel, (float *dx, const float *x, const float *dout, int64_t n),
-                  (dx, x, dout, n))
-ELEMENTWISE_ENTRY(cuda_silu_forward_f32, silu_fwd_kernel, (float *out, const float *x, int64_t n), (out, x, n))
-ELEMENTWISE_ENTRY(cuda_silu_backward_f32, silu_bwd_kernel, (float *dx, const float *x, const float *dout, int64_t n),
-                  (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_gelu_forward_f32, gelu_fwd_kernel<float>, (float *out, const float *x, int64_t n), (out, x, n))
+ELEMENTWISE_ENTRY(cuda_gelu_backward_f32, gelu_bwd_kernel<float>,
+                  (float *dx, const float *x, const float *dout, int64_t n), (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_silu_forward_f32, silu_fwd_kernel<float>, (float *out, const float *x, int64_t n), (out, x, n))
+ELEMENTWISE_ENTRY(cuda_silu_backward_f32, silu_bwd_kernel<float>,
+                  (float *dx, const float *x, const float *dout, int64_t n), (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_gelu_forward_bf16, gelu_fwd_kernel<uint16_t>, (uint16_t *out, const uint16_t *x, int64_t n),
+                  (out, x, n))
+ELEMENTWISE_ENTRY(cuda_gelu_backward_bf16, gelu_bwd_kernel<uint16_t>,
+                  (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_silu_forward_bf16, silu_fwd_kernel<uint16_t>, (uint16_t *out, const uint16_t *x, int64_t n),
+                  (out, x, n))
+ELEMENTWISE_ENTRY(cuda_silu_backward_bf16, silu_bwd_kernel<uint16_t>,
+                  (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), (dx, x, dout, n))
 
 /* ---- row launches ---- */
 
@@ -71,111 +84,122 @@ static unsigned row_blocks(int64_t rows) { return (unsigned)cuda_min64(rows, (in
 /* ---- softmax and log-softmax over the last dim of (rows, cols) ---- */
 
 /* log_mode 0: y = exp(x - max) / sum; 1: y = (x - max) - log sum */
-__global__ void softmax_fwd_kernel(float *out, const float *x, int64_t rows, int64_t cols, int log_mode) {
+template <class T>
+__global__ void softmax_fwd_kernel(T *__restrict__ out, const T *__restrict__ x, int64_t rows, int64_t cols,
+                                   int log_mode) {
     __shared__ double sd[32];
     __shared__ float sf[32];
     FOR_ROWS(r, rows) {
-        const float *xr = x + r * cols;   // (cols)
-        float *yr = out + r * cols;
+        const T *xr = x + r * cols;   // (cols)
+        T *yr = out + r * cols;
         float m = -INFINITY;
-        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, ldf(xr[j]));
         m = block_max_f(m, sf);
         double sum = 0.0;
-        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += (double)expf(xr[j] - m);
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += (double)expf(ldf(xr[j]) - m);
         sum = block_sum_d(sum, sd);
         if (log_mode) {
             float logsum = (float)log(sum);
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (xr[j] - m) - logsum;
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) stf(yr + j, (ldf(xr[j]) - m) - logsum);
         } else {
             float inv = (float)(1.0 / sum);
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = expf(xr[j] - m) * inv;
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) stf(yr + j, expf(ldf(xr[j]) - m) * inv);
         }
     }
 }
 
 /* log_mode 0 (y = softmax): dx = y (dy - sum dy y);
  * log_mode 1 (y = log softmax): dx = dy - exp(y) sum dy */
-__global__ void softmax_bwd_kernel(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols,
-                                   int log_mode) {
+template <class T>
+__global__ void softmax_bwd_kernel(T *__restrict__ dx, const T *__restrict__ y, const T *__restrict__ dy, int64_t rows,
+                                   int64_t cols, int log_mode) {
     __shared__ double sd[32];
     FOR_ROWS(r, rows) {
-        const float *yr = y + r * cols, *dyr = dy + r * cols;   // (cols)
-        float *dxr = dx + r * cols;
+        const T *yr = y + r * cols, *dyr = dy + r * cols;   // (cols)
+        T *dxr = dx + r * cols;
         double acc = 0.0;
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x)
-            acc += log_mode ? (double)dyr[j] : (double)dyr[j] * yr[j];
+            acc += log_mode ? (double)ldf(dyr[j]) : (double)ldf(dyr[j]) * ldf(yr[j]);
         float s = (float)block_sum_d(acc, sd);
         if (log_mode)
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] = dyr[j] - expf(yr[j]) * s;
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) stf(dxr + j, ldf(dyr[j]) - expf(ldf(yr[j])) * s);
         else
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) dxr[j] = yr[j] * (dyr[j] - s);
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) stf(dxr + j, ldf(yr[j]) * (ldf(dyr[j]) - s));
     }
 }
 
-static void softmax_fwd(float *out, const float *x, int64_t rows, int64_t cols, int log_mode) {
+template <class T> static void softmax_fwd(T *out, const T *x, int64_t rows, int64_t cols, int log_mode) {
     if (rows <= 0 || cols <= 0) return;
-    LAUNCH(softmax_fwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(out, x, rows, cols, log_mode);
+    LAUNCH(softmax_fwd_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(out, x, rows, cols, log_mode);
     CUDA_CHECK_LAUNCH();
 }
 
-static void softmax_bwd(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols, int log_mode) {
+template <class T> static void softmax_bwd(T *dx, const T *y, const T *dy, int64_t rows, int64_t cols, int log_mode) {
     if (rows <= 0 || cols <= 0) return;
-    LAUNCH(softmax_bwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(dx, y, dy, rows, cols, log_mode);
+    LAUNCH(softmax_bwd_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, y, dy, rows, cols, log_mode);
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_softmax_forward_f32(float *out, const float *x, int64_t rows, int64_t cols) {
-    CUDA_ENTER();
-    softmax_fwd(out, x, rows, cols, 0);
-}
-void cuda_softmax_backward_f32(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols) {
-    CUDA_ENTER();
-    softmax_bwd(dx, y, dy, rows, cols, 0);
-}
-void cuda_log_softmax_forward_f32(float *out, const float *x, int64_t rows, int64_t cols) {
-    CUDA_ENTER();
-    softmax_fwd(out, x, rows, cols, 1);
-}
-void cuda_log_softmax_backward_f32(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols) {
-    CUDA_ENTER();
-    softmax_bwd(dx, y, dy, rows, cols, 1);
-}
+#define SOFTMAX_ENTRIES(T, sfx)                                                                   \
+    void cuda_softmax_forward_##sfx(T *out, const T *x, int64_t rows, int64_t cols) {             \
+        CUDA_ENTER();                                                                             \
+        softmax_fwd(out, x, rows, cols, 0);                                                       \
+    }                                                                                             \
+    void cuda_softmax_backward_##sfx(T *dx, const T *y, const T *dy, int64_t rows, int64_t cols) { \
+        CUDA_ENTER();                                                                             \
+        softmax_bwd(dx, y, dy, rows, cols, 0);                                                    \
+    }                                                                                             \
+    void cuda_log_softmax_forward_##sfx(T *out, const T *x, int64_t rows, int64_t cols) {         \
+        CUDA_ENTER();                                                                             \
+        softmax_fwd(out, x, rows, cols, 1);                                                       \
+    }                                                                                             \
+    void cuda_log_softmax_backward_##sfx(T *dx, const T *y, const T *dy, int64_t rows, int64_t cols) { \
+        CUDA_ENTER();                                                                             \
+        softmax_bwd(dx, y, dy, rows, cols, 1);                                                    \
+    }
+SOFTMAX_ENTRIES(float, f32)
+SOFTMAX_ENTRIES(uint16_t, bf16)
 
 /* ---- layernorm and RMSNorm over the last dim of (rows, cols) ---- */
 
 /* layernorm: out = (x - mean) * rstd * w + b, mean and var in double, two
  * passes (no cancellation). rms: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). */
-__global__ void norm_fwd_kernel(float *out, float *mean_out, float *rstd_out, const float *x, const float *weight,
-                                const float *bias, int64_t rows, int64_t cols, float eps, int rms) {
+template <class T>
+__global__ void norm_fwd_kernel(T *__restrict__ out, float *mean_out, float *rstd_out, const T *__restrict__ x,
+                                const T *__restrict__ weight, const T *__restrict__ bias, int64_t rows, int64_t cols,
+                                float eps, int rms) {
     __shared__ double sd[32];
     FOR_ROWS(r, rows) {
-        const float *xr = x + r * cols;   // (cols)
-        float *yr = out + r * cols;
+        const T *xr = x + r * cols;   // (cols)
+        T *yr = out + r * cols;
         float mean = 0.0f, rstd;
         if (rms) {
             double ss = 0.0;
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += (double)xr[j] * xr[j];
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+                float v = ldf(xr[j]);
+                ss += (double)v * v;
+            }
             ss = block_sum_d(ss, sd);
             rstd = (float)(1.0 / sqrt(ss / (double)cols + eps));
         } else {
             double sum = 0.0;
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += xr[j];
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += ldf(xr[j]);
             double m = block_sum_d(sum, sd) / (double)cols, var = 0.0;
-            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) var += (xr[j] - m) * (xr[j] - m);
+            for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) var += (ldf(xr[j]) - m) * (ldf(xr[j]) - m);
             var = block_sum_d(var, sd);
             mean = (float)m;
             rstd = (float)(1.0 / sqrt(var / (double)cols + eps));
         }
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-            float y;
+            float y, v = ldf(xr[j]);
             if (rms) {
-                y = weight ? xr[j] * rstd * weight[j] : xr[j] * rstd;
+                y = weight ? v * rstd * ldf(weight[j]) : v * rstd;
             } else {
-                y = (xr[j] - mean) * rstd;
-                if (weight) y *= weight[j];
-                if (bias) y += bias[j];
+                y = (v - mean) * rstd;
+                if (weight) y *= ldf(weight[j]);
+                if (bias) y += ldf(bias[j]);
             }
-            yr[j] = y;
+            stf(yr + j, y);
         }
         if (threadIdx.x == 0) {
             if (mean_out) mean_out[r] = mean;
@@ -186,28 +210,31 @@ __global__ void norm_fwd_kernel(float *out, float *mean_out, float *rstd_out, co
 
 /* With xhat = (x - mean) rstd (mean 0 for rms) and g = dout * w:
  * layernorm dx = rstd (g - mean(g) - xhat mean(g xhat)); rms dx = rstd (g - xhat mean(g xhat)) */
-__global__ void norm_bwd_dx_kernel(float *dx, const float *dout, const float *x, const float *weight,
-                                   const float *mean_in, const float *rstd_in, int64_t rows, int64_t cols, int rms) {
+template <class T>
+__global__ void norm_bwd_dx_kernel(T *__restrict__ dx, const T *__restrict__ dout, const T *__restrict__ x,
+                                   const T *__restrict__ weight, const float *mean_in, const float *rstd_in,
+                                   int64_t rows, int64_t cols, int rms) {
     __shared__ double sd[32];
     FOR_ROWS(r, rows) {
-        const float *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
-        float *dxr = dx + r * cols;
+        const T *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
+        T *dxr = dx + r * cols;
         float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
         double sg = 0.0, sgx = 0.0;
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-            float g = weight ? dr[j] * weight[j] : dr[j];
+            float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
             sg += g;
-            sgx += g * ((xr[j] - mean) * rstd);
+            sgx += g * ((ldf(xr[j]) - mean) * rstd);
         }
         float mg = rms ? 0.0f : (float)(block_sum_d(sg, sd) / (double)cols);
         float mgx = (float)(block_sum_d(sgx, sd) / (double)cols);
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-            float g = weight ? dr[j] * weight[j] : dr[j];
+            float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
+            float v = ldf(xr[j]);
             if (rms) {
-                dxr[j] = rstd * (g - xr[j] * rstd * mgx);
+                stf(dxr + j, rstd * (g - v * rstd * mgx));
             } else {
-                float xhat = (xr[j] - mean) * rstd;
-                dxr[j] = rstd * (g - mg - xhat * mgx);
+                float xhat = (v - mean) * rstd;
+                stf(dxr + j, rstd * (g - mg - xhat * mgx));
             }
         }
     }
@@ -219,9 +246,10 @@ __global__ void norm_bwd_dx_kernel(float *dx, const float *dout, const float *x,
 #define NORM_TILE 32
 #define NORM_LANES 8
 
-__global__ void norm_wgrad_kernel(double *pw, double *pb, const float *dout, const float *x, const float *mean_in,
-                                  const float *rstd_in, int64_t rows, int64_t cols, int64_t tiles,
-                                  int64_t slice_len) {
+template <class T>
+__global__ void norm_wgrad_kernel(double *pw, double *pb, const T *__restrict__ dout, const T *__restrict__ x,
+                                  const float *mean_in, const float *rstd_in, int64_t rows, int64_t cols,
+                                  int64_t tiles, int64_t slice_len) {
     __shared__ double part_w[NORM_LANES][NORM_TILE], part_b[NORM_LANES][NORM_TILE];
     int64_t t = blockIdx.x % tiles, s = blockIdx.x / tiles;
     int64_t j = t * NORM_TILE + threadIdx.x;
@@ -229,9 +257,9 @@ __global__ void norm_wgrad_kernel(double *pw, double *pb, const float *dout, con
     double aw = 0.0, ab = 0.0;
     if (j < cols)
         for (int64_t r = r0 + threadIdx.y; r < r1; r += NORM_LANES) {
-            float d = dout[r * cols + j];
+            float d = ldf(dout[r * cols + j]);
             float mean = mean_in ? mean_in[r] : 0.0f;
-            aw += d * ((x[r * cols + j] - mean) * rstd_in[r]);
+            aw += d * ((ldf(x[r * cols + j]) - mean) * rstd_in[r]);
             ab += d;
         }
     part_w[threadIdx.y][threadIdx.x] = aw;
@@ -248,12 +276,13 @@ __global__ void norm_wgrad_kernel(double *pw, double *pb, const float *dout, con
     }
 }
 
-static void norm_weight_grads(float *dweight, float *dbias, const float *dout, const float *x, const float *mean,
-                              const float *rstd, int64_t rows, int64_t cols) {
+template <class T>
+static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, const float *mean, const float *rstd,
+                              int64_t rows, int64_t cols) {
     if (!dweight && !dbias) return;
     if (rows <= 0) {   /* empty sums */
-        if (dweight) CUDA_CHECK(cudaMemsetAsync(dweight, 0, (size_t)cols * sizeof(float), cuda_stream()));
-        if (dbias) CUDA_CHECK(cudaMemsetAsync(dbias, 0, (size_t)cols * sizeof(float), cuda_stream()));
+        if (dweight) CUDA_CHECK(cudaMemsetAsync(dweight, 0, (size_t)cols * sizeof(T), cuda_stream()));
+        if (dbias) CUDA_CHECK(cudaMemsetAsync(dbias, 0, (size_t)cols * sizeof(T), cuda_stream()));
         return;
     }
     /* slices of at least 64 rows, enough for some 512 blocks */
@@ -263,8 +292,9 @@ static void norm_weight_grads(float *dweight, float *dbias, const float *dout, c
     slices = cuda_ceil_div(rows, slice_len);
     double *pw = dweight ? (double *)cuda_tmp_alloc((size_t)(slices * cols) * sizeof(double)) : NULL;
     double *pb = dbias ? (double *)cuda_tmp_alloc((size_t)(slices * cols) * sizeof(double)) : NULL;
-    LAUNCH(norm_wgrad_kernel, (unsigned)(tiles * slices), dim3(NORM_TILE, NORM_LANES), 0)(pw, pb, dout, x, mean, rstd,
-                                                                                         rows, cols, tiles, slice_len);
+    LAUNCH(norm_wgrad_kernel<T>, (unsigned)(tiles * slices), dim3(NORM_TILE, NORM_LANES), 0)(pw, pb, dout, x, mean,
+                                                                                            rstd, rows, cols, tiles,
+                                                                                            slice_len);
     CUDA_CHECK_LAUNCH();
     if (dweight) cuda_sum_slices(dweight, pw, slices, cols);
     if (dbias) cuda_sum_slices(dbias, pb, slices, cols);
@@ -272,48 +302,47 @@ static void norm_weight_grads(float *dweight, float *dbias, const float *dout, c
     cuda_tmp_free(pb);
 }
 
-void cuda_layernorm_forward_f32(float *out, float *mean, float *rstd, const float *x, const float *weight,
-                                const float *bias, int64_t rows, int64_t cols, float eps) {
-    CUDA_ENTER();
-    if (rows <= 0 || cols <= 0) return;
-    LAUNCH(norm_fwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(out, mean, rstd, x, weight, bias, rows, cols,
-                                                                         eps, 0);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_layernorm_backward_f32(float *dx, float *dweight, float *dbias, const float *dout, const float *x,
-                                 const float *weight, const float *mean, const float *rstd, int64_t rows,
-                                 int64_t cols) {
-    CUDA_ENTER();
-    if (cols <= 0) return;
-    if (rows > 0) {
-        LAUNCH(norm_bwd_dx_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean, rstd, rows,
-                                                                                cols, 0);
-        CUDA_CHECK_LAUNCH();
+#define NORM_ENTRIES(T, sfx)                                                                                     \
+    void cuda_layernorm_forward_##sfx(T *out, float *mean, float *rstd, const T *x, const T *weight, const T *bias, \
+                                      int64_t rows, int64_t cols, float eps) {                                    \
+        CUDA_ENTER();                                                                                            \
+        if (rows <= 0 || cols <= 0) return;                                                                      \
+        LAUNCH(norm_fwd_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(out, mean, rstd, x, weight, bias, \
+                                                                                rows, cols, eps, 0);              \
+        CUDA_CHECK_LAUNCH();                                                                                     \
+    }                                                                                                            \
+    void cuda_layernorm_backward_##sfx(T *dx, T *dweight, T *dbias, const T *dout, const T *x, const T *weight,   \
+                                       const float *mean, const float *rstd, int64_t rows, int64_t cols) {        \
+        CUDA_ENTER();                                                                                            \
+        if (cols <= 0) return;                                                                                   \
+        if (rows > 0) {                                                                                          \
+            LAUNCH(norm_bwd_dx_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean, \
+                                                                                       rstd, rows, cols, 0);      \
+            CUDA_CHECK_LAUNCH();                                                                                 \
+        }                                                                                                        \
+        norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols);                                      \
+    }                                                                                                            \
+    void cuda_rmsnorm_forward_##sfx(T *out, float *rstd, const T *x, const T *weight, int64_t rows, int64_t cols, \
+                                    float eps) {                                                                 \
+        CUDA_ENTER();                                                                                            \
+        if (rows <= 0 || cols <= 0) return;                                                                      \
+        LAUNCH(norm_fwd_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(out, NULL, rstd, x, weight,      \
+                                                                                (const T *)NULL, rows, cols, eps, 1); \
+        CUDA_CHECK_LAUNCH();                                                                                     \
+    }                                                                                                            \
+    void cuda_rmsnorm_backward_##sfx(T *dx, T *dweight, const T *dout, const T *x, const T *weight,              \
+                                     const float *rstd, int64_t rows, int64_t cols) {                            \
+        CUDA_ENTER();                                                                                            \
+        if (cols <= 0) return;                                                                                   \
+        if (rows > 0) {                                                                                          \
+            LAUNCH(norm_bwd_dx_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, NULL, \
+                                                                                       rstd, rows, cols, 1);      \
+            CUDA_CHECK_LAUNCH();                                                                                 \
+        }                                                                                                        \
+        norm_weight_grads(dweight, (T *)NULL, dout, x, (const float *)NULL, rstd, rows, cols);                   \
     }
-    norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols);
-}
-
-void cuda_rmsnorm_forward_f32(float *out, float *rstd, const float *x, const float *weight, int64_t rows,
-                              int64_t cols, float eps) {
-    CUDA_ENTER();
-    if (rows <= 0 || cols <= 0) return;
-    LAUNCH(norm_fwd_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(out, NULL, rstd, x, weight, NULL, rows, cols,
-                                                                         eps, 1);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_rmsnorm_backward_f32(float *dx, float *dweight, const float *dout, const float *x, const float *weight,
-                               const float *rstd, int64_t rows, int64_t cols) {
-    CUDA_ENTER();
-    if (cols <= 0) return;
-    if (rows > 0) {
-        LAUNCH(norm_bwd_dx_kernel, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, NULL, rstd, rows,
-                                                                                cols, 1);
-        CUDA_CHECK_LAUNCH();
-    }
-    norm_weight_grads(dweight, NULL, dout, x, NULL, rstd, rows, cols);
-}
+NORM_ENTRIES(float, f32)
+NORM_ENTRIES(uint16_t, bf16)
 
 /* ---- embedding ---- */
 
@@ -388,23 +417,24 @@ void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *id
 
 /* lse_n = log sum_{j < valid_v} exp(x_nj); loss_n = (max - x_nt) + log sum
  * (0 when ignored); count += rows not ignored. */
-__global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *count, const float *logits,
+template <class T>
+__global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *count, const T *__restrict__ logits,
                               const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
     __shared__ double sd[32];
     __shared__ float sf[32];
     FOR_ROWS(n, N) {
-        const float *xr = logits + n * V;   // (V)
+        const T *xr = logits + n * V;   // (V)
         float m = -INFINITY;
-        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) m = fmaxf(m, xr[j]);
+        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) m = fmaxf(m, ldf(xr[j]));
         m = block_max_f(m, sf);
         double sum = 0.0;
-        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) sum += (double)expf(xr[j] - m);
+        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) sum += (double)expf(ldf(xr[j]) - m);
         sum = block_sum_d(sum, sd);
         if (threadIdx.x == 0) {
             float logsum = (float)log(sum);
             int64_t t = targets[n];
             lse[n] = m + logsum;
-            losses[n] = t == ignore_index ? 0.0f : (m - xr[t]) + logsum;
+            losses[n] = t == ignore_index ? 0.0f : (m - ldf(xr[t])) + logsum;
             if (t != ignore_index) atomicAdd(count, 1ull);   /* integer: exact in any order */
         }
     }
@@ -412,34 +442,36 @@ __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *cou
 
 /* dlogits = g (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere;
  * g = dloss[0] / count, read here so that the host never waits for dloss */
-__global__ void ce_bwd_kernel(float *dlogits, const float *logits, const float *lse, const int64_t *targets, int64_t N,
-                              int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss_in, int64_t count) {
+template <class T>
+__global__ void ce_bwd_kernel(T *__restrict__ dlogits, const T *__restrict__ logits, const float *lse,
+                              const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
+                              const float *dloss_in, int64_t count) {
     const float dloss = count ? dloss_in[0] / (float)count : 0.0f;
     FOR_ROWS(n, N) {
-        const float *xr = logits + n * V;   // (V)
-        float *dr = dlogits + n * V;
+        const T *xr = logits + n * V;   // (V)
+        T *dr = dlogits + n * V;
         int64_t t = targets[n];
         bool ignored = t == ignore_index;
         float l = ignored ? 0.0f : lse[n];
         for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
             float d = 0.0f;
             if (!ignored && j < valid_v) {
-                d = __fmul_rn(dloss, expf(xr[j] - l));   /* rounded before the subtraction, as the CPU */
+                d = __fmul_rn(dloss, expf(ldf(xr[j]) - l));   /* rounded before the subtraction, as the CPU */
                 if (j == t) d -= dloss;
             }
-            dr[j] = d;
+            stf(dr + j, d);
         }
     }
 }
 
-int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
-                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
-    CUDA_ENTER();
+template <class T>
+static int64_t cross_entropy_forward(float *losses, float *lse, const T *logits, const int64_t *targets, int64_t N,
+                                     int64_t V, int64_t valid_v, int64_t ignore_index) {
     if (N <= 0) return 0;
     unsigned long long *count = (unsigned long long *)cuda_tmp_alloc(sizeof *count);
     CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof *count, cuda_stream()));
-    LAUNCH(ce_fwd_kernel, row_blocks(N), cuda_row_threads(valid_v), 0)(losses, lse, count, logits, targets, N, V,
-                                                                       valid_v, ignore_index);
+    LAUNCH(ce_fwd_kernel<T>, row_blocks(N), cuda_row_threads(valid_v), 0)(losses, lse, count, logits, targets, N, V,
+                                                                          valid_v, ignore_index);
     CUDA_CHECK_LAUNCH();
     unsigned long long host = 0;
     CUDA_CHECK(cudaMemcpyAsync(&host, count, sizeof host, cudaMemcpyDeviceToHost, cuda_stream()));
@@ -448,12 +480,38 @@ int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *l
     return (int64_t)host;
 }
 
+template <class T>
+static void cross_entropy_backward(T *dlogits, const T *logits, const float *lse, const int64_t *targets, int64_t N,
+                                   int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,
+                                   int64_t count) {
+    if (N <= 0 || V <= 0) return;
+    LAUNCH(ce_bwd_kernel<T>, row_blocks(N), cuda_row_threads(V), 0)(dlogits, logits, lse, targets, N, V, valid_v,
+                                                                    ignore_index, dloss, count);
+    CUDA_CHECK_LAUNCH();
+}
+
+int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
+                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
+    CUDA_ENTER();
+    return cross_entropy_forward(losses, lse, logits, targets, N, V, valid_v, ignore_index);
+}
+
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
                                      int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
                                      const float *dloss, int64_t count) {
     CUDA_ENTER();
-    if (N <= 0 || V <= 0) return;
-    LAUNCH(ce_bwd_kernel, row_blocks(N), cuda_row_threads(V), 0)(dlogits, logits, lse, targets, N, V, valid_v,
-                                                                 ignore_index, dloss, count);
-    CUDA_CHECK_LAUNCH();
+    cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss, count);
+}
+
+int64_t cuda_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
+                                        int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
+    CUDA_ENTER();
+    return cross_entropy_forward(losses, lse, logits, targets, N, V, valid_v, ignore_index);
+}
+
+void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
+                                      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
+                                      int64_t ignore_index, const float *dloss, int64_t count) {
+    CUDA_ENTER();
+    cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss, count);
 }

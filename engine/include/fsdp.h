@@ -315,6 +315,10 @@ fsdp_status fsdp_scale_(fsdp_tensor *t, double s);                         /* t 
 fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha);       /* y += alpha * x, same shape */
 /* Sum of squares, accumulated in double (gradient norms). */
 fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out);
+/* The sum of fsdp_sumsq over n tensors (one device, float), in one pass on
+ * devices that have it: one wait for the value instead of one per tensor.
+ * NULL entries are skipped (parameters without a gradient). */
+fsdp_status fsdp_sumsq_many(fsdp_tensor *const *ts, int n, double *out);
 
 /* ---- optimizers: one fused pass over flat f32 buffers (a shard or a whole
  * parameter; shapes may differ, element counts must match) ---- */

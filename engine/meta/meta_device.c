@@ -48,6 +48,12 @@ static int64_t numel_of(int ndim, const int64_t *shape) {
 
 static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
 
+static int64_t sum_counts(const int64_t *counts, int n) {
+    int64_t s = 0;
+    for (int i = 0; i < n; i++) s += counts[i] > 0 ? counts[i] : 0;
+    return s;
+}
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -55,8 +61,10 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
  * bf16 = 2, i64 ids = 8. FLOPs count multiply-adds as 2; elementwise
  * transcendentals as the few FLOPs they take (they are memory-bound
  * anyway). Attention counts the products it computes (a causal one half of
- * them). A sync is a point where the host waits for the device: a value
- * or a copy coming back. */
+ * them). Launches count the GPU operations an entry puts on the stream
+ * (kernels, memsets, copies: a value read back is its kernels and a copy,
+ * as engine/cuda does it). A sync is a point where the host waits for the
+ * device: a value or a copy coming back. */
 #define F32 4
 #define BF16 2
 #define META_ENTRIES(X)                                                                                             \
@@ -91,8 +99,22 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       2 * n, 1, 0, )                                                                                               \
     X(void, sum_dim_f32, "reduce", (float *out, const float *in, int64_t outer, int64_t red, int64_t inner),       \
       F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, 1, 0, )                                 \
-    X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 1, 1, 0)                         \
-    X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 1, 1, 0)                       \
+    X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 3, 1, 0)                         \
+    X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 3, 1, 0)                       \
+    X(void, binary_bf16, "elementwise", (int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides,      \
+      const uint16_t *b, const int64_t *b_strides, int ndim, const int64_t *shape),                                \
+      BF16 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)),                    \
+      BF16 * numel_of(ndim, shape), numel_of(ndim, shape), 1, 0, )                                                 \
+    X(void, scale_bf16, "elementwise", (uint16_t *out, const uint16_t *a, float s, int64_t n), BF16 * n, BF16 * n, \
+      n, 1, 0, )                                                                                                   \
+    X(void, add_scalar_bf16, "elementwise", (uint16_t *out, const uint16_t *a, float s, int64_t n), BF16 * n,      \
+      BF16 * n, n, 1, 0, )                                                                                         \
+    X(void, axpy_bf16, "elementwise", (uint16_t *y, const uint16_t *x, float alpha, int64_t n), 2 * BF16 * n,      \
+      BF16 * n, 2 * n, 1, 0, )                                                                                     \
+    X(void, sum_dim_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,               \
+      int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner, 1, 0, )               \
+    X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
+      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 2, 1, 0)                          \
     X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
     X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
       2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \
@@ -107,6 +129,22 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0, )                                               \
     X(void, log_softmax_backward_f32, "softmax", (float *dx, const float *y, const float *dy, int64_t rows,       \
       int64_t cols), 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, 0, )                            \
+    X(void, gelu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, int64_t n), BF16 * n, BF16 * n,   \
+      8 * n, 1, 0, )                                                                                               \
+    X(void, gelu_backward_bf16, "activation", (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), \
+      2 * BF16 * n, BF16 * n, 12 * n, 1, 0, )                                                                      \
+    X(void, silu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, int64_t n), BF16 * n, BF16 * n,   \
+      4 * n, 1, 0, )                                                                                               \
+    X(void, silu_backward_bf16, "activation", (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), \
+      2 * BF16 * n, BF16 * n, 8 * n, 1, 0, )                                                                       \
+    X(void, softmax_forward_bf16, "softmax", (uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols),      \
+      BF16 * rows * cols, BF16 * rows * cols, 5 * rows * cols, 1, 0, )                                             \
+    X(void, softmax_backward_bf16, "softmax", (uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, \
+      int64_t cols), 2 * BF16 * rows * cols, BF16 * rows * cols, 4 * rows * cols, 1, 0, )                          \
+    X(void, log_softmax_forward_bf16, "softmax", (uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols),  \
+      BF16 * rows * cols, BF16 * rows * cols, 5 * rows * cols, 1, 0, )                                             \
+    X(void, log_softmax_backward_bf16, "softmax", (uint16_t *dx, const uint16_t *y, const uint16_t *dy,           \
+      int64_t rows, int64_t cols), 2 * BF16 * rows * cols, BF16 * rows * cols, 4 * rows * cols, 1, 0, )            \
     X(void, layernorm_forward_f32, "norm", (float *out, float *mean, float *rstd, const float *x,                 \
       const float *weight, const float *bias, int64_t rows, int64_t cols, float eps),                              \
       F32 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), F32 * (rows * cols + 2 * rows),       \
@@ -122,16 +160,37 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       const float *weight, const float *rstd, int64_t rows, int64_t cols),                                         \
       F32 * (2 * rows * cols + (weight != NULL) * cols + rows), F32 * (rows * cols + (dweight != NULL) * cols),    \
       8 * rows * cols, 1, 0, )                                                                                     \
+    X(void, layernorm_forward_bf16, "norm", (uint16_t *out, float *mean, float *rstd, const uint16_t *x,         \
+      const uint16_t *weight, const uint16_t *bias, int64_t rows, int64_t cols, float eps),                        \
+      BF16 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), BF16 * rows * cols + F32 * 2 * rows, \
+      8 * rows * cols, 1, 0, )                                                                                     \
+    X(void, layernorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,                 \
+      const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
+      int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows,            \
+      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols, 1, 0, )          \
+    X(void, rmsnorm_forward_bf16, "norm", (uint16_t *out, float *rstd, const uint16_t *x, const uint16_t *weight, \
+      int64_t rows, int64_t cols, float eps), BF16 * (rows * cols + (weight != NULL) * cols),                      \
+      BF16 * rows * cols + F32 * rows, 5 * rows * cols, 1, 0, )                                                    \
+    X(void, rmsnorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, const uint16_t *dout,              \
+      const uint16_t *x, const uint16_t *weight, const float *rstd, int64_t rows, int64_t cols),                  \
+      BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows,                                             \
+      BF16 * (rows * cols + (dweight != NULL) * cols), 8 * rows * cols, 1, 0, )                                    \
     X(void, embedding_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n, const float *table,   \
       int64_t dim), 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                               \
     X(void, embedding_backward_f32, "embedding", (float *dtable, int64_t vocab, const int64_t *ids, int64_t n,    \
       const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim, F32 * n * dim, n * dim, 1, 0, )                  \
     X(int64_t, cross_entropy_forward_f32, "loss", (float *losses, float *lse, const float *logits,                \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                          \
+      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                          \
     X(void, cross_entropy_backward_f32, "loss", (float *dlogits, const float *logits, const float *lse,           \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
       int64_t count), F32 * N * V + F32 * N + 8 * N + F32, F32 * N * V, 3 * N * valid_v, 1, 0, )                   \
+    X(int64_t, cross_entropy_forward_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,           \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
+      BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                         \
+    X(void, cross_entropy_backward_bf16, "loss", (uint16_t *dlogits, const uint16_t *logits, const float *lse,    \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
+      int64_t count), BF16 * N * V + F32 * N + 8 * N + F32, BF16 * N * V, 3 * N * valid_v, 1, 0, )                 \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
       const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
       3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \
@@ -140,16 +199,19 @@ static size_t dtype_bytes(int dtype) { return fsdp_dtype_size(dtype); }
       int64_t T, int64_t D, int causal, float scale), F32 * (5 * B * H * T * D + B * H * T),                       \
       3 * F32 * B * H * T * D, (causal ? 5 : 10) * B * H * T * T * D, 1, 0, )                                      \
     /* packed bf16 attention on the tensor cores (cuda_attention_gemm.cu): a pointer-array kernel, the \
-     * batched GEMMs over all T x T scores (the causal mask is applied after them), the row kernels */         \
+     * batched GEMMs over all T x T scores (the causal mask is applied after them; FLOPs count the useful \
+     * half, as above), the row kernels */                                                                   \
     X(void, attention_qkv_forward_bf16, "attention_bf16", (uint16_t *out, uint16_t *probs, float *scores,        \
       const uint16_t *qkv, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                 \
       BF16 * 3 * B * H * T * D + (causal ? F32 / 2 : F32) * B * H * T * T + BF16 * B * H * T * T,               \
-      BF16 * B * H * T * D + (F32 + BF16) * B * H * T * T + 6 * 8 * B * H, 4 * B * H * T * T * D, 4, 0, )       \
+      BF16 * B * H * T * D + (F32 + BF16) * B * H * T * T + 6 * 8 * B * H, (causal ? 2 : 4) * B * H * T * T * D,  \
+      4, 0, )                                                                                                     \
     X(void, attention_qkv_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *dprobs, uint16_t *dscores,    \
       const uint16_t *dout, const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,         \
       int64_t D, int causal, float scale),                                                                       \
       BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T,                                               \
-      BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, 8 * B * H * T * T * D, 6, 0, )   \
+      BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D,  \
+      6, 0, )                                                                                                     \
     X(void, init_normal_f32, "init", (float *out, int64_t n, float mean, float std, uint64_t seed,                \
       uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
     X(void, init_uniform_f32, "init", (float *out, int64_t n, float low, float high, uint64_t seed,               \

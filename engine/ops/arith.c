@@ -25,12 +25,14 @@ fsdp_status sum_dims_keep(fsdp_tensor **out, fsdp_tensor *t, const bool *reduce)
             else inner *= cur->shape[k];
         }
         fsdp_tensor *next;
-        fsdp_status st = op_new_f32(&next, nd, shape);
+        bool native = BF16_KERNEL(cur, sum_dim) != NULL;   /* bf16 in and out, one rounding per pass */
+        fsdp_status st = op_new_as(&next, native ? FSDP_BF16 : FSDP_F32, nd, shape);
         if (st != FSDP_OK) {
             tensor_release(cur);
             return st;
         }
-        KERNELS(next)->sum_dim_f32(tensor_data(next), tensor_data(cur), outer, red, inner);
+        if (native) KERNELS(next)->sum_dim_bf16(tensor_data(next), tensor_data(cur), outer, red, inner);
+        else KERNELS(next)->sum_dim_f32(tensor_data(next), tensor_data(cur), outer, red, inner);
         tensor_release(cur);
         cur = next;
         d = e + 1;
@@ -75,28 +77,47 @@ static bool broadcast2(const fsdp_tensor *a, const fsdp_tensor *b, int *ndim, in
     return true;
 }
 
-/* out = x op y with y (and x) read through broadcast strides onto g's shape */
+/* out = x op y with y (and x) read through broadcast strides onto g's
+ * shape; x and y both f32, or both bf16 on a device with binary_bf16. */
 static fsdp_status binary_like(fsdp_tensor **out, int op, fsdp_tensor *x, fsdp_tensor *y, int nd,
                                const int64_t *shape) {
     int64_t sx[FSDP_MAX_DIMS], sy[FSDP_MAX_DIMS], s2[FSDP_MAX_DIMS];
     int nd2;
     broadcast2(x, y, &nd2, s2, sx, sy);
-    FSDP_TRY(op_new_f32(out, nd, shape));
-    KERNELS(*out)->binary_f32(op, tensor_data(*out), tensor_data(x), sx, tensor_data(y), sy, nd, shape);
+    FSDP_TRY(op_new_as(out, x->dtype, nd, shape));
+    if (x->dtype == FSDP_BF16)
+        KERNELS(*out)->binary_bf16(op, tensor_data(*out), tensor_data(x), sx, tensor_data(y), sy, nd, shape);
+    else
+        KERNELS(*out)->binary_f32(op, tensor_data(*out), tensor_data(x), sx, tensor_data(y), sy, nd, shape);
     return FSDP_OK;
+}
+
+/* Are a binary op's gradients bf16 on this device (operands bf16, and the
+ * entries the backward needs there)? */
+static bool binary_native(const fsdp_tensor *a, const fsdp_tensor *b) {
+    return a->dtype == FSDP_BF16 && b->dtype == FSDP_BF16 && BF16_KERNEL(a, binary) && BF16_KERNEL(a, scale) &&
+           BF16_KERNEL(a, sum_dim);
 }
 
 static fsdp_status binary_backward(fsdp_node *node) {
     int op = (int)node->i[0];
+    bool native = binary_native(node->in[0], node->in[1]);
     fsdp_tensor *g, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL, *t1 = NULL, *t2 = NULL;
-    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    FSDP_TRY(op_grad_out_as(node, 0, native ? FSDP_BF16 : FSDP_F32, &g));
     if (!g) return FSDP_OK;
     fsdp_status st = FSDP_OK;
     int nd = g->ndim;
     const int64_t *shape = g->shape;
-    if (op == FSDP_MUL || op == FSDP_DIV) {
-        if ((st = tensor_as_f32(&a, node->in[0])) != FSDP_OK) goto done;
-        if ((st = tensor_as_f32(&b, node->in[1])) != FSDP_OK) goto done;
+    if (op == FSDP_MUL || op == FSDP_DIV) {   /* (bf16: read through their own strides) */
+        if (native) {
+            a = node->in[0];
+            b = node->in[1];
+            tensor_retain(a);
+            tensor_retain(b);
+        } else {
+            if ((st = tensor_as_f32(&a, node->in[0])) != FSDP_OK) goto done;
+            if ((st = tensor_as_f32(&b, node->in[1])) != FSDP_OK) goto done;
+        }
     }
     /* gradient of a, at the output's shape */
     if (node_needs_grad(node, 0)) {
@@ -110,8 +131,9 @@ static fsdp_status binary_backward(fsdp_node *node) {
     if (node_needs_grad(node, 1)) {
         if (op == FSDP_ADD) { t1 = g; tensor_retain(g); }
         else if (op == FSDP_SUB) {
-            if ((st = op_new_f32(&t1, nd, shape)) != FSDP_OK) goto done;
-            KERNELS(t1)->scale_f32(tensor_data(t1), tensor_data(g), -1.0f, tensor_numel(g));
+            if ((st = op_new_as(&t1, g->dtype, nd, shape)) != FSDP_OK) goto done;
+            if (native) KERNELS(t1)->scale_bf16(tensor_data(t1), tensor_data(g), -1.0f, tensor_numel(g));
+            else KERNELS(t1)->scale_f32(tensor_data(t1), tensor_data(g), -1.0f, tensor_numel(g));
         } else if (op == FSDP_MUL) {
             if ((st = binary_like(&t1, FSDP_MUL, g, a, nd, shape)) != FSDP_OK) goto done;
         } else { /* d(a/b)/db = -g a / b^2 */
@@ -120,7 +142,8 @@ static fsdp_status binary_backward(fsdp_node *node) {
             tensor_release(t2);
             t2 = NULL;
             if ((st = binary_like(&t2, FSDP_DIV, t1, b, nd, shape)) != FSDP_OK) goto done;
-            KERNELS(t2)->scale_f32(tensor_data(t2), tensor_data(t2), -1.0f, tensor_numel(t2));
+            if (native) KERNELS(t2)->scale_bf16(tensor_data(t2), tensor_data(t2), -1.0f, tensor_numel(t2));
+            else KERNELS(t2)->scale_f32(tensor_data(t2), tensor_data(t2), -1.0f, tensor_numel(t2));
             tensor_release(t1);
             t1 = t2;
             t2 = NULL;
@@ -147,6 +170,7 @@ fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *
     if (op < FSDP_ADD || op > FSDP_DIV)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_binary: unknown op %d (expected 0..3)", op);
     const char *name = binary_names[op];
+    trace_scope_.name = name + 5;   /* "fsdp_add" -> "add" on the timeline */
     const char *names[] = {"a", "b"};
     fsdp_tensor *ts[] = {a, b};
     FSDP_TRY(op_check(name, out, 2, names, ts, NULL));
@@ -157,9 +181,12 @@ fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *
     if (!broadcast2(a, b, &nd, shape, sa, sb))
         return fsdp_set_error(FSDP_ERR_SHAPE, "%s: shapes do not broadcast", op_sig(sig, sizeof sig, name, 2, names, ts));
     fsdp_tensor *r;
-    if (a->dtype == FSDP_F32) {   /* read straight through the operands' strides */
-        FSDP_TRY(op_new_f32(&r, nd, shape));
-        KERNELS(r)->binary_f32(op, tensor_data(r), tensor_data(a), sa, tensor_data(b), sb, nd, shape);
+    if (a->dtype == FSDP_F32 || BF16_KERNEL(a, binary)) {   /* read straight through the operands' strides */
+        FSDP_TRY(op_new_as(&r, a->dtype, nd, shape));
+        if (a->dtype == FSDP_F32)
+            KERNELS(r)->binary_f32(op, tensor_data(r), tensor_data(a), sa, tensor_data(b), sb, nd, shape);
+        else
+            KERNELS(r)->binary_bf16(op, tensor_data(r), tensor_data(a), sa, tensor_data(b), sb, nd, shape);
     } else {
         fsdp_tensor *a32, *b32;
         FSDP_TRY(tensor_as_f32(&a32, a));
@@ -193,10 +220,14 @@ fsdp_status fsdp_div(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b) { return
 
 static fsdp_status scale_backward(fsdp_node *node) {
     fsdp_tensor *g, *r;
-    FSDP_TRY(op_grad_out_f32(node, 0, &g));
+    bool native = BF16_KERNEL(node->in[0], scale) != NULL;
+    FSDP_TRY(op_grad_out_as(node, 0, native ? FSDP_BF16 : FSDP_F32, &g));
     if (!g) return FSDP_OK;
-    fsdp_status st = op_new_f32(&r, g->ndim, g->shape);
-    if (st == FSDP_OK) KERNELS(r)->scale_f32(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
+    fsdp_status st = op_new_as(&r, g->dtype, g->ndim, g->shape);
+    if (st == FSDP_OK && native)
+        KERNELS(r)->scale_bf16(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
+    else if (st == FSDP_OK)
+        KERNELS(r)->scale_f32(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
     tensor_release(g);
     FSDP_TRY(st);
     return op_give_grad(node, 0, r);
@@ -208,9 +239,13 @@ static fsdp_status scalar_op(const char *name, fsdp_tensor **out, fsdp_tensor *a
     FSDP_TRY(op_check(name, out, 1, names, ts, NULL));
     FSDP_TRY(op_check_float(name, 1, names, ts));
     fsdp_tensor *a32, *r, *res;
-    FSDP_TRY(tensor_as_f32(&a32, a));
-    fsdp_status st = op_new_f32(&r, a->ndim, a->shape);
-    if (st == FSDP_OK) {
+    bool native = BF16_KERNEL(a, scale) && BF16_KERNEL(a, add_scalar);
+    FSDP_TRY(native ? tensor_contiguous(&a32, a) : tensor_as_f32(&a32, a));
+    fsdp_status st = op_new_as(&r, a32->dtype, a->ndim, a->shape);
+    if (st == FSDP_OK && native) {
+        if (add) KERNELS(r)->add_scalar_bf16(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
+        else KERNELS(r)->scale_bf16(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
+    } else if (st == FSDP_OK) {
         if (add) KERNELS(r)->add_scalar_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
         else KERNELS(r)->scale_f32(tensor_data(r), tensor_data(a32), (float)s, tensor_numel(a));
     }

@@ -35,12 +35,6 @@ static void rows_cols(const fsdp_tensor *x, int64_t *rows, int64_t *cols) {
 
 static float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
 
-/* tensor_as_f32 that passes NULL (an absent optional input) through. */
-static fsdp_status stage_f32(fsdp_tensor **out, fsdp_tensor *t) {
-    *out = NULL;
-    return t ? tensor_as_f32(out, t) : FSDP_OK;
-}
-
 /* The common tail of every forward: converts the f32 result r to dtype,
  * records the node when the tape wants it and moves saved[] into it (they
  * are released when nothing is recorded). Takes r and saved[] on every
@@ -69,12 +63,35 @@ static fsdp_status op_done(fsdp_tensor **out, fsdp_node **node_out, fsdp_tensor 
 
 typedef void (*unary_fwd_fn)(float *out, const float *x, int64_t n);
 typedef void (*unary_bwd_fn)(float *dx, const float *x, const float *dout, int64_t n);
+typedef void (*unary_fwd_bf16_fn)(uint16_t *out, const uint16_t *x, int64_t n);
+typedef void (*unary_bwd_bf16_fn)(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n);
 
 /* The helpers below take the kernel as its slot in the device table (an
- * offsetof), so that the device of the tensors picks the implementation. */
+ * offsetof), so that the device of the tensors picks the implementation;
+ * slot16 is the bf16 entry's slot, used when the tensors are bf16 and the
+ * device has that (optional) entry. */
 #define KERNEL_AT(t, type, slot) (*(const type *)((const char *)KERNELS(t) + (slot)))
 
-static fsdp_status unary_backward(fsdp_node *node, size_t slot) {
+/* Is there a bf16 entry at slot16 for tensors like t? */
+static bool bf16_at(const fsdp_tensor *t, size_t slot16) {
+    return t->dtype == FSDP_BF16 && KERNEL_AT(t, unary_fwd_bf16_fn, slot16) != NULL;
+}
+
+static fsdp_status unary_backward_bf16(fsdp_node *node, size_t slot16) {
+    fsdp_tensor *dout, *x = NULL, *dx = NULL;
+    FSDP_TRY(op_grad_out_as(node, 0, FSDP_BF16, &dout));
+    if (!dout) return FSDP_OK;
+    fsdp_status st = tensor_contiguous(&x, node->in[0]);
+    if (st == FSDP_OK) st = op_new_as(&dx, FSDP_BF16, x->ndim, x->shape);
+    if (st == FSDP_OK)
+        KERNEL_AT(x, unary_bwd_bf16_fn, slot16)(tensor_data(dx), tensor_data(x), tensor_data(dout), tensor_numel(x));
+    tensor_release(x);
+    tensor_release(dout);
+    return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
+}
+
+static fsdp_status unary_backward(fsdp_node *node, size_t slot, size_t slot16) {
+    if (bf16_at(node->in[0], slot16)) return unary_backward_bf16(node, slot16);
     fsdp_tensor *dout, *x = NULL, *dx = NULL;
     FSDP_TRY(op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
@@ -87,84 +104,107 @@ static fsdp_status unary_backward(fsdp_node *node, size_t slot) {
 }
 
 static fsdp_status unary_forward(fsdp_tensor **out, fsdp_tensor *x, const char *op, const char *name,
-                                 size_t slot, fsdp_backward_fn bwd) {
+                                 size_t slot, size_t slot16, fsdp_backward_fn bwd) {
     const char *names[] = {"x"};
-    fsdp_tensor *ts[] = {x}, *x32, *r;
+    fsdp_tensor *ts[] = {x}, *xs, *r;
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
     FSDP_TRY(op_check_float(op, 1, names, ts));
-    FSDP_TRY(tensor_as_f32(&x32, x));
-    fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
-    if (st == FSDP_OK) KERNEL_AT(x32, unary_fwd_fn, slot)(f32p(r), f32p(x32), tensor_numel(x));
-    tensor_release(x32);
+    bool native = bf16_at(x, slot16);
+    FSDP_TRY(native ? tensor_contiguous(&xs, x) : tensor_as_f32(&xs, x));
+    fsdp_status st = op_new_as(&r, native ? FSDP_BF16 : FSDP_F32, x->ndim, x->shape);
+    if (st == FSDP_OK) {
+        if (native) KERNEL_AT(xs, unary_fwd_bf16_fn, slot16)(tensor_data(r), tensor_data(xs), tensor_numel(x));
+        else KERNEL_AT(xs, unary_fwd_fn, slot)(f32p(r), f32p(xs), tensor_numel(x));
+    }
+    tensor_release(xs);
     if (st != FSDP_OK) return st;
     return op_done(out, NULL, r, x->dtype, name, bwd, 1, ts, 0, NULL);
 }
 
-static fsdp_status gelu_backward(fsdp_node *node) { return unary_backward(node, offsetof(fsdp_device_kernels, gelu_backward_f32)); }
-static fsdp_status silu_backward(fsdp_node *node) { return unary_backward(node, offsetof(fsdp_device_kernels, silu_backward_f32)); }
+#define SLOT(name) offsetof(fsdp_device_kernels, name)
+
+static fsdp_status gelu_backward(fsdp_node *node) {
+    return unary_backward(node, SLOT(gelu_backward_f32), SLOT(gelu_backward_bf16));
+}
+static fsdp_status silu_backward(fsdp_node *node) {
+    return unary_backward(node, SLOT(silu_backward_f32), SLOT(silu_backward_bf16));
+}
 
 fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x) {
     TRACE_OP("gelu", out);
-    return unary_forward(out, x, "fsdp_gelu", "gelu", offsetof(fsdp_device_kernels, gelu_forward_f32), gelu_backward);
+    return unary_forward(out, x, "fsdp_gelu", "gelu", SLOT(gelu_forward_f32), SLOT(gelu_forward_bf16), gelu_backward);
 }
 
 fsdp_status fsdp_silu(fsdp_tensor **out, fsdp_tensor *x) {
     TRACE_OP("silu", out);
-    return unary_forward(out, x, "fsdp_silu", "silu", offsetof(fsdp_device_kernels, silu_forward_f32), silu_backward);
+    return unary_forward(out, x, "fsdp_silu", "silu", SLOT(silu_forward_f32), SLOT(silu_forward_bf16), silu_backward);
 }
 
 /* ---- softmax and log-softmax over the last dim ---- */
 
 typedef void (*row_fwd_fn)(float *out, const float *x, int64_t rows, int64_t cols);
 typedef void (*row_bwd_fn)(float *dx, const float *y, const float *dy, int64_t rows, int64_t cols);
+typedef void (*row_fwd_bf16_fn)(uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols);
+typedef void (*row_bwd_bf16_fn)(uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, int64_t cols);
 
 /* Both backwards need only the output y, which the node holds. */
-static fsdp_status softmax_like_backward(fsdp_node *node, size_t slot) {
+static fsdp_status softmax_like_backward(fsdp_node *node, size_t slot, size_t slot16) {
+    bool native = bf16_at(node->in[0], slot16);
     fsdp_tensor *dout, *y = NULL, *dx = NULL;
-    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    FSDP_TRY(native ? op_grad_out_as(node, 0, FSDP_BF16, &dout) : op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
     int64_t rows, cols;
     rows_cols(node->in[0], &rows, &cols);
-    fsdp_status st = tensor_as_f32(&y, node->out[0]);
-    if (st == FSDP_OK) st = op_new_f32(&dx, y->ndim, y->shape);
-    if (st == FSDP_OK) KERNEL_AT(y, row_bwd_fn, slot)(f32p(dx), f32p(y), f32p(dout), rows, cols);
+    fsdp_status st = native ? tensor_contiguous(&y, node->out[0]) : tensor_as_f32(&y, node->out[0]);
+    if (st == FSDP_OK) st = op_new_as(&dx, native ? FSDP_BF16 : FSDP_F32, y->ndim, y->shape);
+    if (st == FSDP_OK) {
+        if (native)
+            KERNEL_AT(y, row_bwd_bf16_fn, slot16)(tensor_data(dx), tensor_data(y), tensor_data(dout), rows, cols);
+        else
+            KERNEL_AT(y, row_bwd_fn, slot)(f32p(dx), f32p(y), f32p(dout), rows, cols);
+    }
     tensor_release(y);
     tensor_release(dout);
     return st == FSDP_OK ? op_give_grad(node, 0, dx) : st;
 }
 
 static fsdp_status softmax_like_forward(fsdp_tensor **out, fsdp_tensor *x, const char *op, const char *name,
-                                        size_t slot, fsdp_backward_fn bwd) {
+                                        size_t slot, size_t slot16, fsdp_backward_fn bwd) {
     const char *names[] = {"x"};
-    fsdp_tensor *ts[] = {x}, *x32, *r;
+    fsdp_tensor *ts[] = {x}, *xs, *r;
     FSDP_TRY(op_check(op, out, 1, names, ts, NULL));
     FSDP_TRY(op_check_float(op, 1, names, ts));
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
-    FSDP_TRY(tensor_as_f32(&x32, x));
-    fsdp_status st = op_new_f32(&r, x->ndim, x->shape);
-    if (st == FSDP_OK) KERNEL_AT(x32, row_fwd_fn, slot)(f32p(r), f32p(x32), rows, cols);
-    tensor_release(x32);
+    bool native = bf16_at(x, slot16);
+    FSDP_TRY(native ? tensor_contiguous(&xs, x) : tensor_as_f32(&xs, x));
+    fsdp_status st = op_new_as(&r, native ? FSDP_BF16 : FSDP_F32, x->ndim, x->shape);
+    if (st == FSDP_OK) {
+        if (native) KERNEL_AT(xs, row_fwd_bf16_fn, slot16)(tensor_data(r), tensor_data(xs), rows, cols);
+        else KERNEL_AT(xs, row_fwd_fn, slot)(f32p(r), f32p(xs), rows, cols);
+    }
+    tensor_release(xs);
     if (st != FSDP_OK) return st;
     return op_done(out, NULL, r, x->dtype, name, bwd, 1, ts, 0, NULL);
 }
 
 static fsdp_status softmax_backward(fsdp_node *node) {
-    return softmax_like_backward(node, offsetof(fsdp_device_kernels, softmax_backward_f32));
+    return softmax_like_backward(node, SLOT(softmax_backward_f32), SLOT(softmax_backward_bf16));
 }
 static fsdp_status log_softmax_backward(fsdp_node *node) {
-    return softmax_like_backward(node, offsetof(fsdp_device_kernels, log_softmax_backward_f32));
+    return softmax_like_backward(node, SLOT(log_softmax_backward_f32), SLOT(log_softmax_backward_bf16));
 }
 
 fsdp_status fsdp_softmax(fsdp_tensor **out, fsdp_tensor *x) {
     TRACE_OP("softmax", out);
-    return softmax_like_forward(out, x, "fsdp_softmax", "softmax", offsetof(fsdp_device_kernels, softmax_forward_f32), softmax_backward);
+    return softmax_like_forward(out, x, "fsdp_softmax", "softmax", SLOT(softmax_forward_f32),
+                                SLOT(softmax_forward_bf16), softmax_backward);
 }
 
 fsdp_status fsdp_log_softmax(fsdp_tensor **out, fsdp_tensor *x) {
     TRACE_OP("log_softmax", out);
-    return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", offsetof(fsdp_device_kernels, log_softmax_forward_f32),
-                                log_softmax_backward);
+    return softmax_like_forward(out, x, "fsdp_log_softmax", "log_softmax", SLOT(log_softmax_forward_f32),
+                                SLOT(log_softmax_forward_bf16), log_softmax_backward);
 }
 
 /* ---- layernorm and RMSNorm over the last dim ---- */
@@ -188,28 +228,51 @@ static fsdp_status check_norm_params(const char *op, int n, const char *const *n
     return FSDP_OK;
 }
 
-/* Gradient buffer for optional parameter i, or NULL when it needs none. */
-static fsdp_status param_grad_buf(fsdp_node *node, int i, fsdp_tensor **out) {
+/* Gradient buffer (dtype) for optional parameter i, or NULL when it needs none. */
+static fsdp_status param_grad_buf(fsdp_node *node, int i, int dtype, fsdp_tensor **out) {
     *out = NULL;
     if (!node_needs_grad(node, i)) return FSDP_OK;
-    return op_new_f32(out, node->in[i]->ndim, node->in[i]->shape);
+    return op_new_as(out, dtype, node->in[i]->ndim, node->in[i]->shape);
+}
+
+/* Stages t for a kernel: contiguous in its own dtype (native bf16) or as
+ * f32; NULL (an absent optional input) passes through. */
+static fsdp_status stage(fsdp_tensor **out, fsdp_tensor *t, bool native) {
+    *out = NULL;
+    if (!t) return FSDP_OK;
+    return native ? tensor_contiguous(out, t) : tensor_as_f32(out, t);
+}
+
+/* Gives dx and the optional parameter gradients (NULL where none); takes all. */
+static fsdp_status give_norm_grads(fsdp_node *node, fsdp_tensor *dx, fsdp_tensor *dw, fsdp_tensor *db) {
+    /* op_give_grad takes its argument even when it fails: give all three */
+    fsdp_status s1 = op_give_grad(node, 0, dx);
+    fsdp_status s2 = dw ? op_give_grad(node, 1, dw) : FSDP_OK;
+    fsdp_status s3 = db ? op_give_grad(node, 2, db) : FSDP_OK;
+    return s1 != FSDP_OK ? s1 : s2 != FSDP_OK ? s2 : s3;
 }
 
 /* saved[0] mean (rows), saved[1] rstd (rows) */
 static fsdp_status layernorm_backward(fsdp_node *node) {
+    bool native = BF16_KERNEL(node->in[0], layernorm_backward) != NULL;
+    int dt = native ? FSDP_BF16 : FSDP_F32;
     fsdp_tensor *dout, *x = NULL, *w = NULL, *dx = NULL, *dw = NULL, *db = NULL;
-    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    FSDP_TRY(op_grad_out_as(node, 0, dt, &dout));
     if (!dout) return FSDP_OK;
     int64_t rows, cols;
     rows_cols(node->in[0], &rows, &cols);
-    fsdp_status st = tensor_as_f32(&x, node->in[0]);
-    if (st == FSDP_OK) st = stage_f32(&w, node->in[1]);
-    if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
-    if (st == FSDP_OK) st = param_grad_buf(node, 1, &dw);
-    if (st == FSDP_OK) st = param_grad_buf(node, 2, &db);
-    if (st == FSDP_OK)
-        KERNELS(dx)->layernorm_backward_f32(f32p(dx), f32p(dw), f32p(db), f32p(dout), f32p(x), f32p(w),
-                                   f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);
+    fsdp_status st = stage(&x, node->in[0], native);
+    if (st == FSDP_OK) st = stage(&w, node->in[1], native);
+    if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
+    if (st == FSDP_OK) st = param_grad_buf(node, 1, dt, &dw);
+    if (st == FSDP_OK) st = param_grad_buf(node, 2, dt, &db);
+    void *w_ = w ? tensor_data(w) : NULL, *dw_ = dw ? tensor_data(dw) : NULL, *db_ = db ? tensor_data(db) : NULL;
+    if (st == FSDP_OK && native)
+        KERNELS(dx)->layernorm_backward_bf16(tensor_data(dx), dw_, db_, tensor_data(dout), tensor_data(x), w_,
+                                             f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);
+    else if (st == FSDP_OK)
+        KERNELS(dx)->layernorm_backward_f32(f32p(dx), dw_, db_, f32p(dout), f32p(x), w_, f32p(node->saved[0]),
+                                            f32p(node->saved[1]), rows, cols);
     tensor_release(x);
     tensor_release(w);
     tensor_release(dout);
@@ -219,11 +282,7 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
         tensor_release(db);
         return st;
     }
-    /* op_give_grad takes its argument even when it fails: give all three */
-    fsdp_status s1 = op_give_grad(node, 0, dx);
-    fsdp_status s2 = dw ? op_give_grad(node, 1, dw) : FSDP_OK;
-    fsdp_status s3 = db ? op_give_grad(node, 2, db) : FSDP_OK;
-    return s1 != FSDP_OK ? s1 : s2 != FSDP_OK ? s2 : s3;
+    return give_norm_grads(node, dx, dw, db);
 }
 
 fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias, double eps) {
@@ -237,19 +296,23 @@ fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weigh
     int64_t rows, cols, rshape[1];
     rows_cols(x, &rows, &cols);
     rshape[0] = rows;
-    fsdp_tensor *x32 = NULL, *w32 = NULL, *b32 = NULL, *r = NULL, *mean = NULL, *rstd = NULL;
-    fsdp_status st = tensor_as_f32(&x32, x);
-    if (st == FSDP_OK) st = stage_f32(&w32, weight);
-    if (st == FSDP_OK) st = stage_f32(&b32, bias);
-    if (st == FSDP_OK) st = op_new_f32(&r, x->ndim, x->shape);
+    bool native = BF16_KERNEL(x, layernorm_forward) != NULL;
+    fsdp_tensor *xs = NULL, *ws = NULL, *bs = NULL, *r = NULL, *mean = NULL, *rstd = NULL;
+    fsdp_status st = stage(&xs, x, native);
+    if (st == FSDP_OK) st = stage(&ws, weight, native);
+    if (st == FSDP_OK) st = stage(&bs, bias, native);
+    if (st == FSDP_OK) st = op_new_as(&r, native ? FSDP_BF16 : FSDP_F32, x->ndim, x->shape);
     if (st == FSDP_OK) st = op_new_f32(&mean, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&rstd, 1, rshape);
-    if (st == FSDP_OK)
-        KERNELS(r)->layernorm_forward_f32(f32p(r), f32p(mean), f32p(rstd), f32p(x32), f32p(w32), f32p(b32), rows, cols,
-                                  (float)eps);
-    tensor_release(x32);
-    tensor_release(w32);
-    tensor_release(b32);
+    void *w_ = ws ? tensor_data(ws) : NULL, *b_ = bs ? tensor_data(bs) : NULL;
+    if (st == FSDP_OK && native)
+        KERNELS(r)->layernorm_forward_bf16(tensor_data(r), f32p(mean), f32p(rstd), tensor_data(xs), w_, b_, rows, cols,
+                                           (float)eps);
+    else if (st == FSDP_OK)
+        KERNELS(r)->layernorm_forward_f32(f32p(r), f32p(mean), f32p(rstd), f32p(xs), w_, b_, rows, cols, (float)eps);
+    tensor_release(xs);
+    tensor_release(ws);
+    tensor_release(bs);
     if (st != FSDP_OK) {
         tensor_release(r);
         tensor_release(mean);
@@ -262,17 +325,23 @@ fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weigh
 
 /* saved[0] rstd (rows) */
 static fsdp_status rmsnorm_backward(fsdp_node *node) {
+    bool native = BF16_KERNEL(node->in[0], rmsnorm_backward) != NULL;
+    int dt = native ? FSDP_BF16 : FSDP_F32;
     fsdp_tensor *dout, *x = NULL, *w = NULL, *dx = NULL, *dw = NULL;
-    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    FSDP_TRY(op_grad_out_as(node, 0, dt, &dout));
     if (!dout) return FSDP_OK;
     int64_t rows, cols;
     rows_cols(node->in[0], &rows, &cols);
-    fsdp_status st = tensor_as_f32(&x, node->in[0]);
-    if (st == FSDP_OK) st = stage_f32(&w, node->in[1]);
-    if (st == FSDP_OK) st = op_new_f32(&dx, x->ndim, x->shape);
-    if (st == FSDP_OK) st = param_grad_buf(node, 1, &dw);
-    if (st == FSDP_OK)
-        KERNELS(dx)->rmsnorm_backward_f32(f32p(dx), f32p(dw), f32p(dout), f32p(x), f32p(w), f32p(node->saved[0]), rows, cols);
+    fsdp_status st = stage(&x, node->in[0], native);
+    if (st == FSDP_OK) st = stage(&w, node->in[1], native);
+    if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
+    if (st == FSDP_OK) st = param_grad_buf(node, 1, dt, &dw);
+    void *w_ = w ? tensor_data(w) : NULL, *dw_ = dw ? tensor_data(dw) : NULL;
+    if (st == FSDP_OK && native)
+        KERNELS(dx)->rmsnorm_backward_bf16(tensor_data(dx), dw_, tensor_data(dout), tensor_data(x), w_,
+                                           f32p(node->saved[0]), rows, cols);
+    else if (st == FSDP_OK)
+        KERNELS(dx)->rmsnorm_backward_f32(f32p(dx), dw_, f32p(dout), f32p(x), w_, f32p(node->saved[0]), rows, cols);
     tensor_release(x);
     tensor_release(w);
     tensor_release(dout);
@@ -281,9 +350,7 @@ static fsdp_status rmsnorm_backward(fsdp_node *node) {
         tensor_release(dw);
         return st;
     }
-    fsdp_status s1 = op_give_grad(node, 0, dx);
-    fsdp_status s2 = dw ? op_give_grad(node, 1, dw) : FSDP_OK;
-    return s1 != FSDP_OK ? s1 : s2;
+    return give_norm_grads(node, dx, dw, NULL);
 }
 
 fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, double eps) {
@@ -297,14 +364,19 @@ fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
     int64_t rows, cols, rshape[1];
     rows_cols(x, &rows, &cols);
     rshape[0] = rows;
-    fsdp_tensor *x32 = NULL, *w32 = NULL, *r = NULL, *rstd = NULL;
-    fsdp_status st = tensor_as_f32(&x32, x);
-    if (st == FSDP_OK) st = stage_f32(&w32, weight);
-    if (st == FSDP_OK) st = op_new_f32(&r, x->ndim, x->shape);
+    bool native = BF16_KERNEL(x, rmsnorm_forward) != NULL;
+    fsdp_tensor *xs = NULL, *ws = NULL, *r = NULL, *rstd = NULL;
+    fsdp_status st = stage(&xs, x, native);
+    if (st == FSDP_OK) st = stage(&ws, weight, native);
+    if (st == FSDP_OK) st = op_new_as(&r, native ? FSDP_BF16 : FSDP_F32, x->ndim, x->shape);
     if (st == FSDP_OK) st = op_new_f32(&rstd, 1, rshape);
-    if (st == FSDP_OK) KERNELS(r)->rmsnorm_forward_f32(f32p(r), f32p(rstd), f32p(x32), f32p(w32), rows, cols, (float)eps);
-    tensor_release(x32);
-    tensor_release(w32);
+    void *w_ = ws ? tensor_data(ws) : NULL;
+    if (st == FSDP_OK && native)
+        KERNELS(r)->rmsnorm_forward_bf16(tensor_data(r), f32p(rstd), tensor_data(xs), w_, rows, cols, (float)eps);
+    else if (st == FSDP_OK)
+        KERNELS(r)->rmsnorm_forward_f32(f32p(r), f32p(rstd), f32p(xs), w_, rows, cols, (float)eps);
+    tensor_release(xs);
+    tensor_release(ws);
     if (st != FSDP_OK) {
         tensor_release(r);
         tensor_release(rstd);
@@ -440,10 +512,15 @@ static fsdp_status cross_entropy_backward(fsdp_node *node) {
     int64_t N = node->in[0]->shape[0], V = node->in[0]->shape[1], count = node->i[2];
     /* the loss is a mean: each row's share of dloss is dloss / count, which the
      * kernel reads where dloss lives (on a GPU: no host read, no sync) */
-    fsdp_status st = tensor_as_f32(&logits, node->in[0]);
+    bool native = BF16_KERNEL(node->in[0], cross_entropy_backward) != NULL;   /* bf16 logits, bf16 dlogits */
+    fsdp_status st = stage(&logits, node->in[0], native);
     if (st == FSDP_OK) st = tensor_as_i64(&targets, node->in[1]);
-    if (st == FSDP_OK) st = op_new_f32(&dx, 2, node->in[0]->shape);
-    if (st == FSDP_OK)
+    if (st == FSDP_OK) st = op_new_as(&dx, native ? FSDP_BF16 : FSDP_F32, 2, node->in[0]->shape);
+    if (st == FSDP_OK && native)
+        KERNELS(dx)->cross_entropy_backward_bf16(tensor_data(dx), tensor_data(logits), f32p(node->saved[0]),
+                                                 tensor_data(targets), N, V, node->i[1], node->i[0], f32p(dout),
+                                                 count);
+    else if (st == FSDP_OK)
         KERNELS(dx)->cross_entropy_backward_f32(f32p(dx), f32p(logits), f32p(node->saved[0]), tensor_data(targets), N, V,
                                        node->i[1], node->i[0], f32p(dout), count);
     tensor_release(dout);
@@ -478,14 +555,19 @@ fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tens
         st = op_fail(FSDP_ERR_INDEX, op, 2, names, ts,
                      "targets[%lld] is %lld, expected 0 <= target < %lld (valid_vocab) or ignore_index %lld",
                      (long long)bad, (long long)bad_value, (long long)valid_v, (long long)ignore_index);
-    if (st == FSDP_OK) st = tensor_as_f32(&x32, logits);
+    bool native = BF16_KERNEL(logits, cross_entropy_forward) != NULL;   /* bf16 logits read as they are */
+    if (st == FSDP_OK) st = stage(&x32, logits, native);
     if (st == FSDP_OK) st = op_new_f32(&losses, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&lse, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&r, 0, NULL);
     int64_t count = 0;
     if (st == FSDP_OK) {
-        count = KERNELS(losses)->cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N, V, valid_v,
-                                              ignore_index);
+        if (native)
+            count = KERNELS(losses)->cross_entropy_forward_bf16(f32p(losses), f32p(lse), tensor_data(x32),
+                                                                tensor_data(t64), N, V, valid_v, ignore_index);
+        else
+            count = KERNELS(losses)->cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N,
+                                                               V, valid_v, ignore_index);
         /* ignored rows hold 0, so the sum runs over all N; no rows: loss 0 */
         float mean = count ? (float)(KERNELS(losses)->sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
         KERNELS(r)->fill_f32(f32p(r), mean, 1);

@@ -79,6 +79,23 @@ static inline fsdp_status op_new_f32(fsdp_tensor **out, int ndim, const int64_t 
     return tensor_new(out, FSDP_F32, ndim, shape, fsdp_op_device(), fsdp_default_tag(), false);
 }
 
+/* bf16 natively: the device's `<name>_bf16` entry when t is bf16 and the
+ * device has one (device.h), else NULL and the op stages through f32. */
+#define BF16_KERNEL(t, name) ((t)->dtype == FSDP_BF16 ? KERNELS(t)->name##_bf16 : NULL)
+
+/* A new contiguous tensor of dtype (activation tag) on the op's device. */
+static inline fsdp_status op_new_as(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape) {
+    return tensor_new(out, dtype, ndim, shape, fsdp_op_device(), fsdp_default_tag(), false);
+}
+
+/* Output i's gradient as a contiguous tensor of dtype (*out NULL when none flowed). */
+static inline fsdp_status op_grad_out_as(fsdp_node *node, int i, int dtype, fsdp_tensor **out) {
+    fsdp_tensor *g = node_grad_out(node, i);
+    *out = NULL;
+    if (!g) return FSDP_OK;
+    return tensor_from_f32(out, g, dtype);   /* (a converting copy, or g itself when it fits) */
+}
+
 /* Turns an f32 result into the op's output dtype; takes r. */
 static inline fsdp_status op_finish(fsdp_tensor **out, fsdp_tensor *r, int dtype) {
     if (dtype == FSDP_F32) {

@@ -3,6 +3,7 @@
  * Each step is a single pass: every element is read and written once. */
 #include "ops_util.h"
 #include <math.h>
+#include <stdlib.h>
 
 /* float (f32 if need_f32), contiguous, with data, n elements (n >= 0), on
  * the device of `with` (named with_name; when given: one kernel reads them all) */
@@ -76,6 +77,59 @@ fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out) {
     *out = KERNELS(f)->sumsq_f32(tensor_data(f), tensor_numel(f));
     tensor_release(f);
     return FSDP_OK;
+}
+
+fsdp_status fsdp_sumsq_many(fsdp_tensor *const *ts, int n, double *out) {
+    const char *op = "fsdp_sumsq_many";
+    if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "%s: out is NULL", op);
+    if (n < 0 || (n > 0 && !ts)) return fsdp_set_error(FSDP_ERR_INVALID, "%s: %d tensors at %p", op, n, (void *)ts);
+    *out = 0.0;
+    char d[200], w[200];
+    fsdp_tensor *first = NULL;
+    for (int i = 0; i < n; i++) {
+        fsdp_tensor *t = ts[i];
+        if (!t) continue;
+        if (!fsdp_dtype_is_float(t->dtype))
+            return fsdp_set_error(FSDP_ERR_DTYPE, "%s: tensor %d %s must be a float tensor", op, i,
+                                  tensor_desc(t, d, sizeof d));
+        if (!t->storage->data && t->storage->nbytes > 0)
+            return fsdp_set_error(FSDP_ERR_STATE, "%s: tensor %d %s belongs to a resharded unit", op, i,
+                                  tensor_desc(t, d, sizeof d));
+        if (first && tensor_device(t) != tensor_device(first))
+            return fsdp_set_error(FSDP_ERR_DEVICE, "%s: tensor %d %s and %s are on different devices", op, i,
+                                  tensor_desc(t, d, sizeof d), tensor_desc(first, w, sizeof w));
+        if (!first) first = t;
+    }
+    if (!first) return FSDP_OK;
+    const fsdp_device_kernels *k = KERNELS(first);
+    /* f32 contiguous views of every tensor (a staged copy only where needed) */
+    fsdp_tensor **f = calloc((size_t)n, sizeof *f);
+    const float **ptrs = calloc((size_t)n, sizeof *ptrs);
+    int64_t *counts = calloc((size_t)n, sizeof *counts);
+    fsdp_status st = f && ptrs && counts ? FSDP_OK : fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", op);
+    int m = 0;
+    for (int i = 0; i < n && st == FSDP_OK; i++) {
+        if (!ts[i]) continue;
+        st = tensor_as_f32(&f[m], ts[i]);
+        if (st != FSDP_OK) break;
+        ptrs[m] = tensor_data(f[m]);
+        counts[m] = tensor_numel(f[m]);
+        m++;
+    }
+    if (st == FSDP_OK) {
+        if (k->sumsq_many_f32) {
+            *out = k->sumsq_many_f32(ptrs, counts, m);
+        } else {   /* one tensor at a time, added in order */
+            double total = 0.0;
+            for (int i = 0; i < m; i++) total += k->sumsq_f32(ptrs[i], counts[i]);
+            *out = total;
+        }
+    }
+    for (int i = 0; f && i < m; i++) tensor_release(f[i]);
+    free(f);
+    free(ptrs);
+    free(counts);
+    return st;
 }
 
 /* ---- AdamW ---- */

@@ -241,6 +241,8 @@ fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha);
 
 fsdp_status fsdp_sumsq(fsdp_tensor *t, double *out);
 
+fsdp_status fsdp_sumsq_many(fsdp_tensor *const *ts, int n, double *out);
+
 fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
                             double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
 

@@ -171,15 +171,14 @@ local sumsq_box = require("ffi").new("double[1]")
 -- in double). opts.reduce, when given, combines the local sum of squares
 -- across ranks (sharded models pass their all-reduce here).
 function M.grad_norm(params, opts)
-  local box = sumsq_box
-  local total = 0
-  for _, p in ipairs(params) do
-    local g = p:get_grad()
-    if g then
-      if C.fsdp_sumsq(g, box) ~= 0 then raise() end
-      total = total + box[0]
-    end
+  local box, grads = sumsq_box, require("ffi").new("fsdp_tensor *[?]", #params > 0 and #params or 1)
+  local keep = {}   -- the gradients stay referenced while C reads them
+  for i, p in ipairs(params) do
+    keep[i] = p:get_grad() or false
+    grads[i - 1] = keep[i] or nil
   end
+  if C.fsdp_sumsq_many(grads, #params, box) ~= 0 then raise() end   -- one pass, one wait
+  local total = box[0]
   if opts and opts.reduce then total = opts.reduce(total) end
   return math.sqrt(total)
 end

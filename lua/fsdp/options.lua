@@ -84,7 +84,7 @@ local function flag(name) return "--" .. name:gsub("_", "-") end
 local function describe_type(ty)
   if type(ty) == "table" then return "one of " .. table.concat(ty, ", ") end
   return ({ int = "an integer", number = "a number", string = "a string", bool = "true or false",
-    file = "a readable file", outfile = "a file to write" })[ty] or ty
+    file = "a readable file", outfile = "a file to write", path_or_flag = "a path, or nothing" })[ty] or ty
 end
 
 local function convert(name, ty, v, recipe)
@@ -105,11 +105,23 @@ local function convert(name, ty, v, recipe)
     if type(v) ~= "number" then bad() end
   elseif ty == "bool" then
     if type(v) ~= "boolean" then bad() end
+  elseif ty == "path_or_flag" then
+    if type(v) == "number" then v = tostring(v) end
+    if type(v) ~= "string" and type(v) ~= "boolean" then bad() end
   elseif ty == "string" or ty == "file" or ty == "outfile" then
     if type(v) == "number" then v = tostring(v) end
     if type(v) ~= "string" then bad() end
   end
   return v
+end
+
+--- Combinations that cannot work, rejected before anything is built: each
+-- rule is { ok, fmt, ... }; the first that does not hold is a usage error
+-- "RECIPE: " .. string.format(fmt, ...).
+function M.check(recipe, rules)
+  for _, r in ipairs(rules) do
+    if not r[1] then M.fail("%s: " .. r[2], recipe, unpack(r, 3)) end
+  end
 end
 
 --- nil when a file can be written at path (trying it, and leaving nothing

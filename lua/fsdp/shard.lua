@@ -521,12 +521,11 @@ end
 --- Global gradient norm over all shards (an all-reduce over the shard group).
 local sumsq_box = ffi.new("double[1]")
 function Sharded:grad_norm()
-  local total = 0
-  for _, g in ipairs(self.grads) do
-    if C.fsdp_sumsq(g, sumsq_box) ~= 0 then raise() end
-    total = total + sumsq_box[0]
-  end
-  return math.sqrt(self.shard_group:sum(total))
+  local n = #self.grads
+  local grads = ffi.new("fsdp_tensor *[?]", n > 0 and n or 1)
+  for i, g in ipairs(self.grads) do grads[i - 1] = g end
+  if C.fsdp_sumsq_many(grads, n, sumsq_box) ~= 0 then raise() end   -- one pass, one wait
+  return math.sqrt(self.shard_group:sum(sumsq_box[0]))
 end
 
 function Sharded:clip_grad_norm(max_norm)

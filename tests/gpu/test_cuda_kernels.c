@@ -514,6 +514,30 @@ static void test_sum_all(void) {
     }
 }
 
+/* many tensors at once (empty ones, some larger than a block, more than a
+ * launch's group of 14), against the
+ * CPU's sumsq per tensor added in order: 1e-10 relative to the sum */
+static void test_sumsq_many(void) {
+    test_check(G->sumsq_many_f32 != NULL, "CUDA has sumsq_many_f32");
+    if (!G->sumsq_many_f32) return;
+    int64_t counts[] = {7, 0, 1, 5000, 4096, 4097, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9000, 10};
+    const int n = (int)(sizeof counts / sizeof counts[0]);
+    const float *ptrs[sizeof counts / sizeof counts[0]];
+    double want = 0, abs = 0;
+    for (int i = 0; i < n; i++) {
+        float *x = hrand(counts[i] > 0 ? counts[i] : 1, 2);
+        want += C->sumsq_f32(x, counts[i]);
+        for (int64_t k = 0; k < counts[i]; k++) abs += (double)x[k] * x[k];
+        ptrs[i] = dupf(x, counts[i] > 0 ? counts[i] : 1);
+    }
+    double got = G->sumsq_many_f32(ptrs, counts, n);
+    test_check(fabs(got - want) <= 1e-10 * abs, "sumsq_many_f32 over %d tensors: got %.17g want %.17g", n, got, want);
+    test_check(G->sumsq_many_f32(ptrs, counts, 0) == 0.0, "sumsq_many_f32 of no tensors is 0");
+    int64_t zeros[] = {0, 0};
+    test_check(G->sumsq_many_f32(ptrs, zeros, 2) == 0.0, "sumsq_many_f32 of empty tensors is 0");
+    free_case();
+}
+
 /* ---- activations, softmax ---- */
 
 typedef void (*unary_fn)(float *, const float *, int64_t);
@@ -748,6 +772,248 @@ static void test_attention(void) {
             check_f(name, back(gdv, n), dv, n, 1e-4, 1e-4, -1);
             free_case();
         }
+}
+
+/* ---- bf16 entries ----
+ * Each against the CPU's f32 kernel on the same bf16 values, the f32 result
+ * rounded to bf16 (to nearest even) as the reference. Tolerances:
+ *   binary ops, scale, add_scalar: bit for bit (one f32 op, one rounding).
+ *   everything else: within one bf16 ulp (2^-7 relative: the GPU's f32 math
+ *   may differ from the CPU's by an f32 ulp, which can move the rounding),
+ *   plus 2^-8 of the output's largest value where sums cancel (softmax and
+ *   norm backward), or the bounds named. */
+static float *round_bf16_host(float *x, int64_t n) {   /* in place; returns x */
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+    return x;
+}
+static float *hrand16(int64_t n, float scale) { return round_bf16_host(hrand(n, scale), n); }
+static uint16_t *dup16(const float *h, int64_t n) {   /* h holds bf16 values */
+    uint16_t *t = halloc((size_t)(n > 0 ? n : 1) * 2);
+    for (int64_t i = 0; i < n; i++) t[i] = f32_to_bf16(h[i]);
+    return dup(t, (size_t)(n > 0 ? n : 1) * 2);
+}
+static uint16_t *dnan16(int64_t n) { return (uint16_t *)dup16(hnan(n), n); }
+static float *back_bf16(const void *d, int64_t n);
+
+#define ULP16 (1.0 / 128)
+
+static void test_bf16_elementwise(void) {
+    test_check(G->binary_bf16 && G->scale_bf16 && G->add_scalar_bf16 && G->axpy_bf16 && G->sum_dim_bf16,
+               "CUDA has the bf16 elementwise entries");
+    if (!G->binary_bf16 || !G->scale_bf16 || !G->add_scalar_bf16 || !G->axpy_bf16 || !G->sum_dim_bf16) return;
+    bin_case cs[] = {
+        {"same shape (vector path)", 1, {4096}, {1}, {1}, 4096, 4096},
+        {"same shape, odd", 1, {4099}, {1}, {1}, 4099, 4099},
+        {"bias (3, 5, 8) + (8)", 3, {3, 5, 8}, {40, 8, 1}, {0, 0, 1}, 120, 8},
+        {"transposed a", 2, {7, 5}, {1, 7}, {5, 1}, 35, 35},
+        {"scalar b", 2, {3, 9}, {9, 1}, {0, 0}, 27, 1},
+    };
+    const char *ops[] = {"add", "sub", "mul", "div"};
+    for (int op = 0; op < 4; op++)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            const bin_case *c = &cs[i];
+            int64_t n = 1;
+            for (int k = 0; k < c->ndim; k++) n *= c->shape[k];
+            float *a = hrand16(c->na, 3), *b = hrand16(c->nb, 2), *want = hnan(n);
+            C->binary_f32(op, want, a, c->sa, b, c->sb, c->ndim, c->shape);
+            uint16_t *da = dup16(a, c->na), *db = dup16(b, c->nb), *dout = dnan16(n);
+            G->binary_bf16(op, dout, da, c->sa, db, c->sb, c->ndim, c->shape);
+            char name[96];
+            snprintf(name, sizeof name, "binary_bf16 %s %s", ops[op], c->name);
+            check_f(name, back_bf16(dout, n), round_bf16_host(want, n), n, 0, 0, 0);
+            free_case();
+        }
+    int64_t sizes[] = {1, 7, 4096, 4099};
+    for (int s = 0; s < 4; s++) {
+        int64_t n = sizes[s];
+        char name[64];
+        float *a = hrand16(n, 3), *y = hrand16(n, 2), *want = hnan(n);
+        uint16_t *da = dup16(a, n), *dout = dnan16(n);
+        C->scale_f32(want, a, -0.37f, n);
+        G->scale_bf16(dout, da, -0.37f, n);
+        snprintf(name, sizeof name, "scale_bf16 n=%lld", (long long)n);
+        check_f(name, back_bf16(dout, n), round_bf16_host(want, n), n, 0, 0, 0);
+        C->add_scalar_f32(want, a, 1.7f, n);
+        G->add_scalar_bf16(dout, da, 1.7f, n);
+        snprintf(name, sizeof name, "add_scalar_bf16 n=%lld", (long long)n);
+        check_f(name, back_bf16(dout, n), round_bf16_host(want, n), n, 0, 0, 0);
+        float *wy = hcopy(y, n);
+        uint16_t *dy = dup16(y, n);
+        C->axpy_f32(wy, a, 0.3f, n);
+        G->axpy_bf16(dy, da, 0.3f, n);
+        snprintf(name, sizeof name, "axpy_bf16 n=%lld", (long long)n);
+        check_f(name, back_bf16(dy, n), wy, n, ULP16, 1e-6, -1);   /* (FMA on the CPU: cancellation) */
+        free_case();
+    }
+    int64_t sd[][3] = {{1, 1, 1}, {3, 7, 1}, {2, 1000, 1}, {7, 33, 37}, {1, 3000, 13}, {3, 600, 2}};
+    for (size_t i = 0; i < sizeof sd / sizeof sd[0]; i++) {
+        int64_t outer = sd[i][0], red = sd[i][1], inner = sd[i][2], n = outer * red * inner, no = outer * inner;
+        float *x = hrand16(n, 1), *ax = halloc((size_t)n * sizeof(float)), *want = hnan(no), *abs_sum = hnan(no);
+        for (int64_t k = 0; k < n; k++) ax[k] = fabsf(x[k]);
+        C->sum_dim_f32(want, x, outer, red, inner);
+        C->sum_dim_f32(abs_sum, ax, outer, red, inner);
+        uint16_t *dx = dup16(x, n), *dout = dnan16(no);
+        G->sum_dim_bf16(dout, dx, outer, red, inner);
+        double *bound = halloc((size_t)no * sizeof(double));
+        for (int64_t k = 0; k < no; k++) bound[k] = abs_sum[k] + 1e-30;
+        char name[96];
+        snprintf(name, sizeof name, "sum_dim_bf16 (%lld, %lld, %lld)", (long long)outer, (long long)red,
+                 (long long)inner);
+        check_bound(name, back_bf16(dout, no), want, bound, no, ULP16);   /* |want| <= sum |x| */
+        free_case();
+    }
+}
+
+typedef void (*unary16_fn)(uint16_t *, const uint16_t *, int64_t);
+typedef void (*unary16_bwd_fn)(uint16_t *, const uint16_t *, const uint16_t *, int64_t);
+typedef void (*rows16_fn)(uint16_t *, const uint16_t *, int64_t, int64_t);
+typedef void (*rows16_bwd_fn)(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t);
+
+static void test_bf16_nn(void) {
+    test_check(G->gelu_forward_bf16 && G->softmax_forward_bf16 && G->layernorm_forward_bf16 &&
+                   G->cross_entropy_forward_bf16,
+               "CUDA has the bf16 nn entries");
+    if (!G->gelu_forward_bf16 || !G->softmax_forward_bf16 || !G->layernorm_forward_bf16 ||
+        !G->cross_entropy_forward_bf16)
+        return;
+    struct { const char *name; unary16_fn gf; unary_fn cf; unary16_bwd_fn gb; unary_bwd_fn cb; } acts[] = {
+        {"gelu", G->gelu_forward_bf16, C->gelu_forward_f32, G->gelu_backward_bf16, C->gelu_backward_f32},
+        {"silu", G->silu_forward_bf16, C->silu_forward_f32, G->silu_backward_bf16, C->silu_backward_f32},
+    };
+    for (int a = 0; a < 2; a++)
+        for (int64_t n = 1; n <= 5000; n = n * 71 + 2) {
+            float *x = hrand16(n, 4), *dout = hrand16(n, 1), *want = hnan(n), *wdx = hnan(n);
+            acts[a].cf(want, x, n);
+            acts[a].cb(wdx, x, dout, n);
+            uint16_t *gx = dup16(x, n), *gd = dup16(dout, n), *gy = dnan16(n), *gdx = dnan16(n);
+            acts[a].gf(gy, gx, n);
+            acts[a].gb(gdx, gx, gd, n);
+            char name[64];
+            snprintf(name, sizeof name, "%s_forward_bf16 n=%lld", acts[a].name, (long long)n);
+            check_f(name, back_bf16(gy, n), want, n, ULP16, 1e-6, -1);
+            snprintf(name, sizeof name, "%s_backward_bf16 n=%lld", acts[a].name, (long long)n);
+            check_f(name, back_bf16(gdx, n), wdx, n, ULP16, 1e-6, -1);
+            free_case();
+        }
+    struct { const char *name; rows16_fn gf; rows_fn cf; rows16_bwd_fn gb; rows_bwd_fn cb; } sm[] = {
+        {"softmax", G->softmax_forward_bf16, C->softmax_forward_f32, G->softmax_backward_bf16, C->softmax_backward_f32},
+        {"log_softmax", G->log_softmax_forward_bf16, C->log_softmax_forward_f32, G->log_softmax_backward_bf16,
+         C->log_softmax_backward_f32},
+    };
+    int64_t rc[][2] = {{1, 1}, {3, 7}, {5, 1000}, {70, 33}};
+    for (int a = 0; a < 2; a++)
+        for (size_t i = 0; i < sizeof rc / sizeof rc[0]; i++) {
+            int64_t rows = rc[i][0], cols = rc[i][1], n = rows * cols;
+            float *x = hrand16(n, 5), *dy = hrand16(n, 1), *y = hnan(n), *wdx = hnan(n);
+            sm[a].cf(y, x, rows, cols);
+            round_bf16_host(y, n);   /* the backward's input, as the forward stores it */
+            sm[a].cb(wdx, y, dy, rows, cols);
+            uint16_t *gx = dup16(x, n), *gy = dnan16(n), *cy = dup16(y, n), *gdy = dup16(dy, n), *gdx = dnan16(n);
+            float *yf = hnan(n);
+            sm[a].cf(yf, x, rows, cols);
+            sm[a].gf(gy, gx, rows, cols);
+            sm[a].gb(gdx, cy, gdy, rows, cols);
+            char name[80];
+            snprintf(name, sizeof name, "%s_forward_bf16 (%lld, %lld)", sm[a].name, (long long)rows, (long long)cols);
+            check_f(name, back_bf16(gy, n), yf, n, ULP16, 1e-6, -1);
+            snprintf(name, sizeof name, "%s_backward_bf16 (%lld, %lld)", sm[a].name, (long long)rows, (long long)cols);
+            check_f(name, back_bf16(gdx, n), wdx, n, ULP16, 1.0 / 256, -1);
+            free_case();
+        }
+    int64_t nc[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}};
+    for (size_t i = 0; i < sizeof nc / sizeof nc[0]; i++)
+        for (int affine = 0; affine < 3; affine++) {
+            int64_t rows = nc[i][0], cols = nc[i][1], n = rows * cols;
+            float *x = hrand(n, 2), *w = affine ? hrand16(cols, 1) : NULL, *b = affine == 2 ? hrand16(cols, 1) : NULL;
+            for (int64_t k = 0; k < n; k++) x[k] += 0.5f;
+            round_bf16_host(x, n);
+            float *dout = hrand16(n, 1);
+            uint16_t *gx = dup16(x, n), *gw = w ? dup16(w, cols) : NULL, *gb = b ? dup16(b, cols) : NULL;
+            uint16_t *gd = dup16(dout, n);
+            int want_w = affine >= 1, want_b = affine == 2;
+            char name[96], tag[64];
+            snprintf(tag, sizeof tag, "(%lld, %lld) %s", (long long)rows, (long long)cols,
+                     affine == 0 ? "no affine" : affine == 1 ? "weight" : "weight+bias");
+            float *y = hnan(n), *mean = hnan(rows), *rstd = hnan(rows);
+            C->layernorm_forward_f32(y, mean, rstd, x, w, b, rows, cols, 1e-5f);
+            uint16_t *gy = dnan16(n);
+            float *gmean = dnan(rows), *grstd = dnan(rows);
+            G->layernorm_forward_bf16(gy, gmean, grstd, gx, gw, gb, rows, cols, 1e-5f);
+            snprintf(name, sizeof name, "layernorm_forward_bf16 out %s", tag);
+            check_f(name, back_bf16(gy, n), y, n, ULP16, 1e-6, -1);
+            snprintf(name, sizeof name, "layernorm_forward_bf16 mean %s", tag);
+            check_f(name, back(gmean, rows), mean, rows, 1e-5, 1e-6, -1);
+            snprintf(name, sizeof name, "layernorm_forward_bf16 rstd %s", tag);
+            check_f(name, back(grstd, rows), rstd, rows, 1e-5, 1e-6, -1);
+            float *wdx = hnan(n), *wdw = hnan(cols), *wdb = hnan(cols), *cmean = dupf(mean, rows), *crstd = dupf(rstd, rows);
+            uint16_t *gdx = dnan16(n), *gdw = dnan16(cols), *gdb = dnan16(cols);
+            C->layernorm_backward_f32(wdx, want_w ? wdw : NULL, want_b ? wdb : NULL, dout, x, w, mean, rstd, rows, cols);
+            G->layernorm_backward_bf16(gdx, want_w ? gdw : NULL, want_b ? gdb : NULL, gd, gx, gw, cmean, crstd, rows,
+                                       cols);
+            double sc = dx_scale(dout, w, rstd, rows, cols);
+            snprintf(name, sizeof name, "layernorm_backward_bf16 dx %s", tag);
+            check_f(name, back_bf16(gdx, n), wdx, n, ULP16, 1e-5, sc);
+            if (want_w) {
+                snprintf(name, sizeof name, "layernorm_backward_bf16 dweight %s", tag);
+                check_f(name, back_bf16(gdw, cols), wdw, cols, ULP16, 1e-5, -1);
+            }
+            if (want_b) {
+                snprintf(name, sizeof name, "layernorm_backward_bf16 dbias %s", tag);
+                check_f(name, back_bf16(gdb, cols), wdb, cols, ULP16, 1e-5, -1);
+            }
+            if (affine < 2) {
+                float *ry = hnan(n), *rr = hnan(rows);
+                C->rmsnorm_forward_f32(ry, rr, x, w, rows, cols, 1e-6f);
+                uint16_t *gry = dnan16(n);
+                float *grr = dnan(rows);
+                G->rmsnorm_forward_bf16(gry, grr, gx, gw, rows, cols, 1e-6f);
+                snprintf(name, sizeof name, "rmsnorm_forward_bf16 out %s", tag);
+                check_f(name, back_bf16(gry, n), ry, n, ULP16, 1e-6, -1);
+                snprintf(name, sizeof name, "rmsnorm_forward_bf16 rstd %s", tag);
+                check_f(name, back(grr, rows), rr, rows, 1e-5, 1e-6, -1);
+                float *rdx = hnan(n), *rdw = hnan(cols), *crr = dupf(rr, rows);
+                uint16_t *grdx = dnan16(n), *grdw = dnan16(cols);
+                C->rmsnorm_backward_f32(rdx, want_w ? rdw : NULL, dout, x, w, rr, rows, cols);
+                G->rmsnorm_backward_bf16(grdx, want_w ? grdw : NULL, gd, gx, gw, crr, rows, cols);
+                snprintf(name, sizeof name, "rmsnorm_backward_bf16 dx %s", tag);
+                check_f(name, back_bf16(grdx, n), rdx, n, ULP16, 1e-5, dx_scale(dout, w, rr, rows, cols));
+                if (want_w) {
+                    snprintf(name, sizeof name, "rmsnorm_backward_bf16 dweight %s", tag);
+                    check_f(name, back_bf16(grdw, cols), rdw, cols, ULP16, 1e-5, -1);
+                }
+            }
+            free_case();
+        }
+    int64_t ce[][3] = {{1, 1, 1}, {7, 13, 13}, {5, 1000, 997}, {40, 17, 16}};
+    const int64_t ignore = -100;
+    for (size_t i = 0; i < sizeof ce / sizeof ce[0]; i++) {
+        int64_t N = ce[i][0], V = ce[i][1], valid = ce[i][2];
+        int64_t *t = halloc((size_t)N * sizeof(int64_t));
+        for (int64_t k = 0; k < N; k++)
+            t[k] = k % 4 == 3 ? ignore : (int64_t)(test_rng_uniform(&rng) * (double)valid) % valid;
+        float *x = hrand16(N * V, 8), *losses = hnan(N), *lse = hnan(N);
+        int64_t count = C->cross_entropy_forward_f32(losses, lse, x, t, N, V, valid, ignore);
+        int64_t *dt = dup(t, (size_t)N * sizeof(int64_t));
+        uint16_t *gx = dup16(x, N * V);
+        float *gl = dnan(N), *glse = dnan(N);
+        int64_t gcount = G->cross_entropy_forward_bf16(gl, glse, gx, dt, N, V, valid, ignore);
+        char name[96];
+        snprintf(name, sizeof name, "cross_entropy_forward_bf16 (%lld, %lld) valid %lld", (long long)N, (long long)V,
+                 (long long)valid);
+        test_check(gcount == count, "%s: count %lld, want %lld", name, (long long)gcount, (long long)count);
+        check_f(name, back(gl, N), losses, N, 1e-5, 1e-6, -1);
+        check_f(name, back(glse, N), lse, N, 1e-5, 1e-6, -1);
+        int64_t div = count ? count : 1;
+        float dloss = 1.0f / (float)div, one = 1.0f, *gone = dupf(&one, 1);
+        float *wdx = hnan(N * V), *clse = dupf(lse, N);
+        uint16_t *gdx = dnan16(N * V);
+        C->cross_entropy_backward_f32(wdx, x, lse, t, N, V, valid, ignore, &one, div);
+        G->cross_entropy_backward_bf16(gdx, gx, clse, dt, N, V, valid, ignore, gone, div);
+        snprintf(name, sizeof name, "cross_entropy_backward_bf16 (%lld, %lld) valid %lld", (long long)N, (long long)V,
+                 (long long)valid);
+        check_f(name, back_bf16(gdx, N * V), wdx, N * V, ULP16, 1e-6, dloss);
+        free_case();
+    }
 }
 
 /* Attention from a packed bf16 qkv (B, T, 3C) on the tensor cores, against
@@ -1131,6 +1397,7 @@ int main(int argc, char **argv) {
     test_scalar_ops();
     test_sum_dim();
     test_sum_all();
+    test_sumsq_many();
     test_activations();
     test_softmax();
     test_norms();
@@ -1138,6 +1405,8 @@ int main(int argc, char **argv) {
     test_cross_entropy();
     test_attention();
     test_attention_qkv();
+    test_bf16_elementwise();
+    test_bf16_nn();
     test_random();
     test_optim();
     test_ops_end_to_end();

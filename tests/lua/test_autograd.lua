@@ -13,6 +13,10 @@ t.eq(x.grad, nil, ".grad is nil before backward")
 ;(x * x):sum():backward()
 t.all_near(x.grad:tolist(), { 2, -4, 6 }, 1e-6, "d sum(x*x) = 2x")
 t.all_near(x:grad():tolist(), x.grad:tolist(), 0, "x:grad() is x.grad")
+-- a tensor is not callable: w(x) is a mistake (for w:matmul(x)), not w
+t.raises(function() return x(fsdp.ones(2)) end, "a tensor is not callable", "w(x) is an error")
+t.raises(function() return x() end, "a tensor is not callable", "w() is an error")
+t.raises(function() return x.grad(fsdp.ones(1)) end, "a tensor is not callable", "a gradient called with another tensor")
 t.all_near(x:get_grad():tolist(), x.grad:tolist(), 0, "x:get_grad()")
 
 local a, b = leaf({ 1, 2, 4 }), leaf({ 3, -1, 0.5 })

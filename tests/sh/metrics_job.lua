@@ -48,6 +48,12 @@ for step, r in ipairs(recs) do
   t.ok(m:format(r):find("MFU", 1, true) ~= nil, what .. "log line")
   t.eq(fsdp.distributed.broadcast(r.step_ms, 0), r.step_ms, what .. "every rank logs the same (max over ranks)")
 end
+-- errors
+if rank == 0 then
+  t.raises(function() metrics.new { path = "/nonexistent-dir/m.jsonl" } end, { "cannot write", "/nonexistent-dir/m.jsonl" },
+           "an unwritable metrics file")
+end
+t.raises(function() metrics.new {}:end_step {} end, "end_step without begin_step", "end_step first")
 -- the file (rank 0): one object per step, then the evaluation
 if rank == 0 then
   local lines = {}
