@@ -161,7 +161,10 @@ static fsdp_status split(fsdp_comm **out, fsdp_comm *parent, int color, int key,
         free(child);
         return st;
     }
-    if (table_hash) w->fp.label_hash = table_hash;   /* split_all: every rank must pass the same table */
+    if (table_hash) {   /* split_all: every rank must pass the same tables, checked as the "arg" */
+        w->fp.label_hash = table_hash;
+        w->fp.arg = (int32_t)(uint32_t)(table_hash ^ (table_hash >> 32));
+    }
     w->color = color;
     w->key = key;
     w->split_out = child;            /* the comm thread completes it, or frees it on failure */

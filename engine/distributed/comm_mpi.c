@@ -8,7 +8,7 @@
  * the others, so that is where this file waits gently: MPI_Test in a loop
  * for the first millisecond (ranks usually arrive together), then with
  * sleeps that grow to 1 ms, so a rank waiting for a stopped one costs no
- * core. While it waits it answers the watchdog questions of other ranks and
+ * core (see wait_arrival). While it waits it answers the watchdog questions of other ranks and
  * reads "leaving" notes: point-to-point messages on MPI_COMM_WORLD under
  * tags of their own (MPI keeps point-to-point traffic apart from
  * collectives on the same communicator). */
@@ -210,8 +210,11 @@ static fsdp_status left_error(const fsdp_comm *c, const fingerprint *fp, int who
 }
 
 /* Waits for req without spinning a core: spins on MPI_Test for the first
- * millisecond, then sleeps 20 us, 40 us, ... up to 1 ms between tests;
- * meanwhile serves questions and, after the watchdog time, fires it. */
+ * millisecond, then sleeps 20 us, 40 us, ... between tests, at most 100 us
+ * for the first 50 ms (a collective starts at most that late after the
+ * last rank arrives) and 1 ms after that (a long wait: a straggler, and a
+ * waiting rank costs about 1% of a core); meanwhile serves questions and,
+ * after the watchdog time, fires it. */
 static fsdp_status wait_arrival(MPI_Request *req, const fsdp_comm *c, const fingerprint *fp) {
     const comm_config *cfg = comm_cfg();
     double t0 = comm_now(), next_service = t0, sleep = 20e-6, left_seen = 0;
@@ -233,7 +236,9 @@ static fsdp_status wait_arrival(MPI_Request *req, const fsdp_comm *c, const fing
         }
         if (cfg->watchdog_s > 0 && now - t0 > cfg->watchdog_s) comm_watchdog_arrival(c, fp, now - t0);
         sleep_s(sleep);
-        if (sleep < 1e-3) sleep *= 2;
+        /* at most 100 us late while the wait is short, 1 ms once it is long */
+        double cap = now - t0 < 0.05 ? 100e-6 : 1e-3;
+        sleep = sleep * 2 < cap ? sleep * 2 : cap;
     }
 }
 
