@@ -343,11 +343,20 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
  * blocks). A work keeps its tensors alive until it completes; with
  * FSDP_COMM_SYNC=1 every collective completes before it returns (no
  * overlap: buffers are held exactly as a plan counts them, see fsdp.plan),
- * as a counting communicator's always do. Every collective carries a sequence number and a
- * fingerprint (kind, communicator, bytes, dtype, label): with
- * FSDP_DEBUG_COLLECTIVES=1 ranks compare them first and fail on the first
- * mismatch; a wait longer than FSDP_WATCHDOG_SECONDS (default 600) reports
- * which collective the rank waits on and ends the job. */
+ * as a counting communicator's always do.
+ *
+ * Ranks agree before data moves, always: every collective carries a
+ * sequence number and a fingerprint (kind, communicator, element count and
+ * bytes, dtype, reduce op or root, device), and one small exchange per
+ * collective checks that every rank issued the same one. A mismatch fails
+ * that collective on every rank, naming both sides, with no data moved
+ * (the ranks stay in step). FSDP_DEBUG_COLLECTIVES=1 also compares labels
+ * and adds the last collectives to the message. A rank waiting for others
+ * does not spin a core. FSDP_WATCHDOG_SECONDS (default 120; 0: off; below
+ * 1 refused) bounds that wait: then every waiting rank reports which ranks
+ * have not arrived and what each rank is doing or last finished, and ends
+ * the job. A rank that leaves early (returns, or calls exit) is named by
+ * the others at their next collective with it. */
 fsdp_status fsdp_comm_world(fsdp_comm **out);
 /* Ranks passing the same color form a communicator, ordered by key.
  * Collective over parent; a negative color fails on that rank (after taking
