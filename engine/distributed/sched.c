@@ -64,6 +64,7 @@ struct fsdp_sched {
     int compute_dtype, reduce_dtype;
     int backward_prefetch, forward_prefetch, limit;
     bool sync;
+    int recompute;                 /* FSDP_RECOMPUTE_*: the forward hooks' context */
     bool direct;                   /* a world of one: views of the masters, no gathers (fsdp_sched_set_direct) */
     unit *units;
     int n_units, cap_units;
@@ -684,8 +685,10 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
     }
     bool grad = grad_is_enabled();
     /* a kept unit still gathered from an earlier forward that had no
-     * backward may hold values from before an optimizer step: regather */
-    if (u->keep && u->gathered && !u->flat_grad) FSDP_TRY(reshard(s, u));
+     * backward may hold values from before an optimizer step: regather
+     * (not when this is the recomputation of this step's forward) */
+    bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
+    if (u->keep && u->gathered && !u->flat_grad && !replay) FSDP_TRY(reshard(s, u));
     if (grad && k == 0 && !s->finish_registered) {
         sched_retain(s);
         FSDP_TRY(tape_on_finish(finish_backward, s, finish_release));
@@ -697,7 +700,7 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
         int i = order_index(s->fwd_order, s->n_fwd_order, k);
         if (i >= 0 && i + 1 < s->n_fwd_order) FSDP_TRY(prefetch(s, s->fwd_order[i + 1]));
     }
-    if (s->fwd_pos < 4 * s->cap_units) {
+    if (!replay && s->fwd_pos < 4 * s->cap_units) {
         s->fwd_order[s->fwd_pos++] = k;
         if (s->fwd_pos > s->n_fwd_order) s->n_fwd_order = s->fwd_pos;
     }
@@ -708,11 +711,14 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
 fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_post_forward", s, k));
     unit *u = &s->units[k];
-    if (s->n_order < 4 * s->cap_units) s->order[s->n_order++] = k;
+    bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
+    if (!replay && s->n_order < 4 * s->cap_units) s->order[s->n_order++] = k;
     bool grad = grad_is_enabled();
     if (grad) FSDP_TRY(record_marker(s, k, true));
-    /* kept units stay gathered for the backward; without one coming, free them */
-    if (!u->keep || !grad) FSDP_TRY(reshard(s, u));
+    /* kept units stay gathered for the backward; without one coming, free
+     * them; a recomputed unit's backward comes right after its replay */
+    bool backward_comes = grad || s->recompute == FSDP_RECOMPUTE_FORWARD;
+    if (!replay && (!u->keep || !backward_comes)) FSDP_TRY(reshard(s, u));
     return FSDP_OK;
 }
 
@@ -724,6 +730,14 @@ fsdp_status fsdp_unit_unshard(fsdp_sched *s, int k) {
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_reshard", s, k));
     return reshard(s, &s->units[k]);
+}
+
+fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, int mode) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_recompute: schedule is NULL");
+    if (mode < FSDP_RECOMPUTE_NONE || mode > FSDP_RECOMPUTE_REPLAY)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_recompute: mode %d (expected 0, 1 or 2)", mode);
+    s->recompute = mode;
+    return FSDP_OK;
 }
 
 fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync) {

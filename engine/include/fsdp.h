@@ -470,6 +470,14 @@ fsdp_status fsdp_unit_param(fsdp_sched *s, int unit, int i, int ndim, const int6
 /* Forward hooks: gather (waiting for it), prefetch, and the tape markers. */
 fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int unit);
+/* Activation recomputation around the forward hooks that follow:
+ * FSDP_RECOMPUTE_NONE, FSDP_RECOMPUTE_FORWARD (a forward without gradients
+ * whose module is recomputed in backward: units kept for backward stay
+ * gathered), FSDP_RECOMPUTE_REPLAY (that recomputation, just before its
+ * backward: units stay gathered for it, kept ones are not regathered, and
+ * the order used for prefetch is left as the forward made it). */
+enum { FSDP_RECOMPUTE_NONE = 0, FSDP_RECOMPUTE_FORWARD = 1, FSDP_RECOMPUTE_REPLAY = 2 };
+fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, int mode);
 /* Gather or free a unit outside the schedule (evaluation, export). */
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);

@@ -306,6 +306,9 @@ fsdp_status fsdp_unit_param(fsdp_sched *s, int unit, int i, int ndim, const int6
 fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int unit);
 
+enum { FSDP_RECOMPUTE_NONE = 0, FSDP_RECOMPUTE_FORWARD = 1, FSDP_RECOMPUTE_REPLAY = 2 };
+fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, int mode);
+
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
 

@@ -458,6 +458,9 @@ function Sharded:_bind_views(u, sched)
   end
 end
 
+local recompute = require "fsdp.nn.recompute"
+local recompute_modes = { none = 0, forward = 1, replay = 2 }
+
 -- A module unit's forward runs between the pre- and post-forward hooks of
 -- its schedule units (trainable, then frozen; closed in reverse). The root
 -- first applies freezing changes made since the last step.
@@ -466,6 +469,7 @@ function Sharded:_wrap_forward(m, is_root)
   m.forward = function(mod, ...)
     if is_root then self:_sync_frozen() end
     local sched, idx = self.sched, self.parts_of[m]
+    if C.fsdp_sched_set_recompute(sched, recompute_modes[recompute.phase or "none"]) ~= 0 then raise() end
     for i = 1, #idx do
       if C.fsdp_unit_pre_forward(sched, idx[i]) ~= 0 then raise() end
     end

@@ -10,6 +10,12 @@ local layers = require "fsdp.nn.layers"
 
 local M = {}
 
+-- What a sharded model's forward hooks are called in: "forward" (this
+-- step's forward of a recomputed module), "replay" (its recomputation in
+-- backward) or nil. fsdp.shard reads it to gather each unit twice per step
+-- as without recomputation (the replay's gather serves the backward).
+M.phase = nil
+
 local unpack = unpack or table.unpack
 local function pack(...) return { n = select("#", ...), ... } end
 
@@ -17,7 +23,12 @@ local Recompute = fsdp.Function {
   -- any arguments and results; the tensors among them carry gradients
   forward = function(ctx, module, ...)
     ctx.module, ctx.args, ctx.rng_offset = module, pack(...), layers.dropout_rng.offset
-    local res = pack(module:forward(...))
+    local outer = M.phase
+    M.phase = "forward"
+    local res = pack(pcall(module.forward, module, ...))
+    M.phase = outer
+    if not res[1] then error(res[2], 0) end
+    res = pack(unpack(res, 2, res.n))
     -- nothing recorded holds the module's intermediates: free them now,
     -- not whenever Lua's collector would get to them
     collectgarbage()
@@ -41,7 +52,12 @@ local Recompute = fsdp.Function {
           inputs[i] = a
         end
         rng.offset = ctx.rng_offset
-        local outs = pack(ctx.module:forward(unpack(inputs, 1, args.n)))
+        local outer = M.phase
+        M.phase = "replay"
+        local outs = pack(pcall(ctx.module.forward, ctx.module, unpack(inputs, 1, args.n)))
+        M.phase = outer
+        if not outs[1] then error(outs[2], 0) end
+        outs = pack(unpack(outs, 2, outs.n))
         rng.offset = resume
         -- one backward for all outputs: the sum of each output times its gradient
         local root
