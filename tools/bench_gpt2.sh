@@ -1,46 +1,78 @@
 #!/usr/bin/env bash
-# GPT-2 training step benchmarks, each side by side with its reference in
-# one run:
-#   1. engine vs PyTorch (tools/gpt2_torch.py), one process, 2 threads:
-#      the small preset (GPT-2 124M), batch 4, context 64, f32, AdamW;
-#      also the engine alone on the tiny preset and with bf16 compute.
-#   2. FSDP: 2 ranks x 1 thread (full_shard, per-block units) vs 1 rank x
-#      2 threads, same global batch.
-# Usage: tools/bench_gpt2.sh [steps]   (run from the repo root after building)
+# GPT-2 training step benchmarks, every run side by side with its reference
+# in one invocation, interleaved: each round runs every configuration once,
+# in turn, and the figure is the median over rounds of each run's median
+# step (steps 2..). The host may be shared, so drift and other load hit
+# every configuration alike.
+#   engine vs PyTorch (tools/gpt2_torch.py --bench), one process, 2 threads,
+#   the small preset (GPT-2 124M), batch 4, context 64, AdamW with clipping:
+#     engine f32, engine bf16 compute, PyTorch f32, PyTorch bf16 autocast;
+#   FSDP: 2 ranks x 1 thread (full_shard, per-block units) vs 1 rank x 2
+#     threads (the engine f32 run), the same global batch, f32.
+# Usage: tools/bench_gpt2.sh [steps] [rounds]   (from the repo root, after building)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-6}
+ROUNDS=${2:-3}
 LAUNCHER=build/fsdp-lua
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
 common=(--batch=4 --ctx=64 --steps="$STEPS" --eval-every=0 --sample=0 --log-every=1 --warmup=1)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
 
 # median ms/step over steps 2.. of a recipe log
 median_ms() { grep -E '^step +[0-9]+ \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' |
   sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
+median_of() { sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
 peak_rss_mb() { grep 'Maximum resident' | awk '{ printf "%.0f", $6 / 1024 }'; }
 
-run_engine() {   # label, env..., -- args...
-  local label=$1; shift
-  local log; log=$(mktemp)
-  /usr/bin/time -v "$@" > "$log" 2>&1 || { cat "$log"; exit 1; }
-  printf '%-44s %9s ms/step  peak RSS %6s MB\n' "$label" "$(median_ms < "$log")" "$(peak_rss_mb < "$log")"
-  grep -E 'peak MiB' "$log" | tail -1 | sed 's/^ */    /' || true
-  rm -f "$log"
+names=(engine_f32 engine_bf16 torch_f32 torch_bf16 fsdp_2x1)
+declare -A label=(
+  [engine_f32]="engine, small, f32 (also FSDP's 1 rank x 2 threads)"
+  [engine_bf16]="engine, small, bf16 compute"
+  [torch_f32]="PyTorch, small, f32"
+  [torch_bf16]="PyTorch, small, bf16 autocast"
+  [fsdp_2x1]="FSDP: 2 ranks x 1 thread, full_shard, f32"
+)
+run_one() {   # name round -> appends "ms rss" to $out/name
+  local name=$1 log=$out/$1.$2.log ms
+  local torch=(/usr/bin/python3 tools/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2
+               --steps "$((STEPS - 1))")
+  case $name in
+    engine_f32)  /usr/bin/time -v env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;
+    engine_bf16) /usr/bin/time -v env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small --dtype=bf16 \
+                   "${common[@]}" ;;
+    torch_f32)   /usr/bin/time -v "${torch[@]}" ;;
+    torch_bf16)  /usr/bin/time -v "${torch[@]}" --dtype bf16 ;;
+    fsdp_2x1)    /usr/bin/time -v env FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "${MPIRUN[@]}" -np 2 \
+                   $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;
+  esac > "$log" 2>&1 || { cat "$log"; exit 1; }
+  if [[ $name == torch_* ]]; then
+    ms=$(grep '^torch:' "$log" | sed 's/.*ms_per_step=\([0-9.]*\).*/\1/')
+  else
+    ms=$(median_ms < "$log")
+  fi
+  echo "$ms $(peak_rss_mb < "$log")" >> "$out/$name"
+  printf '  round %d  %-44s %9s ms/step\n' "$2" "${label[$name]}" "$ms"
 }
 
-echo "== machine: $(lscpu | grep 'Model name' | sed 's/ *Model name: *//'), $(nproc) cores"
-echo "== 1. engine vs PyTorch, 2 threads, batch 4 x 64, $STEPS steps (median of steps 2..)"
-run_engine "engine small f32" env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}"
-run_engine "engine small bf16 compute" env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small --dtype=bf16 "${common[@]}"
-torch_log=$(mktemp)
-/usr/bin/python3 tools/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2 --steps "$((STEPS - 1))" > "$torch_log" 2>&1
-grep '^torch:' "$torch_log"
-rm -f "$torch_log"
-run_engine "engine tiny f32 (ctx 64)" env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=tiny "${common[@]}"
+echo "== machine: $(lscpu | grep 'Model name' | sed 's/ *Model name: *//'), $(nproc) cores," \
+  "load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "== $ROUNDS rounds x ${#names[@]} runs, interleaved (the order rotates each round), $STEPS steps each"
+for ((r = 1; r <= ROUNDS; r++)); do
+  for ((i = 0; i < ${#names[@]}; i++)); do
+    run_one "${names[$(((i + r - 1) % ${#names[@]}))]}" "$r"
+  done
+done
 
-echo "== 2. FSDP small: 2 ranks x 1 thread vs 1 rank x 2 threads, global batch 4 x 64"
-run_engine "1 rank, 2 threads, unsharded" env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}"
-run_engine "2 ranks, 1 thread each, full_shard" env FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
-  "${MPIRUN[@]}" -np 2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}"
-run_engine "2 ranks, 1 thread each, full_shard, fwd prefetch" env FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
-  "${MPIRUN[@]}" -np 2 $LAUNCHER recipes/gpt2.lua --preset=small --forward-prefetch "${common[@]}"
+med() { cut -d' ' -f1 "$out/$1" | median_of; }
+echo "== medians over rounds (ms/step, peak RSS of the last round)"
+for n in "${names[@]}"; do
+  printf '%-44s %9s ms/step  peak RSS %6s MB  (rounds: %s)\n' "${label[$n]}" "$(med "$n")" \
+    "$(tail -1 "$out/$n" | cut -d' ' -f2)" "$(cut -d' ' -f1 "$out/$n" | tr '\n' ' ')"
+done
+ratio() { awk -v a="$(med "$1")" -v b="$(med "$2")" 'BEGIN { printf "%.2f", a / b }'; }
+echo "== ratios"
+echo "engine bf16 / PyTorch bf16 autocast: $(ratio engine_bf16 torch_bf16)   (target <= 0.60)"
+echo "engine f32 / PyTorch f32:            $(ratio engine_f32 torch_f32)   (target <= 0.50)"
+echo "FSDP 2 x 1 / 1 x 2:                  $(ratio fsdp_2x1 engine_f32)   (target <= 1.10)"

@@ -4,7 +4,9 @@
 Run with Debian's system interpreter, which is the one that has torch:
 
     /usr/bin/python3 tools/gpt2_torch.py --golden tests/fixtures
+    /usr/bin/python3 tools/gpt2_torch.py --golden-bf16 tests/fixtures
     /usr/bin/python3 tools/gpt2_torch.py --bench --batch 4 --ctx 64 --threads 2
+    /usr/bin/python3 tools/gpt2_torch.py --bench --dtype bf16 --threads 2
 
 The model is written from scratch here (no `transformers`), but its parameter
 names and layouts follow Hugging Face's GPT-2 checkpoints exactly, so the
@@ -19,8 +21,15 @@ Safetensors files are read and written by the small helpers below (the
 Modes:
   --golden OUTDIR   write the tiny-model golden fixtures (float64 reference,
                     stored as F32) used by the engine's golden test.
-  --bench           time f32 training steps (forward, backward, clip, AdamW)
-                    for comparison with the engine's own benchmark.
+  --bench           time training steps (forward, backward, clip, AdamW)
+                    for comparison with the engine's own benchmark; f32, or
+                    with --dtype bf16 the forward under
+                    torch.autocast("cpu", dtype=torch.bfloat16) (PyTorch's
+                    fastest CPU mode: bf16 matmuls through oneDNN).
+  --golden-bf16 OUTDIR
+                    write gpt2_tiny_golden_bf16.safetensors: loss and
+                    gradients of the tiny model at the same init weights and
+                    batch with the forward under bf16 autocast.
 """
 
 import argparse
@@ -374,11 +383,42 @@ def golden(outdir):
           f"{outdir}/gpt2_tiny_golden.safetensors")
 
 
+def golden_bf16(outdir):
+    """The same init weights and batch as golden(), forward and loss under
+    bf16 autocast (f32 master weights; matmuls in bf16, LayerNorm, softmax
+    and the loss in f32 as autocast does), one backward."""
+    cfg = PRESETS["tiny"]
+    init_sd, _ = load_safetensors(os.path.join(outdir, "gpt2_tiny_init.safetensors"))
+    model = GPT2(cfg)
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in init_sd.items()})
+    g = torch.Generator().manual_seed(SEED_DATA)
+    V, B, T = cfg["vocab_size"], GOLDEN_B, GOLDEN_T
+    input_ids = torch.randint(0, V, (B, T), generator=g, dtype=torch.int64)
+    targets = torch.randint(0, V, (B, T), generator=g, dtype=torch.int64)
+    targets[0, 3] = -100
+    targets[1, 11] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(input_ids, targets)
+    loss.backward()
+    f32 = lambda t: t.detach().to(torch.float32)
+    out = {"input_ids": input_ids, "targets": targets,
+           "logits": f32(logits), "loss": f32(loss).reshape(1)}
+    for n, p in model.named_parameters():
+        out["grad." + n] = f32(p.grad)
+    meta = {k: str(v) for k, v in cfg.items()}
+    meta.update(batch=str(B), seq_len=str(T), ignore_index="-100",
+                reference_dtype="bf16 autocast (torch.autocast cpu bfloat16), f32 master weights",
+                torch_version=torch.__version__,
+                generator="/usr/bin/python3 tools/gpt2_torch.py --golden-bf16 tests/fixtures")
+    save_safetensors(os.path.join(outdir, "gpt2_tiny_golden_bf16.safetensors"), out, meta)
+    print(f"bf16 autocast: loss={float(loss):.6f}; wrote {outdir}/gpt2_tiny_golden_bf16.safetensors")
+
+
 # --------------------------------------------------------------------------
 # Benchmark
 # --------------------------------------------------------------------------
 
-def bench(preset, batch, ctx, threads, steps, warmup):
+def bench(preset, batch, ctx, threads, steps, warmup, dtype="f32"):
     cfg = PRESETS[preset]
     if ctx > cfg["block_size"]:
         sys.exit(f"--ctx {ctx} exceeds block_size {cfg['block_size']}")
@@ -389,9 +429,12 @@ def bench(preset, batch, ctx, threads, steps, warmup):
     x = torch.randint(0, cfg["vocab_size"], (batch, ctx))
     y = torch.randint(0, cfg["vocab_size"], (batch, ctx))
 
+    autocast = dtype == "bf16"
+
     def step():
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         opt.step()
@@ -410,11 +453,12 @@ def bench(preset, batch, ctx, threads, steps, warmup):
         times.append(dt)
         print(f"step {i}: loss={l:.4f} ms={dt*1e3:.1f} "
               f"tokens_per_s={batch*ctx/dt:.1f}", flush=True)
-    ms = 1e3 * sum(times) / len(times)
+    # the median: the benchmark host is shared, and one slow step says little
+    ms = 1e3 * sorted(times)[(len(times) - 1) // 2]
     # ru_maxrss is in KiB on Linux.
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"torch: preset={preset} batch={batch} ctx={ctx} threads={threads} "
-          f"ms_per_step={ms:.1f} tokens_per_s={batch*ctx*1e3/ms:.1f} "
+    print(f"torch: preset={preset} dtype={'bf16-autocast' if autocast else 'f32'} batch={batch} "
+          f"ctx={ctx} threads={threads} ms_per_step={ms:.1f} tokens_per_s={batch*ctx*1e3/ms:.1f} "
           f"peak_rss_mb={rss_mb:.0f}")
 
 
@@ -428,8 +472,13 @@ def main():
     mode.add_argument("--golden", metavar="OUTDIR",
                       help="write gpt2_tiny_init.safetensors and "
                            "gpt2_tiny_golden.safetensors into OUTDIR")
+    mode.add_argument("--golden-bf16", metavar="OUTDIR",
+                      help="write gpt2_tiny_golden_bf16.safetensors (bf16 autocast) "
+                           "into OUTDIR, next to gpt2_tiny_init.safetensors")
     mode.add_argument("--bench", action="store_true",
-                      help="time f32 training steps (fwd, bwd, clip, AdamW)")
+                      help="time training steps (fwd, bwd, clip, AdamW)")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                    help="bench compute: f32, or bf16 autocast")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small",
                     help="model for --bench (default: small = GPT-2 124M)")
     ap.add_argument("--batch", type=int, default=4, help="bench batch size")
@@ -444,9 +493,11 @@ def main():
 
     if args.golden:
         golden(args.golden)
+    elif args.golden_bf16:
+        golden_bf16(args.golden_bf16)
     else:
         bench(args.preset, args.batch, args.ctx, args.threads, args.steps,
-              args.warmup)
+              args.warmup, args.dtype)
 
 
 if __name__ == "__main__":

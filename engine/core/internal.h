@@ -63,6 +63,7 @@ struct fsdp_tensor {
     bool is_leaf;                      /* made by the user, not by a recorded op */
     struct fsdp_tensor *grad;          /* .grad of a leaf */
     struct fsdp_tensor *bgrad;         /* gradient being accumulated during backward */
+    bool graph_freed;                  /* the node that made it was freed (its backward ran) */
 };
 
 fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag, bool zero);
@@ -84,6 +85,10 @@ bool device_is_host_like(int device);
 /* The kernel table of t's device (callers have checked that it exists). */
 #define KERNELS(t) device_kernels(tensor_device(t))
 void contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+/* Whether the dims of shape (none negative; zero-sized ones counted as 1)
+ * multiply to at most 2^60: then numel, strides and byte sizes of any
+ * dtype fit in int64, even for a tensor of zero elements. */
+bool shape_fits(int ndim, const int64_t *shape);
 /* "f32[3,4] cpu" */
 const char *tensor_desc(const fsdp_tensor *t, char *buf, size_t size);
 /* "[3,4]" */

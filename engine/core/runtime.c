@@ -13,6 +13,13 @@
 #include <stdlib.h>
 
 static int g_rank = 0, g_world = 1, g_we_initialized_mpi = 0;
+static volatile int g_aborting = 0;
+
+/* A rank that calls exit() (Lua's os.exit) still leaves the job properly:
+ * the others hear that it left (comm_leave) instead of waiting for it. */
+static void finalize_at_exit(void) {
+    if (!g_aborting) fsdp_runtime_finalize();
+}
 
 int fsdp_current_rank(void) { return g_rank; }
 
@@ -48,6 +55,7 @@ fsdp_status fsdp_runtime_init(int *rank, int *world) {
                         mpi_error_string);
         g_we_initialized_mpi = 1;
         inited = 1;
+        atexit(finalize_at_exit);
     }
     if (inited) {
         /* Errors come back as codes; FSDP_CHECK_CALL turns them into messages. */
@@ -79,12 +87,14 @@ fsdp_status fsdp_runtime_finalize(void) {
     int inited = 0, finalized = 0;
     MPI_Initialized(&inited);
     MPI_Finalized(&finalized);
+    if (g_we_initialized_mpi && inited && !finalized) FSDP_TRY(comm_leave());
     if (g_we_initialized_mpi && inited && !finalized)
         FSDP_CHECK_CALL(MPI_Finalize(), rc_ == MPI_SUCCESS, mpi_error_string);
     return FSDP_OK;
 }
 
 fsdp_status fsdp_runtime_abort(const char *msg, int exit_code) {
+    g_aborting = 1;
     if (msg) fprintf(stderr, "%s\n", msg);
     fflush(stderr);
     fflush(stdout);

@@ -53,7 +53,10 @@ static tape *current_tape(void) {
 static void node_free(fsdp_node *node) {
     if (node->marker_release) node->marker_release(node->marker_ctx);
     for (int i = 0; i < node->n_in; i++) tensor_release(node->in[i]);
-    for (int i = 0; i < node->n_out; i++) tensor_release(node->out[i]);
+    for (int i = 0; i < node->n_out; i++) {
+        node->out[i]->graph_freed = true;   /* a later backward from it has nothing to walk */
+        tensor_release(node->out[i]);
+    }
     for (int i = 0; i < FSDP_NODE_MAX_SAVED; i++) tensor_release(node->saved[i]);
     free(node);
 }
@@ -354,6 +357,18 @@ fsdp_status fsdp_tape_pop(void) {
     return FSDP_OK;
 }
 
+/* Whether a node of tp made t (searched from the newest: a loss is
+ * usually the last thing recorded). */
+static bool on_tape(const tape *tp, const fsdp_tensor *t) {
+    for (int64_t k = tp->n - 1; k >= 0; k--) {
+        const fsdp_node *node = tp->nodes[k];
+        if (!node) continue;
+        for (int i = 0; i < node->n_out; i++)
+            if (node->out[i] == t) return true;
+    }
+    return false;
+}
+
 fsdp_status fsdp_backward_begin(fsdp_tensor *root, fsdp_tensor *grad) {
     if (!root) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_backward: root is NULL");
     tape *tp = current_tape();
@@ -363,6 +378,11 @@ fsdp_status fsdp_backward_begin(fsdp_tensor *root, fsdp_tensor *grad) {
         return fsdp_set_error(FSDP_ERR_STATE,
                               "fsdp_backward: %s does not require grad (no recorded op made it from a tensor "
                               "that requires grad, or gradients were disabled)",
+                              tensor_desc(root, d, sizeof d));
+    if (root->graph_freed && !on_tape(tp, root))
+        return fsdp_set_error(FSDP_ERR_STATE,
+                              "fsdp_backward: the graph that made %s was freed by an earlier backward (each "
+                              "backward consumes its graph); run the forward again",
                               tensor_desc(root, d, sizeof d));
     fsdp_tensor *seed;
     if (!grad) {

@@ -29,6 +29,17 @@ const char *tensor_desc(const fsdp_tensor *t, char *buf, size_t size) {
     return buf;
 }
 
+bool shape_fits(int ndim, const int64_t *shape) {
+    int64_t span = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0) return false;
+        int64_t p = shape[d] > 0 ? shape[d] : 1;
+        if (span > INT64_MAX / 8 / p) return false;
+        span *= p;
+    }
+    return true;
+}
+
 void contiguous_strides(int ndim, const int64_t *shape, int64_t *strides) {
     int64_t s = 1;
     for (int d = ndim - 1; d >= 0; d--) {
@@ -73,11 +84,13 @@ fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *sh
         if (shape[d] < 0)
             return fsdp_set_error(FSDP_ERR_SHAPE, "tensor_new: negative size in shape %s",
                                   shape_str(ndim, shape, sb, sizeof sb));
-        if (shape[d] > 0 && numel > INT64_MAX / 8 / shape[d])
-            return fsdp_set_error(FSDP_ERR_SHAPE, "tensor_new: shape %s is too large",
-                                  shape_str(ndim, shape, sb, sizeof sb));
         numel *= shape[d];
     }
+    /* Strides multiply the sizes of every dim, zero-sized ones skipped, so
+     * that product must fit (bytes too) even when numel is 0. */
+    if (!shape_fits(ndim, shape))
+        return fsdp_set_error(FSDP_ERR_SHAPE, "tensor_new: shape %s is too large (its dims multiply to more "
+                              "than 2^60)", shape_str(ndim, shape, sb, sizeof sb));
     if (!device_kernels(device))
         return fsdp_set_error(FSDP_ERR_DEVICE, "tensor_new: device %s is not built into this engine, or has no "
                               "hardware", fsdp_device_name(device));

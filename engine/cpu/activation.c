@@ -18,26 +18,45 @@ typedef struct {
 
 static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
 
-static void gelu_fwd_range(void *p, int64_t begin, int64_t end) {
-    act_ctx *c = p;
-    for (int64_t i = begin; i < end; i++) {
-        float x = c->x[i];
-        float u = GELU_C * (x + GELU_A * x * x * x);
-        c->out[i] = x * sigmoidf(2.0f * u);
-    }
+static inline float gelu(float x) {
+    float u = GELU_C * (x + GELU_A * x * x * x);
+    return x * sigmoidf(2.0f * u);
 }
 
 /* d/dx [x s(2u)] = s + x * 2 s (1 - s) * du/dx, with s = sigmoid(2u) = 0.5 (1 + tanh u),
  * since 1 - tanh^2 u = 4 s (1 - s). */
+static inline float gelu_grad(float x) {
+    float u = GELU_C * (x + GELU_A * x * x * x);
+    float du = GELU_C * (1.0f + 3.0f * GELU_A * x * x);
+    float s = sigmoidf(2.0f * u);
+    return s + 2.0f * x * s * (1.0f - s) * du;
+}
+
+static void gelu_fwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) c->out[i] = gelu(c->x[i]);
+}
+
 static void gelu_bwd_range(void *p, int64_t begin, int64_t end) {
     act_ctx *c = p;
-    for (int64_t i = begin; i < end; i++) {
-        float x = c->x[i];
-        float u = GELU_C * (x + GELU_A * x * x * x);
-        float du = GELU_C * (1.0f + 3.0f * GELU_A * x * x);
-        float s = sigmoidf(2.0f * u);
-        c->out[i] = c->dout[i] * (s + 2.0f * x * s * (1.0f - s) * du);
-    }
+    for (int64_t i = begin; i < end; i++) c->out[i] = c->dout[i] * gelu_grad(c->x[i]);
+}
+
+/* bf16: widened as loaded, rounded once as stored */
+typedef struct {
+    uint16_t *out;
+    const uint16_t *x, *dout;
+} act16_ctx;
+
+static void gelu_fwd16_range(void *p, int64_t begin, int64_t end) {
+    act16_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) c->out[i] = f32_to_bf16(gelu(bf16_to_f32(c->x[i])));
+}
+
+static void gelu_bwd16_range(void *p, int64_t begin, int64_t end) {
+    act16_ctx *c = p;
+    for (int64_t i = begin; i < end; i++)
+        c->out[i] = f32_to_bf16(bf16_to_f32(c->dout[i]) * gelu_grad(bf16_to_f32(c->x[i])));
 }
 
 static void silu_fwd_range(void *p, int64_t begin, int64_t end) {
@@ -72,4 +91,14 @@ void cpu_silu_forward_f32(float *out, const float *x, int64_t n) {
 void cpu_silu_backward_f32(float *dx, const float *x, const float *dout, int64_t n) {
     act_ctx c = {dx, x, dout};
     cpu_parallel_for(n, GRAIN, silu_bwd_range, &c);
+}
+
+void cpu_gelu_forward_bf16(uint16_t *out, const uint16_t *x, int64_t n) {
+    act16_ctx c = {out, x, NULL};
+    cpu_parallel_for(n, GRAIN, gelu_fwd16_range, &c);
+}
+
+void cpu_gelu_backward_bf16(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n) {
+    act16_ctx c = {dx, x, dout};
+    cpu_parallel_for(n, GRAIN, gelu_bwd16_range, &c);
 }

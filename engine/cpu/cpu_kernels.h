@@ -138,6 +138,25 @@ void cpu_init_uniform_f32(float *out, int64_t n, float low, float high, uint64_t
 /* out = x * keep / (1 - p), keep drawn from (seed, stream 0xd50, offset + i). */
 void cpu_dropout_f32(float *out, const float *x, int64_t n, float p, uint64_t seed, int64_t offset);
 
+/* ---- bf16 twins (same files): bf16 tensors as uint16_t, f32 statistics
+ * (mean, rstd, lse, losses). The math is the f32 kernel's, in f32 or wider:
+ * each element is widened as it is loaded (a shift) and rounded once, to
+ * nearest even, as it is stored, in registers; no f32 copy of a tensor. ---- */
+void cpu_binary_bf16(int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides,
+                     const uint16_t *b, const int64_t *b_strides, int ndim, const int64_t *shape);
+void cpu_gelu_forward_bf16(uint16_t *out, const uint16_t *x, int64_t n);
+void cpu_gelu_backward_bf16(uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n);
+void cpu_layernorm_forward_bf16(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
+                                const uint16_t *bias, int64_t rows, int64_t cols, float eps);
+void cpu_layernorm_backward_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                 const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
+                                 int64_t rows, int64_t cols);
+int64_t cpu_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
+                                       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+void cpu_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
+                                     const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
+                                     int64_t ignore_index, const float *dloss, int64_t count);
+
 /* ---- optimizers (optim_kernels.c) ---- */
 /* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),
  * with decay = 1 - lr*wd, step_size = lr / (1 - beta1^t), inv_sqrt_bc2 = 1/sqrt(1 - beta2^t). */

@@ -58,53 +58,114 @@ static void do_row(const row_ops *op, float *o, const float *a, int64_t sa, cons
     else op->ss(o, a, sa, b, sb, n);
 }
 
+/* bf16 rows: each element widened as it is loaded (a shift), the result
+ * rounded once as it is stored; the compiler vectorizes both. */
+#define DEF_ROWS16(name, EXPR)                                                                     \
+    static void name##16_vv(uint16_t *o, const uint16_t *a, const uint16_t *b, int64_t n) {       \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            float x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);                                    \
+            o[i] = f32_to_bf16(EXPR);                                                              \
+        }                                                                                          \
+    }                                                                                              \
+    static void name##16_vs(uint16_t *o, const uint16_t *a, float y, int64_t n) {                 \
+        for (int64_t i = 0; i < n; i++) { float x = bf16_to_f32(a[i]); o[i] = f32_to_bf16(EXPR); } \
+    }                                                                                              \
+    static void name##16_sv(uint16_t *o, float x, const uint16_t *b, int64_t n) {                 \
+        for (int64_t i = 0; i < n; i++) { float y = bf16_to_f32(b[i]); o[i] = f32_to_bf16(EXPR); } \
+    }                                                                                              \
+    static void name##16_ss(uint16_t *o, const uint16_t *a, int64_t sa, const uint16_t *b, int64_t sb, int64_t n) { \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            float x = bf16_to_f32(a[i * sa]), y = bf16_to_f32(b[i * sb]);                          \
+            o[i] = f32_to_bf16(EXPR);                                                              \
+        }                                                                                          \
+    }
+DEF_ROWS16(add, x + y)
+DEF_ROWS16(sub, x - y)
+DEF_ROWS16(mul, x * y)
+DEF_ROWS16(div, x / y)
+#undef DEF_ROWS16
+
 typedef struct {
-    const row_ops *op;
-    float *out;
-    const float *a, *b;
+    void (*vv)(uint16_t *, const uint16_t *, const uint16_t *, int64_t);
+    void (*vs)(uint16_t *, const uint16_t *, float, int64_t);
+    void (*sv)(uint16_t *, float, const uint16_t *, int64_t);
+    void (*ss)(uint16_t *, const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t);
+} row_ops16;
+
+static const row_ops16 OPS16[4] = {
+    {add16_vv, add16_vs, add16_sv, add16_ss},
+    {sub16_vv, sub16_vs, sub16_sv, sub16_ss},
+    {mul16_vv, mul16_vs, mul16_sv, mul16_ss},
+    {div16_vv, div16_vs, div16_sv, div16_ss},
+};
+
+static void do_row16(const row_ops16 *op, uint16_t *o, const uint16_t *a, int64_t sa, const uint16_t *b, int64_t sb,
+                     int64_t n) {
+    if (sa == 1 && sb == 1) op->vv(o, a, b, n);
+    else if (sa == 1 && sb == 0) op->vs(o, a, bf16_to_f32(*b), n);
+    else if (sa == 0 && sb == 1) op->sv(o, bf16_to_f32(*a), b, n);
+    else op->ss(o, a, sa, b, sb, n);
+}
+
+/* The merged problem; pointers are bytes, es the element size (4 or 2). */
+typedef struct {
+    int op;
+    int bf16;
+    size_t es;
+    char *out;
+    const char *a, *b;
     int ndim;                         /* merged dims, >= 1 */
     int64_t shape[MAXD], sa[MAXD], sb[MAXD];
 } binary_plan;
 
+static void plan_row(const binary_plan *c, char *o, const char *a, int64_t sa, const char *b, int64_t sb, int64_t n) {
+    if (c->bf16)
+        do_row16(&OPS16[c->op], (uint16_t *)o, (const uint16_t *)a, sa, (const uint16_t *)b, sb, n);
+    else
+        do_row(&OPS[c->op], (float *)o, (const float *)a, sa, (const float *)b, sb, n);
+}
+
 /* A 1-d problem split by elements: offsets move a and b along their stride. */
 static void binary_1d(void *p, int64_t begin, int64_t end) {
     const binary_plan *c = p;
-    do_row(c->op, c->out + begin, c->a + begin * c->sa[0], c->sa[0], c->b + begin * c->sb[0], c->sb[0],
-           end - begin);
+    size_t es = c->es;
+    plan_row(c, c->out + begin * es, c->a + begin * c->sa[0] * es, c->sa[0], c->b + begin * c->sb[0] * es, c->sb[0],
+             end - begin);
 }
 
 /* Rows [begin, end) over the outer dims, with an index counter. */
 static void binary_rows(void *p, int64_t begin, int64_t end) {
     const binary_plan *c = p;
+    size_t es = c->es;
     int outer = c->ndim - 1;
     int64_t n = c->shape[outer];
     int64_t idx[MAXD];
-    const float *a = c->a, *b = c->b;
+    const char *a = c->a, *b = c->b;
     int64_t rem = begin;
     for (int k = outer - 1; k >= 0; k--) {
         idx[k] = rem % c->shape[k];
         rem /= c->shape[k];
-        a += idx[k] * c->sa[k];
-        b += idx[k] * c->sb[k];
+        a += idx[k] * c->sa[k] * es;
+        b += idx[k] * c->sb[k] * es;
     }
-    float *o = c->out + begin * n;
-    for (int64_t r = begin; r < end; r++, o += n) {
-        do_row(c->op, o, a, c->sa[outer], b, c->sb[outer], n);
+    char *o = c->out + begin * n * es;
+    for (int64_t r = begin; r < end; r++, o += n * es) {
+        plan_row(c, o, a, c->sa[outer], b, c->sb[outer], n);
         for (int k = outer - 1; k >= 0; k--) {   /* odometer step */
-            a += c->sa[k];
-            b += c->sb[k];
+            a += c->sa[k] * es;
+            b += c->sb[k] * es;
             if (++idx[k] < c->shape[k]) break;
-            a -= idx[k] * c->sa[k];
-            b -= idx[k] * c->sb[k];
+            a -= idx[k] * c->sa[k] * es;
+            b -= idx[k] * c->sb[k] * es;
             idx[k] = 0;
         }
     }
 }
 
-void cpu_binary_f32(int op, float *out, const float *a, const int64_t *a_strides,
-                    const float *b, const int64_t *b_strides, int ndim, const int64_t *shape) {
+static void binary_any(int op, int bf16, void *out, const void *a, const int64_t *a_strides, const void *b,
+                       const int64_t *b_strides, int ndim, const int64_t *shape) {
     if (op < 0 || op > 3) return;   /* the op layer checks */
-    binary_plan c = {.op = &OPS[op], .out = out, .a = a, .b = b};
+    binary_plan c = {.op = op, .bf16 = bf16, .es = bf16 ? 2 : 4, .out = out, .a = a, .b = b};
     int64_t numel = 1;
     int nd = 0;
     for (int k = 0; k < ndim; k++) {
@@ -137,6 +198,16 @@ void cpu_binary_f32(int op, float *out, const float *a, const int64_t *a_strides
     }
     int64_t n = c.shape[nd - 1];
     cpu_parallel_for(numel / n, EW_GRAIN / n + 1, binary_rows, &c);
+}
+
+void cpu_binary_f32(int op, float *out, const float *a, const int64_t *a_strides,
+                    const float *b, const int64_t *b_strides, int ndim, const int64_t *shape) {
+    binary_any(op, 0, out, a, a_strides, b, b_strides, ndim, shape);
+}
+
+void cpu_binary_bf16(int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides,
+                     const uint16_t *b, const int64_t *b_strides, int ndim, const int64_t *shape) {
+    binary_any(op, 1, out, a, a_strides, b, b_strides, ndim, shape);
 }
 
 /* ---- scalar and axpy ---- */

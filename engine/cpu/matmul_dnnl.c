@@ -8,6 +8,13 @@
  * The Debian build of oneDNN threads with OpenMP, so the calling thread's
  * OpenMP team size is set to the engine's thread count before each call.
  *
+ * oneDNN is opened at run time (dlopen), not linked: a machine without it
+ * runs every matmul on OpenBLAS, and OpenMP's wait policy can be chosen
+ * before OpenMP starts. By default OpenMP workers spin for milliseconds
+ * after each parallel region, which takes a core from the engine's own pool
+ * (and from the other ranks sharing the host) after every matmul; so unless
+ * the user chose (OMP_WAIT_POLICY, GOMP_SPINCOUNT), they sleep at once.
+ *
  * Every failure (no CPU engine, an unsupported shape or dtype, a creation or
  * execution error) returns non-zero and the caller takes the OpenBLAS path,
  * so a oneDNN problem costs speed, never a result. */
@@ -15,7 +22,7 @@
 
 #ifdef FSDP_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.h>
-#include <omp.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,21 +57,56 @@ static struct {
     int warned;
 } dn = {.lock = PTHREAD_MUTEX_INITIALIZER, .once = PTHREAD_ONCE_INIT};
 
+/* The oneDNN (and OpenMP) functions used here, looked up in libdnnl.so.2. */
+#define DNNL_FUNCTIONS(X)                                                                                   \
+    X(dnnl_engine_create) X(dnnl_engine_destroy) X(dnnl_stream_create) X(dnnl_stream_wait)                 \
+    X(dnnl_memory_desc_init_by_strides) X(dnnl_matmul_desc_init) X(dnnl_primitive_attr_create)            \
+    X(dnnl_primitive_attr_destroy) X(dnnl_primitive_attr_set_output_scales) X(dnnl_post_ops_create)       \
+    X(dnnl_post_ops_destroy) X(dnnl_post_ops_append_sum) X(dnnl_primitive_attr_set_post_ops)              \
+    X(dnnl_primitive_desc_create) X(dnnl_primitive_desc_destroy) X(dnnl_primitive_desc_query)             \
+    X(dnnl_primitive_create) X(dnnl_primitive_destroy) X(dnnl_memory_create) X(dnnl_memory_destroy)       \
+    X(dnnl_memory_set_data_handle) X(dnnl_primitive_execute)
+
+static struct {
+#define X(name) __typeof__(name) *name;
+    DNNL_FUNCTIONS(X)
+#undef X
+    void (*omp_set_num_threads)(int);
+    int (*omp_get_max_threads)(void);
+} fn;
+
+/* Before anything can start OpenMP: workers that sleep when idle. */
+__attribute__((constructor)) static void omp_wait_policy_default(void) {
+    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT")) setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
+}
+
+static int dn_open(void) {
+    void *lib = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return 0;
+#define X(name) if (!(fn.name = (__typeof__(name) *)dlsym(lib, #name))) return 0;
+    DNNL_FUNCTIONS(X)
+#undef X
+    *(void **)&fn.omp_set_num_threads = dlsym(lib, "omp_set_num_threads");
+    *(void **)&fn.omp_get_max_threads = dlsym(lib, "omp_get_max_threads");
+    return fn.omp_set_num_threads && fn.omp_get_max_threads;
+}
+
 static void dn_init(void) {
     if (getenv("FSDP_NO_DNNL") && atoi(getenv("FSDP_NO_DNNL")) > 0) return;
-    if (dnnl_engine_create(&dn.engine, dnnl_cpu, 0) != dnnl_success) return;
-    if (dnnl_stream_create(&dn.stream, dn.engine, dnnl_stream_default_flags) != dnnl_success) {
-        dnnl_engine_destroy(dn.engine);
+    if (!dn_open()) return;
+    if (fn.dnnl_engine_create(&dn.engine, dnnl_cpu, 0) != dnnl_success) return;
+    if (fn.dnnl_stream_create(&dn.stream, dn.engine, dnnl_stream_default_flags) != dnnl_success) {
+        fn.dnnl_engine_destroy(dn.engine);
         return;
     }
     dn.ok = 1;
 }
 
 static void entry_clear(mm_entry *e) {
-    if (e->prim) dnnl_primitive_destroy(e->prim);
-    if (e->ma) dnnl_memory_destroy(e->ma);
-    if (e->mb) dnnl_memory_destroy(e->mb);
-    if (e->mc) dnnl_memory_destroy(e->mc);
+    if (e->prim) fn.dnnl_primitive_destroy(e->prim);
+    if (e->ma) fn.dnnl_memory_destroy(e->ma);
+    if (e->mb) fn.dnnl_memory_destroy(e->mb);
+    if (e->mc) fn.dnnl_memory_destroy(e->mc);
     memset(e, 0, sizeof *e);
 }
 
@@ -82,7 +124,7 @@ static dnnl_status_t matrix_md(dnnl_memory_desc_t *md, int ndims, int64_t batch,
     strides[k++] = trans ? 1 : cols;
     dims[k] = cols;
     strides[k++] = trans ? rows : 1;
-    return dnnl_memory_desc_init_by_strides(md, ndims, dims, dt, strides);
+    return fn.dnnl_memory_desc_init_by_strides(md, ndims, dims, dt, strides);
 }
 
 static int entry_create(mm_entry *e) {
@@ -97,25 +139,25 @@ static int entry_create(mm_entry *e) {
     if (matrix_md(&a_md, nd, e->batch, e->sa, e->M, e->K, e->ta, dt) != dnnl_success) goto out;
     if (matrix_md(&b_md, nd, e->batch, e->sb, e->K, e->N, e->tb, dt) != dnnl_success) goto out;
     if (matrix_md(&c_md, nd, e->batch, e->sc, e->M, e->N, 0, dt) != dnnl_success) goto out;
-    if (dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success) goto out;
-    if (dnnl_primitive_attr_create(&attr) != dnnl_success) goto out;
-    if (e->alpha != 1.0f && dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha) != dnnl_success) goto out;
+    if (fn.dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success) goto out;
+    if (fn.dnnl_primitive_attr_create(&attr) != dnnl_success) goto out;
+    if (e->alpha != 1.0f && fn.dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha) != dnnl_success) goto out;
     if (e->beta != 0.0f) {
-        if (dnnl_post_ops_create(&po) != dnnl_success) goto out;
-        if (dnnl_post_ops_append_sum(po, e->beta) != dnnl_success) goto out;
-        if (dnnl_primitive_attr_set_post_ops(attr, po) != dnnl_success) goto out;
+        if (fn.dnnl_post_ops_create(&po) != dnnl_success) goto out;
+        if (fn.dnnl_post_ops_append_sum(po, e->beta) != dnnl_success) goto out;
+        if (fn.dnnl_primitive_attr_set_post_ops(attr, po) != dnnl_success) goto out;
     }
-    if (dnnl_primitive_desc_create(&pd, &desc, attr, dn.engine, NULL) != dnnl_success) goto out;
-    if (dnnl_primitive_create(&e->prim, pd) != dnnl_success) goto out;
+    if (fn.dnnl_primitive_desc_create(&pd, &desc, attr, dn.engine, NULL) != dnnl_success) goto out;
+    if (fn.dnnl_primitive_create(&e->prim, pd) != dnnl_success) goto out;
     /* placeholders: the data handles are set on every call */
-    if (dnnl_memory_create(&e->ma, &a_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
-    if (dnnl_memory_create(&e->mb, &b_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
-    if (dnnl_memory_create(&e->mc, &c_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
+    if (fn.dnnl_memory_create(&e->ma, &a_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
+    if (fn.dnnl_memory_create(&e->mb, &b_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
+    if (fn.dnnl_memory_create(&e->mc, &c_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
     ok = 1;
 out:
-    if (pd) dnnl_primitive_desc_destroy(pd);
-    if (po) dnnl_post_ops_destroy(po);
-    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (pd) fn.dnnl_primitive_desc_destroy(pd);
+    if (po) fn.dnnl_post_ops_destroy(po);
+    if (attr) fn.dnnl_primitive_attr_destroy(attr);
     return ok;
 }
 
@@ -165,19 +207,19 @@ int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t bat
     key.nthreads = nt;
     pthread_mutex_lock(&dn.lock);
     /* oneDNN sizes its work split by the team at creation, so set it first */
-    if (omp_get_max_threads() != nt) omp_set_num_threads(nt);
+    if (fn.omp_get_max_threads() != nt) fn.omp_set_num_threads(nt);
     mm_entry *e = cache_get(&key);
     e->last_use = ++dn.clock;
     int rc = -1;
     if (e->failed) {
         warn_once(e, "no implementation for this shape");
     } else {
-        dnnl_memory_set_data_handle(e->ma, (void *)a);
-        dnnl_memory_set_data_handle(e->mb, (void *)b);
-        dnnl_memory_set_data_handle(e->mc, c);
+        fn.dnnl_memory_set_data_handle(e->ma, (void *)a);
+        fn.dnnl_memory_set_data_handle(e->mb, (void *)b);
+        fn.dnnl_memory_set_data_handle(e->mc, c);
         dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->ma}, {DNNL_ARG_WEIGHTS, e->mb}, {DNNL_ARG_DST, e->mc}};
-        if (dnnl_primitive_execute(e->prim, dn.stream, 3, args) == dnnl_success &&
-            dnnl_stream_wait(dn.stream) == dnnl_success)
+        if (fn.dnnl_primitive_execute(e->prim, dn.stream, 3, args) == dnnl_success &&
+            fn.dnnl_stream_wait(dn.stream) == dnnl_success)
             rc = 0;
         else {
             warn_once(e, "execution failed");
@@ -199,13 +241,13 @@ const char *cpu_matmul_dnnl_impl(int bf16, int64_t M, int64_t N, int64_t K) {
     matrix_md(&a_md, 2, 1, 0, M, K, 0, dt);
     matrix_md(&b_md, 2, 1, 0, K, N, 0, dt);
     matrix_md(&c_md, 2, 1, 0, M, N, 0, dt);
-    if (dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success ||
-        dnnl_primitive_desc_create(&pd, &desc, NULL, dn.engine, NULL) != dnnl_success)
+    if (fn.dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success ||
+        fn.dnnl_primitive_desc_create(&pd, &desc, NULL, dn.engine, NULL) != dnnl_success)
         return "none";
     const char *impl = NULL;
-    dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
+    fn.dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
     snprintf(name, sizeof name, "%s", impl ? impl : "?");
-    dnnl_primitive_desc_destroy(pd);
+    fn.dnnl_primitive_desc_destroy(pd);
     return name;
 }
 

@@ -94,7 +94,13 @@ fsdp_status fsdp_comm_world(fsdp_comm **out) {
             pthread_mutex_unlock(&world_mu);
             return fsdp_set_error(FSDP_ERR_OOM, "fsdp_comm_world: out of host memory");
         }
+        if (comm_cfg()->error[0]) {
+            pthread_mutex_unlock(&world_mu);
+            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_world: %s", comm_cfg()->error);
+        }
         c->dev = comm_device_backend();
+        c->last_done.seq = UINT64_MAX;
+        if (c->size > 1 && c->be->service) comm_set_service(c->be->service);
         c->id = comm_hash_str("world");
         c->is_world = true;
         snprintf(c->name, sizeof c->name, "world");
@@ -126,6 +132,7 @@ fsdp_status fsdp_comm_new_counting(fsdp_comm **out, int world, int rank) {
     c->rank = rank;
     c->size = world;
     c->counts = k;
+    c->last_done.seq = UINT64_MAX;
     char name[64];
     snprintf(name, sizeof name, "counting.world%d", world);
     c->id = comm_hash_str(name);
@@ -146,6 +153,7 @@ static fsdp_status split(fsdp_comm **out, fsdp_comm *parent, int color, int key,
     child->rank = child_rank;
     child->size = child_size;
     child->counts = counts_ref(parent->counts);
+    child->last_done.seq = UINT64_MAX;
     fsdp_work *w;
     fsdp_status st = comm_work_new(&w, K_SPLIT, parent, "", 0, DT_NONE, 0, opname);
     if (st != FSDP_OK) {
@@ -153,7 +161,10 @@ static fsdp_status split(fsdp_comm **out, fsdp_comm *parent, int color, int key,
         free(child);
         return st;
     }
-    if (table_hash) w->fp.label_hash = table_hash;   /* split_all: every rank must pass the same table */
+    if (table_hash) {   /* split_all: every rank must pass the same tables, checked as the "arg" */
+        w->fp.label_hash = table_hash;
+        w->fp.arg = (int32_t)(uint32_t)(table_hash ^ (table_hash >> 32));
+    }
     w->color = color;
     w->key = key;
     w->split_out = child;            /* the comm thread completes it, or frees it on failure */
@@ -257,6 +268,15 @@ fsdp_status fsdp_comm_free(fsdp_comm *c) {
     FSDP_TRY(comm_work_new(&w, K_FREE, c, "", 0, DT_NONE, 0, "fsdp_comm_free"));
     c->magic = 0;   /* no new collectives from here; queued ones still run */
     return comm_issue(NULL, w, "fsdp_comm_free");
+}
+
+fsdp_status comm_leave(void) {
+    int inited = 0, fin = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    if (!inited || fin) return FSDP_OK;
+    if (comm_cfg()->error[0]) return FSDP_OK;   /* refused at the first collective already */
+    return comm_mpi_backend.leave(comm_cfg()->watchdog_s);
 }
 
 int comm_rank_of(fsdp_comm *c) { return c ? c->rank : -1; }

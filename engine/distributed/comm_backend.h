@@ -38,6 +38,9 @@
 #include "internal.h"
 #include <mpi.h>
 
+typedef struct fingerprint fingerprint;   /* comm_impl.h */
+typedef struct comm_status comm_status;
+
 /* Element types a host backend reduces (bf16 arrives widened to f32). */
 typedef enum { COMM_RT_F32, COMM_RT_F64, COMM_RT_I32, COMM_RT_I64 } comm_reduce_type;
 
@@ -89,6 +92,27 @@ typedef struct comm_backend {
     /* Caller thread, before anything is queued: FSDP_OK, or why c cannot
      * take collectives any more (e.g. MPI finalized). NULL: always usable. */
     fsdp_status (*usable)(fsdp_comm *c, const char *opname);
+
+    /* ---- arrival: agreement, the watchdog, leaving (NULL when local) ----
+     * These are the only waits for other ranks that can last: once every
+     * rank has arrived at a collective's agreement, its data moves at once.
+     * They block without spinning a core, and meanwhile answer the other
+     * ranks' watchdog questions and notice ranks that leave the job. */
+
+    /* words (n) <- elementwise max over c's ranks, once every member has
+     * arrived. After the watchdog time it names who has not arrived and
+     * ends the job (comm_watchdog.c); a member that has left the job fails
+     * it with a message naming that rank. */
+    fsdp_status (*agree_max)(fsdp_comm *c, int64_t *words, int n, const fingerprint *fp);
+    /* Answers waiting questions (the comm thread calls it when idle). */
+    void (*service)(void);
+    /* Every rank's status (all[world], answered[world]; this rank's own
+     * given), asked of every rank of the job, waiting at most grace_s. */
+    void (*ask_all)(const comm_status *mine, comm_status *all, bool *answered, double grace_s);
+    /* At finalize: tells every rank this one leaves, then waits until all
+     * have left. timeout_s 0: no limit. Not a communicator's: the job's. */
+    fsdp_status (*leave)(double timeout_s);
+
     /* Whether the device backend may carry this communicator's CUDA
      * tensors between ranks (NCCL's unique id travels over it). */
     bool carries_device;

@@ -2,11 +2,23 @@
  * on them before any data moves (DESIGN.md, decisions 8 and 12).
  *
  * Every collective on a communicator takes the next sequence number of that
- * communicator and a fingerprint (kind, communicator id, bytes, dtype,
- * reduce op or root, device, label hash). With FSDP_DEBUG_COLLECTIVES=1 the
- * comm thread first all-gathers the fingerprints on the communicator and
- * fails the work on every rank, naming the first mismatch, instead of
- * running a collective whose ranks disagree. */
+ * communicator and a fingerprint (kind, communicator id, sequence number,
+ * bytes, dtype, reduce op or root, device, label hash). Always, before the
+ * data moves, the comm thread hashes the fingerprint to 64 bits h and
+ * all-reduces (h, ~h) with MAX over the communicator: one small exchange
+ * that yields the largest and the smallest h of all ranks. When they differ
+ * somebody disagrees, every rank knows it from the same result, and all of
+ * them all-gather the whole fingerprints to name the first rank that
+ * differs from rank 0 and both sides' collectives; the work then fails on
+ * every rank, and no data moved. A count, dtype or root that differs thus
+ * never reaches MPI (which would read or write past a buffer), nor does a
+ * sum meeting a max.
+ *
+ * The label (the unit's name) is not part of the default check: only
+ * FSDP_DEBUG_COLLECTIVES=1 compares it too, and adds this rank's last
+ * collectives (history) to the message. The exchange is also where a rank
+ * waits for the others to arrive, so the backend's agree_max waits without
+ * spinning and runs the watchdog (comm_mpi.c, comm_watchdog.c). */
 #include "comm_impl.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,27 +62,44 @@ void comm_fp_describe(const fingerprint *f, bool with_seq, char *buf, size_t siz
              f->device == FSDP_DEVICE_CUDA ? " cuda" : "");
 }
 
-static bool fp_equal(const fingerprint *a, const fingerprint *b) {
+static bool fp_equal(const fingerprint *a, const fingerprint *b, bool with_label) {
     return a->comm_id == b->comm_id && a->seq == b->seq && a->bytes == b->bytes &&
-           a->label_hash == b->label_hash && a->kind == b->kind && a->dtype == b->dtype && a->arg == b->arg &&
-           a->device == b->device;
+           (!with_label || a->label_hash == b->label_hash) && a->kind == b->kind && a->dtype == b->dtype &&
+           a->arg == b->arg && a->device == b->device;
+}
+
+/* 64 bits of what must agree (the label too in debug mode). */
+static uint64_t fp_hash(const fingerprint *f, bool with_label) {
+    uint64_t h = comm_hash_mix(f->comm_id, f->seq);
+    h = comm_hash_mix(h, f->bytes);
+    h = comm_hash_mix(h, ((uint64_t)(uint32_t)f->kind << 32) | (uint32_t)f->dtype);
+    h = comm_hash_mix(h, ((uint64_t)(uint32_t)f->arg << 32) | (uint32_t)f->device);
+    if (with_label) h = comm_hash_mix(h, f->label_hash);
+    return h;
 }
 
 /* Every rank compares every rank's fingerprint with rank 0's and all agree
  * on the first mismatch. */
-static fsdp_status check_fingerprints(fsdp_work *w) {
+static fsdp_status check_fingerprints(fsdp_work *w, bool with_label) {
     fsdp_comm *c = w->comm;
     fingerprint *all = calloc((size_t)c->size, sizeof *all);
     if (!all) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for %d fingerprints", c->size);
     fsdp_status st = c->be->all_gather(c, all, &w->fp, (int64_t)sizeof w->fp, 1);
     for (int r = 1; st == FSDP_OK && r < c->size; r++) {
-        if (fp_equal(&all[0], &all[r])) continue;
+        if (fp_equal(&all[0], &all[r], with_label)) continue;
         bool seq = all[0].seq != all[r].seq;
         char a[160], b[160];
         comm_fp_describe(&all[0], seq, a, sizeof a);
         comm_fp_describe(&all[r], seq, b, sizeof b);
-        st = fsdp_set_error(FSDP_ERR_COMM, "collective #%llu on comm %s(%d): rank 0 issued %s but rank %d issued %s",
-                            (unsigned long long)w->fp.seq, c->name, c->size, a, r, b);
+        char hist[1200] = "";
+        if (comm_cfg()->debug) {
+            comm_history(hist, sizeof hist);
+            if (!hist[0]) snprintf(hist, sizeof hist, " none");
+        }
+        st = fsdp_set_error(FSDP_ERR_COMM, "collective #%llu on comm %s(%d): rank 0 issued %s but rank %d issued %s; "
+                            "no data moved%s%s", (unsigned long long)w->fp.seq, c->name, c->size, a, r, b,
+                            hist[0] ? "; the last collectives this rank finished:" : "", hist);
+        break;
         /* Already complete: the queue must not wrap it in a second
          * description of the same collective. */
         const char *e;
@@ -84,7 +113,12 @@ static fsdp_status check_fingerprints(fsdp_work *w) {
 
 fsdp_status comm_agree(fsdp_work *w) {
     fsdp_comm *c = w->comm;
-    if (!w->counted || c->size == 1 || c->be->local) return FSDP_OK;
-    if (comm_cfg()->debug) return check_fingerprints(w);
-    return FSDP_OK;
+    if (!w->counted || c->size == 1 || c->be->local || !c->be->agree_max) return FSDP_OK;
+    bool debug = comm_cfg()->debug;
+    uint64_t h = fp_hash(&w->fp, debug);
+    /* max of h and of ~h (order-reversing on int64) gives max and min */
+    int64_t words[2] = {(int64_t)h, (int64_t)~h};
+    FSDP_TRY(c->be->agree_max(c, words, 2, &w->fp));
+    if ((uint64_t)words[0] == h && ~(uint64_t)words[1] == h) return FSDP_OK;
+    return check_fingerprints(w, debug);
 }

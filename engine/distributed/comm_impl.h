@@ -30,6 +30,20 @@ typedef struct fingerprint {
     char label[LABEL_KEEP];                /* truncated copy, for messages */
 } fingerprint;
 
+/* What a rank is doing, as it answers another rank's watchdog. */
+typedef enum { RS_IDLE, RS_ARRIVING, RS_MOVING, RS_LEAVING } rank_state;
+struct comm_status {
+    int32_t rank, state;          /* rank_state */
+    double seconds;               /* in this state so far */
+    fingerprint current;          /* RS_ARRIVING, RS_MOVING: the collective */
+    fingerprint last;             /* the last collective this rank finished (seq UINT64_MAX: none) */
+    char current_comm[40], last_comm[40];
+    int32_t current_size, last_size;
+    int32_t failed;               /* collectives that failed on this rank so far */
+};
+/* This rank's status now (comm_queue.c). */
+void comm_status_fill(comm_status *s);
+
 uint64_t comm_hash_str(const char *s);
 uint64_t comm_hash_mix(uint64_t a, uint64_t b);
 const char *comm_op_name(int op);
@@ -60,6 +74,8 @@ struct fsdp_comm {
     char name[COMM_NAME];
     comm_gpu *gpu;                /* the NCCL side, made on the first CUDA collective (comm thread) */
     comm_counts *counts;
+    int *members;                 /* world rank of each rank of c; NULL: c's ranks are world ranks */
+    fingerprint last_done;        /* the last collective finished on c (seq UINT64_MAX: none; comm thread) */
 };
 
 comm_counts *comm_counts_new(void);
@@ -101,10 +117,11 @@ struct fsdp_work {
 /* ---- configuration (comm_queue.c; read once from the environment) ---- */
 
 typedef struct comm_config {
-    bool debug;            /* FSDP_DEBUG_COLLECTIVES: full fingerprints, labels */
+    bool debug;            /* FSDP_DEBUG_COLLECTIVES: labels compared too, history in messages */
     bool blocking_wait;    /* FSDP_NCCL_BLOCKING_WAIT: host waits for CUDA collectives */
     double watchdog_s;     /* FSDP_WATCHDOG_SECONDS; 0: off */
     bool sync;             /* FSDP_COMM_SYNC: every collective completes before it returns */
+    char error[160];       /* a setting that was refused ("" when all are fine) */
 } comm_config;
 const comm_config *comm_cfg(void);
 double comm_now(void);   /* CLOCK_MONOTONIC seconds */
@@ -120,6 +137,11 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname);
 bool comm_overlaps(const void *a, int64_t an, const void *b, int64_t bn);
 /* This thread's last error without the " [rank N]" fsdp_set_error appends. */
 int comm_last_error_len(const char **e);
+/* The last few collectives this rank finished, oldest first, one per line
+ * (debug mode keeps them; "" otherwise). */
+void comm_history(char *buf, size_t size);
+/* Called by the idle comm thread every 100 ms (NULL: nothing to call). */
+void comm_set_service(void (*fn)(void));
 /* What the comm thread runs now (busy) or ran last, for the watchdog. */
 void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size);
 
@@ -134,6 +156,15 @@ fsdp_status comm_agree(fsdp_work *w);
 
 /* A caller waited longer than the watchdog allows on w: report, end the job. */
 void comm_watchdog_fire(fsdp_work *w, double waited);
+/* The comm thread waited longer than the watchdog allows for the ranks of
+ * c to arrive at fp: asks every rank what it is doing, names the ones that
+ * have not arrived, ends the job. */
+void comm_watchdog_arrival(const fsdp_comm *c, const fingerprint *fp, double waited);
+/* Finalize waited that long for the ranks not in has_left: ends the job
+ * unless all of them answer (busy, but alive: then it returns). */
+void comm_watchdog_leaving(double waited, const bool *has_left, int n);
+/* The grace for answers to the watchdog's question. */
+double comm_watchdog_grace(void);
 /* A CUDA collective ran on the GPU too long (waited > 0) or failed (what). */
 void comm_gpu_fatal(fsdp_work *w, const char *what, double waited);
 

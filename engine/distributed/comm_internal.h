@@ -19,5 +19,10 @@ fsdp_status comm_dup(fsdp_comm **out, fsdp_comm *parent);
  * starts it again). fsdp_runtime_finalize calls it before MPI_Finalize. A
  * queue that does not drain within the watchdog time ends the job. */
 void comm_shutdown(void);
+/* At finalize, after comm_shutdown: tells every rank of the job that this
+ * one leaves, and waits until all have, so that a rank which returns early
+ * (or calls os.exit) while others go on ends the job with a message naming
+ * it instead of leaving them waiting (comm_mpi.c). */
+fsdp_status comm_leave(void);
 
 #endif

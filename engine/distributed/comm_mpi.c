@@ -1,10 +1,26 @@
 /* comm_mpi.c: the "mpi" backend: collectives on CPU buffers through MPI,
  * for communicators of any size whenever MPI is initialized (the world
  * under mpirun and every communicator split from it). The interface and
- * its rules are in comm_backend.h. */
+ * its rules are in comm_backend.h.
+ *
+ * Arrival. Each collective starts with a small agreement (agree_max: one
+ * non-blocking all-reduce of a few words); that is where a rank waits for
+ * the others, so that is where this file waits gently: MPI_Test in a loop
+ * for the first millisecond (ranks usually arrive together), then with
+ * sleeps that grow to 1 ms, so a rank waiting for a stopped one costs no
+ * core (see wait_arrival). While it waits it answers the watchdog questions of other ranks and
+ * reads "leaving" notes: point-to-point messages on MPI_COMM_WORLD under
+ * tags of their own (MPI keeps point-to-point traffic apart from
+ * collectives on the same communicator). */
+#define _POSIX_C_SOURCE 200809L   /* nanosleep */
 #include "comm_impl.h"
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { TAG_ASK = 0x6664, TAG_STATUS = 0x6665, TAG_LEAVE = 0x6666 };
 
 static const char *mpi_error_string(long code) {
     static _Thread_local char buf[MPI_MAX_ERROR_STRING + 32];
@@ -75,11 +91,232 @@ static fsdp_status mpi_split(fsdp_comm *parent, int color, int key, fsdp_comm *c
     MPI_CHECK(MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN));
     MPI_CHECK(MPI_Comm_rank(nc, &child->rank));
     MPI_CHECK(MPI_Comm_size(nc, &child->size));
+    /* Which world ranks are in it, for the watchdog's report. */
+    child->members = malloc((size_t)child->size * sizeof(int));
+    int *mine = malloc((size_t)child->size * sizeof(int));
+    if (!child->members || !mine) {
+        free(mine);
+        free(child->members);
+        child->members = NULL;
+        MPI_Comm_free(&child->mpi);
+        return fsdp_set_error(FSDP_ERR_OOM, "fsdp_comm_split: out of host memory for %d ranks", child->size);
+    }
+    for (int r = 0; r < child->size; r++) mine[r] = r;
+    MPI_Group g = MPI_GROUP_NULL, wg = MPI_GROUP_NULL;
+    int rc = MPI_Comm_group(nc, &g);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    if (rc == MPI_SUCCESS) rc = MPI_Group_translate_ranks(g, child->size, mine, wg, child->members);
+    if (g != MPI_GROUP_NULL) MPI_Group_free(&g);
+    if (wg != MPI_GROUP_NULL) MPI_Group_free(&wg);
+    free(mine);
+    if (rc != MPI_SUCCESS) {   /* only the report would lack it */
+        free(child->members);
+        child->members = NULL;
+    }
     return FSDP_OK;
 }
 
 static fsdp_status mpi_destroy(fsdp_comm *c) {
+    free(c->members);
+    c->members = NULL;
     if (c->mpi != MPI_COMM_NULL && c->mpi != MPI_COMM_WORLD) MPI_CHECK(MPI_Comm_free(&c->mpi));
+    return FSDP_OK;
+}
+
+/* ---- arrival ---- */
+
+static int world_rank(void) {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+
+static int world_size(void) {
+    int n = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+}
+
+/* Ranks that said they leave, with what they said (comm thread, or the
+ * main thread once the comm thread has stopped: never both). */
+static comm_status *g_left;
+static bool *g_has_left;
+static int g_left_n;
+
+static bool note_leaving(const comm_status *s, int from) {
+    if (!g_left) {
+        int n = world_size();
+        g_left = calloc((size_t)n, sizeof *g_left);
+        g_has_left = calloc((size_t)n, sizeof *g_has_left);
+        if (!g_left || !g_has_left) return false;
+        g_left_n = n;
+    }
+    if (from < 0 || from >= g_left_n) return false;
+    g_left[from] = *s;
+    g_has_left[from] = true;
+    return true;
+}
+
+static void sleep_s(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/* Answers every question waiting, reads every leaving note. */
+static void mpi_service(void) {
+    for (;;) {
+        int flag = 0;
+        MPI_Status ms;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ASK, MPI_COMM_WORLD, &flag, &ms) != MPI_SUCCESS || !flag) break;
+        int32_t q = 0;
+        MPI_Recv(&q, 1, MPI_INT32_T, ms.MPI_SOURCE, TAG_ASK, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        comm_status st;
+        comm_status_fill(&st);
+        MPI_Send(&st, (int)sizeof st, MPI_BYTE, ms.MPI_SOURCE, TAG_STATUS, MPI_COMM_WORLD);   /* small: eager */
+    }
+    for (;;) {
+        int flag = 0;
+        MPI_Status ms;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_LEAVE, MPI_COMM_WORLD, &flag, &ms) != MPI_SUCCESS || !flag) break;
+        comm_status st;
+        MPI_Recv(&st, (int)sizeof st, MPI_BYTE, ms.MPI_SOURCE, TAG_LEAVE, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        note_leaving(&st, ms.MPI_SOURCE);
+    }
+}
+
+/* A member of c that has left the job, or -1; one that left of its own
+ * accord before one that left after a failed collective (most likely
+ * because of the first). */
+static int left_member(const fsdp_comm *c) {
+    if (!g_left) return -1;
+    int found = -1;
+    for (int r = 0; r < c->size; r++) {
+        int w = c->members ? c->members[r] : r;
+        if (w < 0 || w >= g_left_n || !g_has_left[w]) continue;
+        if (found < 0 || (g_left[found].failed > 0 && g_left[w].failed == 0)) found = w;
+    }
+    return found;
+}
+
+static fsdp_status left_error(const fsdp_comm *c, const fingerprint *fp, int who) {
+    (void)fp;   /* the queue names the collective */
+    char last[160] = "none";
+    const comm_status *s = &g_left[who];
+    if (s->last.seq != UINT64_MAX) comm_fp_describe(&s->last, true, last, sizeof last);
+    return fsdp_set_error(FSDP_ERR_COMM, "rank %d has left the job (it returned from the program or called os.exit) "
+                          "and will never join this collective of comm %s(%d); the last collective it finished was "
+                          "%s on comm %s(%d)", who, c->name, c->size, last,
+                          s->last.seq != UINT64_MAX ? s->last_comm : "-", s->last.seq != UINT64_MAX ? s->last_size : 0);
+}
+
+/* Waits for req without spinning a core: spins on MPI_Test for the first
+ * millisecond, then sleeps 20 us, 40 us, ... between tests, at most 100 us
+ * for the first 50 ms (a collective starts at most that late after the
+ * last rank arrives) and 1 ms after that (a long wait: a straggler, and a
+ * waiting rank costs about 1% of a core); meanwhile serves questions and,
+ * after the watchdog time, fires it. */
+static fsdp_status wait_arrival(MPI_Request *req, const fsdp_comm *c, const fingerprint *fp) {
+    const comm_config *cfg = comm_cfg();
+    double t0 = comm_now(), next_service = t0, sleep = 20e-6, left_seen = 0;
+    for (;;) {
+        int done = 0;
+        MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+        if (done) return FSDP_OK;
+        double now = comm_now();
+        if (now - t0 < 1e-3) continue;
+        if (now >= next_service) {
+            mpi_service();
+            next_service = now + 0.01;
+            int who = left_member(c);
+            if (who >= 0) {
+                /* Its part may have arrived already: give MPI a moment. */
+                if (left_seen == 0) left_seen = now;
+                else if (now - left_seen > 0.2) return left_error(c, fp, who);
+            }
+        }
+        if (cfg->watchdog_s > 0 && now - t0 > cfg->watchdog_s) comm_watchdog_arrival(c, fp, now - t0);
+        sleep_s(sleep);
+        /* at most 100 us late while the wait is short, 1 ms once it is long */
+        double cap = now - t0 < 0.05 ? 100e-6 : 1e-3;
+        sleep = sleep * 2 < cap ? sleep * 2 : cap;
+    }
+}
+
+static fsdp_status mpi_agree_max(fsdp_comm *c, int64_t *words, int n, const fingerprint *fp) {
+    int who = left_member(c);
+    if (who >= 0) return left_error(c, fp, who);
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, words, n, MPI_INT64_T, MPI_MAX, c->mpi, &req));
+    return wait_arrival(&req, c, fp);
+}
+
+static void mpi_ask_all(const comm_status *mine, comm_status *all, bool *answered, double grace_s) {
+    int me = world_rank(), n = world_size();
+    MPI_Request *reqs = calloc((size_t)(2 * n), sizeof *reqs);
+    if (!reqs) return;
+    int32_t q = me;
+    for (int r = 0; r < n; r++) {
+        answered[r] = r == me;
+        if (r == me) {
+            all[r] = *mine;
+            reqs[2 * r] = reqs[2 * r + 1] = MPI_REQUEST_NULL;
+            continue;
+        }
+        MPI_Irecv(&all[r], (int)sizeof all[r], MPI_BYTE, r, TAG_STATUS, MPI_COMM_WORLD, &reqs[2 * r]);
+        MPI_Isend(&q, 1, MPI_INT32_T, r, TAG_ASK, MPI_COMM_WORLD, &reqs[2 * r + 1]);
+    }
+    double t0 = comm_now();
+    int missing = n - 1;
+    while (missing > 0 && comm_now() - t0 < grace_s) {
+        mpi_service();   /* the others ask too */
+        for (int r = 0; r < n; r++) {
+            if (answered[r]) continue;
+            int done = 0;
+            MPI_Test(&reqs[2 * r], &done, MPI_STATUS_IGNORE);
+            if (done) {
+                answered[r] = true;
+                missing--;
+            }
+        }
+        sleep_s(2e-3);
+    }
+    /* Whoever did not answer: a leaving note counts as an answer. */
+    for (int r = 0; r < n; r++)
+        if (!answered[r] && g_left && r < g_left_n && g_has_left[r]) {
+            all[r] = g_left[r];
+            answered[r] = true;
+        }
+    free(reqs);   /* unfinished requests die with the job, which ends now */
+}
+
+static fsdp_status mpi_leave(double timeout_s) {
+    int me = world_rank(), n = world_size();
+    if (n == 1) return FSDP_OK;
+    comm_status mine;
+    comm_status_fill(&mine);
+    mine.state = RS_LEAVING;
+    MPI_Request *reqs = calloc((size_t)n, sizeof *reqs);
+    if (!reqs) return fsdp_set_error(FSDP_ERR_OOM, "finalize: out of host memory");
+    for (int r = 0; r < n; r++) {
+        reqs[r] = MPI_REQUEST_NULL;
+        if (r != me) MPI_Isend(&mine, (int)sizeof mine, MPI_BYTE, r, TAG_LEAVE, MPI_COMM_WORLD, &reqs[r]);
+    }
+    note_leaving(&mine, me);
+    double t0 = comm_now(), sleep = 20e-6;
+    for (;;) {
+        mpi_service();
+        int gone = 0;
+        for (int r = 0; r < n; r++) gone += g_has_left && g_has_left[r];
+        if (gone == n) break;
+        if (timeout_s > 0 && comm_now() - t0 > timeout_s) {
+            comm_watchdog_leaving(comm_now() - t0, g_has_left, n);   /* ends the job */
+            t0 = comm_now();   /* the others answered: they are busy, not gone; wait on */
+        }
+        sleep_s(sleep);
+        if (sleep < 1e-3) sleep *= 2;
+    }
+    MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE);
+    free(reqs);
     return FSDP_OK;
 }
 
@@ -101,5 +338,9 @@ const comm_backend comm_mpi_backend = {
     .split = mpi_split,
     .destroy = mpi_destroy,
     .usable = mpi_usable,
+    .agree_max = mpi_agree_max,
+    .service = mpi_service,
+    .ask_all = mpi_ask_all,
+    .leave = mpi_leave,
     .carries_device = true,
 };

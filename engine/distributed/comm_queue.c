@@ -44,7 +44,11 @@
 /* ---- configuration from the environment (read once) ---- */
 
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
-static comm_config g_cfg = {.watchdog_s = 600};
+/* Watchdog default: 120 s. Long enough for what one rank may do while the
+ * others wait at the next collective (an evaluation, a sample, a checkpoint
+ * written by one rank, a slow first step), short enough that a stuck job
+ * costs two minutes instead of ten. Tests use a few seconds. */
+static comm_config g_cfg = {.watchdog_s = 120};
 static pthread_condattr_t g_condattr;   /* waits measured on CLOCK_MONOTONIC */
 
 static bool env_flag(const char *name) {
@@ -60,7 +64,13 @@ static void config_init(void) {
     if (w && w[0]) {
         char *end = NULL;
         double v = strtod(w, &end);
-        if (end != w) g_cfg.watchdog_s = v;   /* <= 0: no watchdog */
+        while (end && (*end == ' ' || *end == '\t')) end++;
+        if (end == w || *end != '\0' || !(v == 0 || v >= 1) || v > 1e9)
+            /* below 1 s a healthy job's ordinary waits would end it */
+            snprintf(g_cfg.error, sizeof g_cfg.error, "FSDP_WATCHDOG_SECONDS=%.60s: expected 0 (no watchdog) or a "
+                     "number of seconds >= 1", w);
+        else
+            g_cfg.watchdog_s = v;
     }
     pthread_condattr_init(&g_condattr);
     pthread_condattr_setclock(&g_condattr, CLOCK_MONOTONIC);
@@ -142,7 +152,7 @@ void comm_work_unref(fsdp_work *w) {
 
 fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const char *label, int64_t bytes, int dtype,
                           int arg, const char *opname) {
-    comm_cfg();
+    if (comm_cfg()->error[0]) return fsdp_set_error(FSDP_ERR_INVALID, "%s: %s", opname, g_cfg.error);
     fsdp_work *w = calloc(1, sizeof *w);
     if (!w) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory for a work handle", opname);
     atomic_init(&w->refs, 1);
@@ -195,6 +205,73 @@ static pthread_t q_thread;
 static fingerprint q_current;         /* what the thread runs now, for the watchdog */
 static char q_current_comm[COMM_NAME];
 static int q_current_size;
+static rank_state q_state = RS_IDLE;
+static double q_state_since;
+static fingerprint q_last = {.seq = UINT64_MAX};   /* the last collective finished */
+static char q_last_comm[COMM_NAME];
+static int q_last_size;
+static int q_failed;
+#define HISTORY 8
+static struct { fingerprint fp; char comm[40]; int size; } q_history[HISTORY];   /* debug mode */
+static uint64_t q_history_n;
+
+static void set_state(rank_state st) {
+    pthread_mutex_lock(&q_mu);
+    q_state = st;
+    q_state_since = comm_now();
+    pthread_mutex_unlock(&q_mu);
+}
+
+void comm_status_fill(comm_status *s) {
+    memset(s, 0, sizeof *s);
+    s->rank = fsdp_current_rank();
+    pthread_mutex_lock(&q_mu);
+    s->state = q_state;
+    s->seconds = q_state_since > 0 ? comm_now() - q_state_since : 0;
+    if (q_state == RS_ARRIVING || q_state == RS_MOVING) {
+        s->current = q_current;
+        snprintf(s->current_comm, sizeof s->current_comm, "%.39s", q_current_comm);
+        s->current_size = q_current_size;
+    }
+    s->last = q_last;
+    snprintf(s->last_comm, sizeof s->last_comm, "%.39s", q_last_comm);
+    s->last_size = q_last_size;
+    s->failed = q_failed;
+    pthread_mutex_unlock(&q_mu);
+}
+
+void comm_history(char *buf, size_t size) {
+    buf[0] = '\0';
+    pthread_mutex_lock(&q_mu);
+    size_t at = 0;
+    uint64_t first = q_history_n > HISTORY ? q_history_n - HISTORY : 0;
+    for (uint64_t i = first; i < q_history_n && at + 1 < size; i++) {
+        char d[160];
+        comm_fp_describe(&q_history[i % HISTORY].fp, true, d, sizeof d);
+        int k = snprintf(buf + at, size - at, "\n  %s on comm %s(%d)", d, q_history[i % HISTORY].comm,
+                         q_history[i % HISTORY].size);
+        if (k < 0) break;
+        at += (size_t)k;
+    }
+    pthread_mutex_unlock(&q_mu);
+}
+
+/* w finished (comm thread): the last one, for the watchdog. */
+static void note_finished(fsdp_work *w) {
+    if (!w->counted) return;
+    if (w->comm) w->comm->last_done = w->fp;
+    pthread_mutex_lock(&q_mu);
+    q_last = w->fp;
+    snprintf(q_last_comm, sizeof q_last_comm, "%s", w->comm_name);
+    q_last_size = w->comm_size;
+    if (g_cfg.debug) {
+        q_history[q_history_n % HISTORY].fp = w->fp;
+        snprintf(q_history[q_history_n % HISTORY].comm, sizeof q_history[0].comm, "%.39s", w->comm_name);
+        q_history[q_history_n % HISTORY].size = w->comm_size;
+        q_history_n++;
+    }
+    pthread_mutex_unlock(&q_mu);
+}
 
 void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size) {
     pthread_mutex_lock(&q_mu);
@@ -472,7 +549,9 @@ static fsdp_status run_free(fsdp_work *w) {
 
 static void run_work(fsdp_work *w) {
     fsdp_comm *c = w->comm;
+    set_state(RS_ARRIVING);
     fsdp_status st = comm_agree(w);
+    set_state(RS_MOVING);
     if (st != FSDP_OK) {
         if (w->status == FSDP_OK) work_take_error(w, st);   /* the exchange itself failed */
         return;
@@ -513,6 +592,16 @@ static void run_work(fsdp_work *w) {
 
 /* ---- the comm thread ---- */
 
+/* The world's service (answers to watchdog questions), once a world
+ * between ranks exists. */
+static void (*g_service)(void);
+
+void comm_set_service(void (*fn)(void)) {
+    pthread_mutex_lock(&q_mu);
+    g_service = fn;
+    pthread_mutex_unlock(&q_mu);
+}
+
 static void *comm_thread_main(void *arg) {
     (void)arg;
     pthread_mutex_lock(&q_mu);
@@ -533,6 +622,18 @@ static void *comm_thread_main(void *arg) {
                 pthread_mutex_unlock(&q_mu);
                 poll_inflight();
                 pthread_mutex_lock(&q_mu);
+            } else if (g_service) {
+                /* answer other ranks' watchdog questions while idle, every 100 ms */
+                struct timespec dl;
+                clock_gettime(CLOCK_REALTIME, &dl);
+                dl.tv_nsec += 100000000L;
+                if (dl.tv_nsec >= 1000000000L) { dl.tv_sec++; dl.tv_nsec -= 1000000000L; }
+                pthread_cond_timedwait(&q_cv, &q_mu, &dl);
+                if (!q_head && !q_stop) {
+                    pthread_mutex_unlock(&q_mu);
+                    g_service();
+                    pthread_mutex_lock(&q_mu);
+                }
             } else {
                 pthread_cond_wait(&q_cv, &q_mu);
             }
@@ -552,6 +653,14 @@ static void *comm_thread_main(void *arg) {
         if (tt0 > 0)
             trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
                             tt0, trace_now());
+        if (w->status == FSDP_OK) {
+            note_finished(w);
+        } else {
+            pthread_mutex_lock(&q_mu);
+            q_failed++;
+            pthread_mutex_unlock(&q_mu);
+        }
+        set_state(RS_IDLE);
         /* Completion: the tensors go back now, not when the handle is freed;
          * those of a CUDA collective once the GPU is done with them. */
         if (work_on_gpu(w)) inflight_push(w);
@@ -679,16 +788,18 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
     comm_cfg();
     double t0 = comm_now();
     pthread_mutex_lock(&w->mu);
+    /* Later than the comm thread's own watchdog, which reports more. */
+    double limit = g_cfg.watchdog_s + comm_watchdog_grace() + 1;
     while (!w->done) {
         if (g_abandon_on) {
             pthread_mutex_unlock(&w->mu);
             return abandon_wait(w);   /* the work keeps its tensors: the comm thread may still use them */
         }
         /* wake up now and then to see fsdp_comm_abandon */
-        double until = t0 + (g_cfg.watchdog_s > 0 ? g_cfg.watchdog_s : 1e18), tick = comm_now() + 0.1;
+        double until = t0 + (g_cfg.watchdog_s > 0 ? limit : 1e18), tick = comm_now() + 0.1;
         struct timespec dl = abs_time(tick < until ? tick : until);
         int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
-        if (rc == ETIMEDOUT && !w->done && g_cfg.watchdog_s > 0 && comm_now() - t0 > g_cfg.watchdog_s) {
+        if (rc == ETIMEDOUT && !w->done && g_cfg.watchdog_s > 0 && comm_now() - t0 > limit) {
             pthread_mutex_unlock(&w->mu);
             comm_watchdog_fire(w, comm_now() - t0);
             pthread_mutex_lock(&w->mu);
@@ -769,7 +880,7 @@ void comm_shutdown(void) {
             clock_gettime(CLOCK_REALTIME, &rt);
             rt.tv_sec += 1;
             pthread_cond_timedwait(&q_idle, &q_mu, &rt);
-            if ((q_busy || q_head) && comm_now() - t0 > g_cfg.watchdog_s) {
+            if ((q_busy || q_head) && comm_now() - t0 > g_cfg.watchdog_s + comm_watchdog_grace() + 1) {
                 char what[160];
                 comm_fp_describe(&q_current, true, what, sizeof what);
                 fprintf(stderr, "fsdp watchdog: rank %d waited %.0f s at shutdown for collective %s on comm %s(%d); "

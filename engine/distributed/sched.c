@@ -37,8 +37,11 @@ typedef struct unit {
     int64_t *numels, *offsets;     /* (n_params) */
     int64_t total, padded, shard_n, shard_off;
     bool keep;                     /* stays gathered from forward to backward */
+    bool frozen;                   /* no gradient: no grad shard, no flat gradient, no reduce-scatter */
+    int partner;                   /* the other unit of the same module (trainable <-> frozen), or -1 */
+    bool used;                     /* has run a forward (then it can no longer be frozen) */
     fsdp_tensor *master;           /* (shard_n) f32, tag param */
-    fsdp_tensor *grad;             /* (shard_n) f32, tag grad */
+    fsdp_tensor *grad;             /* (shard_n) f32, tag grad; NULL when frozen */
     fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
     fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
     bool gathered;                 /* data allocated and its gather issued */
@@ -118,6 +121,12 @@ static fsdp_status check_unit(const char *op, fsdp_sched *s, int k) {
     if (k < 0 || k >= s->n_units)
         return fsdp_set_error(FSDP_ERR_INVALID, "%s: unit %d out of range (the schedule has %d)", op, k, s->n_units);
     return FSDP_OK;
+}
+
+/* The gradient shard of a trainable unit, made zeroed on first use. */
+static fsdp_status ensure_grad(fsdp_sched *s, unit *u) {
+    if (u->grad || u->frozen) return FSDP_OK;
+    return tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true);
 }
 
 /* ---- gathering ---- */
@@ -200,15 +209,24 @@ static fsdp_status reshard(fsdp_sched *s, unit *u) {
 
 /* Prefetch: gather unit k early when the limit allows; the limit counts
  * the gathered units that are not kept (the root stays gathered anyway). */
+/* A frozen unit with an owner goes with it: the pair is gathered together
+ * and counts once. */
+static bool counts_alone(const unit *u) { return !(u->frozen && u->partner >= 0); }
+
 static fsdp_status prefetch(fsdp_sched *s, int k) {
     if (k < 0 || k >= s->n_units) return FSDP_OK;
     unit *u = &s->units[k];
-    if (u->gathered) return FSDP_OK;
-    int transient = 0;
-    for (int i = 0; i < s->n_units; i++)
-        if (s->units[i].gathered && !s->units[i].keep) transient++;
-    if (transient >= s->limit) return FSDP_OK;
-    return issue_gather(s, u);
+    if (!counts_alone(u)) u = &s->units[u->partner];
+    unit *p = u->partner >= 0 ? &s->units[u->partner] : NULL;
+    if (u->gathered && (!p || p->gathered)) return FSDP_OK;
+    if (!u->gathered) {
+        int transient = 0;
+        for (int i = 0; i < s->n_units; i++)
+            if (s->units[i].gathered && !s->units[i].keep && counts_alone(&s->units[i])) transient++;
+        if (transient >= s->limit) return FSDP_OK;
+        FSDP_TRY(issue_gather(s, u));
+    }
+    return p ? issue_gather(s, p) : FSDP_OK;
 }
 
 /* ---- backward markers ---- */
@@ -263,9 +281,10 @@ static fsdp_status before_backward(void *p) {
         s->pend[k].work = NULL;
         FSDP_TRY(r);
     }
-    if (!u->flat_grad) {   /* kept across micro-batches without sync */
+    if (!u->flat_grad && !u->frozen) {   /* kept across micro-batches without sync */
         if (s->direct) {   /* gradients accumulate into the gradient shard itself */
             int64_t one = 1;
+            FSDP_TRY(ensure_grad(s, u));
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
         } else {
@@ -362,6 +381,7 @@ static fsdp_status finish_backward(void *p) {
             /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
             if (s->shard_device != s->device) r = convert_to(&g32, -1, s->shard_device);
             if (r == FSDP_OK) r = convert_to(&g32, FSDP_F32, -1);
+            if (r == FSDP_OK) r = ensure_grad(s, u);
             if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
             tensor_release(g32);
         }
@@ -532,8 +552,9 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
     u->shard_n = u->padded / N;
     u->shard_off = s->shard_rank * u->shard_n;
     u->keep = keep != 0;
+    u->partner = -1;
+    /* (the gradient shard comes on first use: a unit frozen next never has one) */
     fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, true);
-    if (st == FSDP_OK) st = tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true);
     if (st == FSDP_OK && s->direct) {   /* the full buffer is the master shard (the whole unit) */
         int64_t one = 1;
         u->full = tensor_view(u->master, 1, &u->padded, &one, u->master->offset);
@@ -554,6 +575,36 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
     return FSDP_OK;
 }
 
+fsdp_status fsdp_unit_set_frozen(fsdp_sched *s, int k, int owner) {
+    FSDP_TRY(check_unit("fsdp_unit_set_frozen", s, k));
+    unit *u = &s->units[k];
+    if (owner != -1) {
+        FSDP_TRY(check_unit("fsdp_unit_set_frozen (owner)", s, owner));
+        unit *o = &s->units[owner];
+        if (owner == k || o->frozen || o->partner >= 0)
+            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_frozen(%s): owner %s must be another unit, "
+                                  "trainable and without a frozen part yet", u->name, o->name);
+        if (o->keep != u->keep)
+            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_frozen(%s): owner %s is %s gathered from forward "
+                                  "to backward, this unit is %s", u->name, o->name, o->keep ? "kept" : "not kept",
+                                  u->keep ? "kept" : "not");
+    }
+    if (u->frozen) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_frozen(%s): already frozen", u->name);
+    if (u->used || u->gathered || u->flat_grad)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_frozen(%s): the unit has been used; freeze it before "
+                              "its first forward", u->name);
+    u->frozen = true;
+    tensor_release(u->grad);   /* frozen: no gradient shard at all */
+    u->grad = NULL;
+    for (int i = 0; u->views && i < u->n_params; i++)
+        if (u->views[i]) u->views[i]->requires_grad = false;
+    if (owner != -1) {
+        u->partner = owner;
+        s->units[owner].partner = k;
+    }
+    return FSDP_OK;
+}
+
 fsdp_status fsdp_unit_info(fsdp_sched *s, int k, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset) {
     FSDP_TRY(check_unit("fsdp_unit_info", s, k));
@@ -568,12 +619,13 @@ fsdp_status fsdp_unit_info(fsdp_sched *s, int k, int64_t *total, int64_t *padded
 fsdp_status fsdp_unit_shard(fsdp_sched *s, int k, fsdp_tensor **master, fsdp_tensor **grad) {
     FSDP_TRY(check_unit("fsdp_unit_shard", s, k));
     unit *u = &s->units[k];
+    if (grad) FSDP_TRY(ensure_grad(s, u));
     if (master) {
         tensor_retain(u->master);
         *master = u->master;
     }
     if (grad) {
-        tensor_retain(u->grad);
+        if (u->grad) tensor_retain(u->grad);
         *grad = u->grad;
     }
     return FSDP_OK;
@@ -607,7 +659,7 @@ fsdp_status fsdp_unit_param(fsdp_sched *s, int k, int i, int ndim, const int64_t
         contiguous_strides(ndim, shape, strides);
         fsdp_tensor *v = tensor_view(u->full, ndim, shape, strides, u->offsets[i]);
         if (!v) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_unit_param: out of host memory");
-        v->requires_grad = true;   /* a leaf: its .grad is pointed into the flat gradient */
+        v->requires_grad = !u->frozen;   /* a leaf: its .grad is pointed into the flat gradient */
         u->views[i] = v;
     }
     tensor_retain(u->views[i]);
@@ -624,6 +676,8 @@ static int grad_is_enabled(void) {
 fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_pre_forward", s, k));
     unit *u = &s->units[k];
+    FSDP_TRY(ensure_grad(s, u));
+    u->used = true;
     if (k == 0) {   /* the root starts a new forward */
         s->n_order = 0;
         s->fwd_pos = 0;
@@ -687,7 +741,7 @@ fsdp_status fsdp_sched_zero_grad(fsdp_sched *s) {
             tensor_release(u->flat_grad);
             u->flat_grad = NULL;
         }
-        FSDP_TRY(fsdp_fill(u->grad, 0.0));
+        if (u->grad) FSDP_TRY(fsdp_fill(u->grad, 0.0));
     }
     return FSDP_OK;
 }

@@ -343,11 +343,20 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
  * blocks). A work keeps its tensors alive until it completes; with
  * FSDP_COMM_SYNC=1 every collective completes before it returns (no
  * overlap: buffers are held exactly as a plan counts them, see fsdp.plan),
- * as a counting communicator's always do. Every collective carries a sequence number and a
- * fingerprint (kind, communicator, bytes, dtype, label): with
- * FSDP_DEBUG_COLLECTIVES=1 ranks compare them first and fail on the first
- * mismatch; a wait longer than FSDP_WATCHDOG_SECONDS (default 600) reports
- * which collective the rank waits on and ends the job. */
+ * as a counting communicator's always do.
+ *
+ * Ranks agree before data moves, always: every collective carries a
+ * sequence number and a fingerprint (kind, communicator, element count and
+ * bytes, dtype, reduce op or root, device), and one small exchange per
+ * collective checks that every rank issued the same one. A mismatch fails
+ * that collective on every rank, naming both sides, with no data moved
+ * (the ranks stay in step). FSDP_DEBUG_COLLECTIVES=1 also compares labels
+ * and adds the last collectives to the message. A rank waiting for others
+ * does not spin a core. FSDP_WATCHDOG_SECONDS (default 120; 0: off; below
+ * 1 refused) bounds that wait: then every waiting rank reports which ranks
+ * have not arrived and what each rank is doing or last finished, and ends
+ * the job. A rank that leaves early (returns, or calls exit) is named by
+ * the others at their next collective with it. */
 fsdp_status fsdp_comm_world(fsdp_comm **out);
 /* Ranks passing the same color form a communicator, ordered by key.
  * Collective over parent; a negative color fails on that rank (after taking
@@ -445,7 +454,15 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
                                 int *index);
 fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset);
-/* The persistent f32 master shard and gradient shard (new references). */
+/* Marks a unit frozen: its parameters get no gradient (their views do not
+ * require grad), it has no gradient shard and no reduce-scatter; it is still
+ * gathered for forward and backward (inputs' gradients need its values).
+ * owner: the unit holding the trainable parameters of the same module, or
+ * -1; prefetching either gathers both, and the pair counts once against the
+ * limit. Only before the unit's first forward. */
+fsdp_status fsdp_unit_set_frozen(fsdp_sched *s, int unit, int owner);
+/* The persistent f32 master shard and gradient shard (new references; the
+ * gradient is NULL for a frozen unit). */
 fsdp_status fsdp_unit_shard(fsdp_sched *s, int unit, fsdp_tensor **master, fsdp_tensor **grad);
 /* Parameter i as a view of the unit's full buffer, requiring grad; usable
  * only while the unit is gathered. */

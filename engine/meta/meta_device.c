@@ -61,8 +61,10 @@ static int64_t sum_counts(const int64_t *counts, int n) {
  * bf16 = 2, i64 ids = 8. FLOPs count multiply-adds as 2; elementwise
  * transcendentals as the few FLOPs they take (they are memory-bound
  * anyway). Attention counts the products it computes (a causal one half of
- * them). A sync is a point where the host waits for the device: a value
- * or a copy coming back. */
+ * them). Launches count the GPU operations an entry puts on the stream
+ * (kernels, memsets, copies: a value read back is its kernels and a copy,
+ * as engine/cuda does it). A sync is a point where the host waits for the
+ * device: a value or a copy coming back. */
 #define F32 4
 #define BF16 2
 #define META_ENTRIES(X)                                                                                             \
@@ -97,8 +99,8 @@ static int64_t sum_counts(const int64_t *counts, int n) {
       2 * n, 1, 0, )                                                                                               \
     X(void, sum_dim_f32, "reduce", (float *out, const float *in, int64_t outer, int64_t red, int64_t inner),       \
       F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, 1, 0, )                                 \
-    X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 1, 1, 0)                         \
-    X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 1, 1, 0)                       \
+    X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 3, 1, 0)                         \
+    X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 3, 1, 0)                       \
     X(void, binary_bf16, "elementwise", (int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides,      \
       const uint16_t *b, const int64_t *b_strides, int ndim, const int64_t *shape),                                \
       BF16 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)),                    \
@@ -112,7 +114,7 @@ static int64_t sum_counts(const int64_t *counts, int n) {
     X(void, sum_dim_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,               \
       int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner, 1, 0, )               \
     X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
-      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 1, 1, 0)                          \
+      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 2, 1, 0)                          \
     X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
     X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
       2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \
@@ -179,13 +181,13 @@ static int64_t sum_counts(const int64_t *counts, int n) {
       const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim, F32 * n * dim, n * dim, 1, 0, )                  \
     X(int64_t, cross_entropy_forward_f32, "loss", (float *losses, float *lse, const float *logits,                \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                          \
+      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                          \
     X(void, cross_entropy_backward_f32, "loss", (float *dlogits, const float *logits, const float *lse,           \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
       int64_t count), F32 * N * V + F32 * N + 8 * N + F32, F32 * N * V, 3 * N * valid_v, 1, 0, )                   \
     X(int64_t, cross_entropy_forward_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,           \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 1, ignore_index == 0 ? 0 : N)                         \
+      BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                         \
     X(void, cross_entropy_backward_bf16, "loss", (uint16_t *dlogits, const uint16_t *logits, const float *lse,    \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
       int64_t count), BF16 * N * V + F32 * N + 8 * N + F32, BF16 * N * V, 3 * N * valid_v, 1, 0, )                 \

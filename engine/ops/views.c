@@ -66,6 +66,9 @@ fsdp_status fsdp_reshape(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int6
         want[infer] = numel / known;
         known *= want[infer];
     }
+    if (!shape_fits(ndim, want))
+        return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_reshape(t %s): target %s is too large (its dims multiply to "
+                              "more than 2^60)", tensor_desc(t, d, sizeof d), shape_str(ndim, want, s, sizeof s));
     if (known != numel)
         return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_reshape(t %s): target %s has %lld elements, expected %lld",
                               tensor_desc(t, d, sizeof d), shape_str(ndim, want, s, sizeof s), (long long)known,
@@ -214,13 +217,9 @@ fsdp_status fsdp_expand(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64
                                   (long long)have);
         strides[k] = (k < lead || have != want[k]) ? 0 : t->strides[k - lead];
     }
-    int64_t numel = 1;
-    for (int k = 0; k < ndim; k++) {
-        if (want[k] > 0 && numel > INT64_MAX / 8 / want[k])
-            return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_expand(t %s): target %s is too large",
-                                  tensor_desc(t, d, sizeof d), shape_str(ndim, want, s, sizeof s));
-        numel *= want[k];
-    }
+    if (!shape_fits(ndim, want))
+        return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_expand(t %s): target %s is too large (its dims multiply to "
+                              "more than 2^60)", tensor_desc(t, d, sizeof d), shape_str(ndim, want, s, sizeof s));
     fsdp_tensor *v = tensor_view(t, ndim, want, strides, t->offset);
     if (!v) return oom_view("fsdp_expand");
     return finish_view(out, v, "expand", expand_backward, t, NULL, 0);

@@ -297,6 +297,8 @@ fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, c
 fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset);
 
+fsdp_status fsdp_unit_set_frozen(fsdp_sched *s, int unit, int owner);
+
 fsdp_status fsdp_unit_shard(fsdp_sched *s, int unit, fsdp_tensor **master, fsdp_tensor **grad);
 
 fsdp_status fsdp_unit_param(fsdp_sched *s, int unit, int i, int ndim, const int64_t *shape, fsdp_tensor **out);

@@ -67,6 +67,16 @@ function M.AdamW(params, opts)
     }, { "lr", "beta1", "beta2", "eps", "weight_decay" }),
     state = {}, step_count = 0,
   }, AdamW)
+  -- checked now, not at the first step()
+  for gi, g in ipairs(self.groups) do
+    for _, k in ipairs({ "lr", "beta1", "beta2", "eps", "weight_decay" }) do
+      local v = g[k]
+      if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge then
+        error(string.format("AdamW: group %d: %s must be a finite number >= 0, got %s (%s)", gi,
+          k == "beta1" and "betas[1]" or k == "beta2" and "betas[2]" or k, tostring(v), type(v)), 2)
+      end
+    end
+  end
   return self
 end
 

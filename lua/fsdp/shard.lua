@@ -20,6 +20,14 @@
 -- unsharded init. A materialized model is accepted too (its values are
 -- copied into the shards and its tensors dropped).
 --
+-- Frozen parameters (module:requires_grad(false) or t:requires_grad(false),
+-- before fsdp.shard or after it, before the optimizer is made) go into a
+-- second, frozen unit beside their module's trainable one: gathered like
+-- any other, but with no gradient shard, no flat gradient, no
+-- reduce-scatter, and left out of param_groups()/parameters(), so no
+-- optimizer state, update or weight decay either. Freezing after the
+-- optimizer was made is an error at the next forward.
+--
 -- offload = true keeps the f32 master and gradient shards in host memory
 -- while the model computes on the GPU: the optimizer made over
 -- sharded:parameters() then keeps its state there too and steps on the CPU.
@@ -139,8 +147,9 @@ function M.assign_units(model, wrap)
         end
       else
         local spec = m._param_specs[pn]
-        local p = { path = ppath, module = m, name = pn, shape = spec.shape, init = spec.init, tensor = m[pn],
-          numel = numel_of(spec.shape) }
+        local t = m[pn]
+        local p = { path = ppath, module = m, name = pn, shape = spec.shape, init = spec.init, tensor = t,
+          numel = numel_of(spec.shape), frozen = spec.frozen == true or (fsdp.is_tensor(t) and not t:requires_grad()) }
         unit.params[#unit.params + 1] = p
         unit.numel = unit.numel + p.numel
         placed[key][pn] = { unit = unit, path = ppath }
@@ -217,7 +226,9 @@ local function check_same_model(group, units, rank)
   local parts = {}
   for _, u in ipairs(units) do
     parts[#parts + 1] = "[" .. u.path .. "]"
-    for _, p in ipairs(u.params) do parts[#parts + 1] = p.path .. "(" .. table.concat(p.shape, "x") .. ")" end
+    for _, p in ipairs(u.params) do
+      parts[#parts + 1] = p.path .. "(" .. table.concat(p.shape, "x") .. ")" .. (p.frozen and "*" or "")
+    end
   end
   local h = hash52(table.concat(parts, ";"))
   local hi, lo = group:max(h), group:min(h)
@@ -278,67 +289,141 @@ function M.shard(model, opts)
   if opts.offload ~= nil and type(opts.offload) ~= "boolean" then
     error("fsdp.shard: offload must be true or false, got " .. tostring(opts.offload), 2)
   end
-  local units = M.assign_units(model, opts.policy)
+  local groups = M.assign_units(model, opts.policy)
   local shard_comm, replica_comm, world = make_comms(strategy, opts.group_size)
   local rank = comm_info(world)
   local group, shard_group = dist._borrow(world), dist._borrow(shard_comm)
-  check_same_model(group, units, rank)
-  if C.fsdp_sched_new(sched_box, shard_comm, replica_comm, dtypes[compute], dtypes[reduce], prefetch_ids[prefetch],
-        opts.forward_prefetch and 1 or 0, limit) ~= 0 then
-    raise()
-  end
-  local sched = ffi.gc(sched_box[0], C.fsdp_sched_free)
+  check_same_model(group, groups, rank)
   -- offload moves the shards off a GPU: a no-op where the CPU computes (or
   -- the counting device stands for it)
   local device = fsdp.default_device()
   local offload = opts.offload == true and device ~= "cpu" and
     not (device == "meta" and require("fsdp.meta").mimicked() == "cpu")
-  if offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
   -- a world of one is not a special case for the caller, only for the
   -- engine: parameters become views of the master, nothing is gathered
   local direct = shard_group:size() == 1 and (replica_comm == nil or dist._borrow(replica_comm):size() == 1) and
       compute == "f32" and reduce == "f32" and not offload
-  if direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
   local self = setmetatable({
-    model = model, units = units, strategy = strategy, compute = compute, reduce = reduce,
-    offload = offload,
-    sched = sched, shard_comm = shard_comm, replica_comm = replica_comm, direct = direct,
-    world = world, rank = rank, grads = {}, segments = {},
+    model = model, strategy = strategy, compute = compute, reduce = reduce,
+    offload = offload, direct = direct,
+    shard_comm = shard_comm, replica_comm = replica_comm,
+    world = world, rank = rank,
     group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
+    sched_args = { dtypes[compute], dtypes[reduce], prefetch_ids[prefetch], opts.forward_prefetch and 1 or 0, limit },
+    seed = opts.seed or 0, optimizer_made = false,
   }, Sharded)
-  local seed = opts.seed or 0
-  local keep_all = strategy == "shard_grad_op"
-  for k, u in ipairs(units) do
-    local n = #u.params
-    local numels = ffi.new("int64_t[?]", math.max(n, 1))
-    for i, p in ipairs(u.params) do numels[i - 1] = p.numel end
-    local idx = ffi.new("int[1]")
-    local name = u.path == "" and "root" or u.path
-    if C.fsdp_sched_add_unit(self.sched, name, n, numels, (k == 1 or keep_all) and 1 or 0, idx) ~= 0 then raise() end
-    u.index = idx[0]
-    u.name = name
-    if C.fsdp_unit_info(self.sched, u.index, i64s, i64s + 1, i64s + 2, i64s + 3) ~= 0 then raise() end
-    u.padded, u.shard_numel, u.shard_offset = tonumber(i64s[1]), tonumber(i64s[2]), tonumber(i64s[3])
-    local mbox, gbox = ffi.new("fsdp_tensor *[1]"), ffi.new("fsdp_tensor *[1]")
-    if C.fsdp_unit_shard(self.sched, u.index, mbox, gbox) ~= 0 then raise() end
-    u.master = ffi.gc(mbox[0], C.fsdp_tensor_release)
-    u.grad = ffi.gc(gbox[0], C.fsdp_tensor_release)
-    self.grads[#self.grads + 1] = u.grad
-    self:_init_unit(u, seed)
-  end
+  self:_build(groups)
   -- only now, with every unit built and initialized, does the model change:
   -- a failure above leaves it as it was
-  for k, u in ipairs(units) do
-    self:_bind_views(u)
-    if k > 1 then self:_wrap_forward(u) end
-  end
-  self:_wrap_forward(units[1])
+  for k = 2, #groups do self:_wrap_forward(groups[k].module) end
+  self:_wrap_forward(model, true)
   return self
+end
+
+-- Builds the schedule for the module units of assign_units (root first):
+-- each becomes one schedule unit of its trainable parameters and, when it
+-- has frozen ones, a second, frozen unit of those (no gradient shard, no
+-- reduce-scatter); the root's trainable unit exists even when empty (its
+-- hooks start and finish each step). self.units lists them, in that order.
+-- Values come from each parameter's p.tensor when set, else from its init
+-- rule. A failure leaves self as it was.
+function Sharded:_build(groups)
+  local a = self.sched_args
+  if C.fsdp_sched_new(sched_box, self.shard_comm, self.replica_comm, a[1], a[2], a[3], a[4], a[5]) ~= 0 then
+    raise()
+  end
+  local sched = ffi.gc(sched_box[0], C.fsdp_sched_free)
+  if self.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
+  if self.direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
+  local built = { sched = sched, units = {}, grads = {}, segments = {}, parts_of = {}, groups = groups }
+  local keep_all = self.strategy == "shard_grad_op"
+  for k, g in ipairs(groups) do
+    local trainable, frozen = {}, {}
+    for _, p in ipairs(g.params) do
+      local list = p.frozen and frozen or trainable
+      list[#list + 1] = p
+    end
+    local base = g.path == "" and "root" or g.path
+    local parts = {}
+    if k == 1 or #trainable > 0 then parts[#parts + 1] = { params = trainable, frozen = false, name = base } end
+    if #frozen > 0 then parts[#parts + 1] = { params = frozen, frozen = true, name = base .. "[frozen]" } end
+    built.parts_of[g.module] = {}
+    for pi, u in ipairs(parts) do
+      u.path, u.module, u.numel = g.path, g.module, 0
+      for _, p in ipairs(u.params) do u.numel = u.numel + p.numel end
+      local n = #u.params
+      local numels = ffi.new("int64_t[?]", math.max(n, 1))
+      for i, p in ipairs(u.params) do numels[i - 1] = p.numel end
+      local idx = ffi.new("int[1]")
+      if C.fsdp_sched_add_unit(sched, u.name, n, numels, (k == 1 or keep_all) and 1 or 0, idx) ~= 0 then raise() end
+      u.index = idx[0]
+      if u.frozen and C.fsdp_unit_set_frozen(sched, u.index, pi > 1 and parts[1].index or -1) ~= 0 then raise() end
+      if C.fsdp_unit_info(sched, u.index, i64s, i64s + 1, i64s + 2, i64s + 3) ~= 0 then raise() end
+      u.padded, u.shard_numel, u.shard_offset = tonumber(i64s[1]), tonumber(i64s[2]), tonumber(i64s[3])
+      local mbox, gbox = ffi.new("fsdp_tensor *[1]"), ffi.new("fsdp_tensor *[1]")
+      if C.fsdp_unit_shard(sched, u.index, mbox, gbox) ~= 0 then raise() end
+      u.master = ffi.gc(mbox[0], C.fsdp_tensor_release)
+      if not u.frozen then
+        u.grad = ffi.gc(gbox[0], C.fsdp_tensor_release)
+        built.grads[#built.grads + 1] = u.grad
+      end
+      self:_init_unit(u, built.segments)
+      built.units[#built.units + 1] = u
+      local list = built.parts_of[g.module]
+      list[#list + 1] = u.index
+    end
+  end
+  for _, u in ipairs(built.units) do self:_bind_views(u, sched) end
+  for k, v in pairs(built) do self[k] = v end
+end
+
+-- Parameters frozen or unfrozen since the schedule was built (by
+-- requires_grad on their views) move between the trainable and frozen
+-- units: the schedule is rebuilt with the current values, module by module.
+-- Refused once an optimizer was made over the shards: it holds them.
+function Sharded:_sync_frozen()
+  local changed
+  for _, u in ipairs(self.units) do
+    for _, p in ipairs(u.params) do
+      local now = not p.module[p.name]:requires_grad()
+      if now ~= u.frozen then
+        changed = changed or p
+        p.frozen = now
+        p.module._param_specs[p.name].frozen = now
+      end
+    end
+  end
+  if not changed then return end
+  if self.optimizer_made then
+    error(string.format("fsdp.shard: parameter '%s' was %s after the optimizer was made over this model's shards "
+      .. "(rank %d); set requires_grad before calling param_groups() or parameters()", changed.path,
+      changed.frozen and "frozen" or "unfrozen", self.rank), 0)
+  end
+  check_same_model(self.group, self.groups, self.rank)
+  -- current values: each module unit's parts gathered in f32, as the new parameters' sources
+  local old_units = self.units
+  local function gathered(u)
+    local full = fsdp.empty({ u.padded }, { dtype = "f32", tag = "comm", device = u.master:device() })
+    if C.fsdp_all_gather(nil, self.shard_comm, full, u.master, u.name) ~= 0 then raise() end
+    return full
+  end
+  fsdp.no_grad(function()
+    for _, u in ipairs(old_units) do
+      local full = gathered(u)
+      for i, p in ipairs(u.params) do p.tensor = full:narrow(1, u.offsets[i] + 1, p.numel) end
+    end
+  end)
+  local ok, err = pcall(self._build, self, self.groups)
+  for _, u in ipairs(old_units) do
+    for _, p in ipairs(u.params) do p.tensor = nil end
+  end
+  if not ok then error(err, 0) end
 end
 
 -- Fills this rank's slice of every parameter of unit u: from the model's
 -- own tensors when it was materialized, else from the init rule.
-function Sharded:_init_unit(u, seed)
+function Sharded:_init_unit(u, segments)
+  local seed = self.seed
   local lo, hi = u.shard_offset, u.shard_offset + u.shard_numel
   local off = 0
   u.offsets = {}
@@ -352,36 +437,43 @@ function Sharded:_init_unit(u, seed)
       else
         init.fill(dst, p.init, seed, p.path, a - off)
       end
-      -- the optimizer's view of this slice, with its gradient slice
-      local g = u.grad:narrow(1, a - lo + 1, b - a)
-      dst:set_grad(g)
-      self.segments[#self.segments + 1] = { tensor = dst, grad = g, dims = #p.shape, path = p.path }
+      -- the optimizer's view of this slice, with its gradient slice (none when frozen)
+      local g = u.grad and u.grad:narrow(1, a - lo + 1, b - a)
+      if g then dst:set_grad(g) end
+      segments[#segments + 1] = { tensor = dst, grad = g, dims = #p.shape, path = p.path, frozen = u.frozen }
     end
     off = off + p.numel
   end
 end
 
 -- Module fields become views of the unit's gathered buffer.
-function Sharded:_bind_views(u)
+function Sharded:_bind_views(u, sched)
   for i, p in ipairs(u.params) do
     local nd = #p.shape
     local shape = ffi.new("int64_t[?]", math.max(nd, 1))
     for d = 1, nd do shape[d - 1] = p.shape[d] end
-    if C.fsdp_unit_param(self.sched, u.index, i - 1, nd, shape, out) ~= 0 then raise() end
+    if C.fsdp_unit_param(sched, u.index, i - 1, nd, shape, out) ~= 0 then raise() end
     p.module[p.name] = wrap_t()
     p.tensor = nil
   end
 end
 
--- The unit's forward runs between its pre- and post-forward hooks.
-function Sharded:_wrap_forward(u)
-  local m, sched, index = u.module, self.sched, u.index
+-- A module unit's forward runs between the pre- and post-forward hooks of
+-- its schedule units (trainable, then frozen; closed in reverse). The root
+-- first applies freezing changes made since the last step.
+function Sharded:_wrap_forward(m, is_root)
   local inner = m.forward
   m.forward = function(mod, ...)
-    if C.fsdp_unit_pre_forward(sched, index) ~= 0 then raise() end
+    if is_root then self:_sync_frozen() end
+    local sched, idx = self.sched, self.parts_of[m]
+    for i = 1, #idx do
+      if C.fsdp_unit_pre_forward(sched, idx[i]) ~= 0 then raise() end
+    end
     local res = { pcall(inner, mod, ...) }
     if not res[1] then error(res[2], 0) end
-    if C.fsdp_unit_post_forward(sched, index) ~= 0 then raise() end
+    for i = #idx, 1, -1 do
+      if C.fsdp_unit_post_forward(sched, idx[i]) ~= 0 then raise() end
+    end
     return unpack(res, 2)
   end
 end
@@ -395,10 +487,14 @@ function Sharded:__call(...) return self.model(...) end
 -- (and a checkpoint's groups mean the same on every rank count).
 -- Each group's zero_grad hook (fsdp.optim calls it instead of dropping the
 -- slices' gradients, which are views of the persistent gradient shards).
+-- Frozen parameters are in neither: no state, no update, no decay.
 function Sharded:param_groups(weight_decay)
+  self:_sync_frozen()
+  self.optimizer_made = true
   local decay, other = {}, {}
   for _, s in ipairs(self.segments) do
-    if s.dims >= 2 then decay[#decay + 1] = s.tensor else other[#other + 1] = s.tensor end
+    if s.frozen then
+    elseif s.dims >= 2 then decay[#decay + 1] = s.tensor else other[#other + 1] = s.tensor end
   end
   local function zero() self:zero_grad() end
   return { { params = decay, weight_decay = weight_decay or 0, zero_grad = zero },
@@ -408,8 +504,12 @@ end
 --- Every shard slice (for an optimizer without groups), with the same
 -- zero_grad hook.
 function Sharded:parameters()
+  self:_sync_frozen()
+  self.optimizer_made = true
   local ps = { zero_grad = function() self:zero_grad() end }
-  for _, s in ipairs(self.segments) do ps[#ps + 1] = s.tensor end
+  for _, s in ipairs(self.segments) do
+    if not s.frozen then ps[#ps + 1] = s.tensor end
+  end
   return ps
 end
 

@@ -213,6 +213,11 @@ end
 -- next stream, so two calls give different values, reproducibly.
 local rng = { seed = 0, stream = 0 }
 function M.manual_seed(seed)
+  -- checked here: a bad seed would otherwise break every later randn
+  if type(seed) ~= "number" or seed ~= seed or seed < 0 or seed >= 2 ^ 53 or seed ~= math.floor(seed) then
+    raise("fsdp.manual_seed: seed must be a whole number in 0..2^53, got " .. tostring(seed) .. " (" .. type(seed) ..
+      ")")
+  end
   rng.seed, rng.stream = seed, 0
 end
 
@@ -316,13 +321,27 @@ function M.tensor(data, shape, opts)
   return from_flat(flat, #flat, dims, opts)
 end
 
+local ARANGE_MAX = 2 ^ 27   -- values are built in a Lua table first
+
 --- fsdp.arange(n) = 0..n-1, fsdp.arange(a, b [, step]) = a, a+step, ... < b.
 function M.arange(a, b, step, opts)
   if type(b) == "table" then b, opts = nil, b end
   if type(step) == "table" then step, opts = nil, step end
   if b == nil then a, b = 0, a end
   step = step or 1
+  for _, x in ipairs({ { "start", a }, { "stop", b }, { "step", step } }) do
+    local v = x[2]
+    if type(v) ~= "number" or v ~= v or v == math.huge or v == -math.huge then
+      raise("fsdp.arange: " .. x[1] .. " must be a finite number, got " .. tostring(v) .. " (" .. type(v) .. ")")
+    end
+  end
   if step == 0 then raise("fsdp.arange: step is 0") end
+  -- the values are built in a Lua table: refuse sizes it cannot hold before building it
+  local count = math.max(0, math.ceil((b - a) / step))
+  if count > ARANGE_MAX then
+    raise(string.format("fsdp.arange(%.17g, %.17g, %.17g): %.17g elements, at most %d (2^27)", a, b, step, count,
+      ARANGE_MAX))
+  end
   local flat, v = {}, a
   while (step > 0 and v < b) or (step < 0 and v > b) do
     flat[#flat + 1] = v

@@ -7,7 +7,8 @@
 -- Each rank catches its error, prints it, and the ranks count how many of
 -- them raised one (an all-reduce: a rank that did not raise would leave the
 -- others waiting, and the 60 s limit of expect_fail.sh would call it a
--- hang). Then every rank raises the error again, uncaught: the launcher
+-- hang). Once rank 0 has printed the count (a barrier: see below), every
+-- rank raises the error again, uncaught: the launcher
 -- ends the job with that message and a non-zero exit, which is what
 -- tests/distributed/expect_fail.sh requires, together with the expected message.
 local ffi = require "ffi"
@@ -77,4 +78,7 @@ if rank == 0 then
   print(string.format("case %s: the error was raised on %d of %d ranks", opts.case, count[0], world))
   io.stdout:flush()
 end
+-- The first uncaught error ends the whole job (MPI_Abort): no rank may get
+-- there before rank 0 has written its report, or the report is lost.
+if C.fsdp_barrier(box[0]) ~= 0 then require("fsdp.core").raise() end
 error(err, 0)

@@ -160,6 +160,8 @@ function Module:state_dict()
   return sd
 end
 
+local function m_frozen(p) return p.module._param_specs[p.name].frozen == true end
+
 --- Allocates and initializes every parameter not yet present.
 -- opts: seed (default 0), dtype ("f32").
 function Module:materialize(opts)
@@ -169,7 +171,7 @@ function Module:materialize(opts)
     if not p.tensor then
       local t = fsdp.empty(p.shape, { dtype = dtype, tag = "param" })
       init.fill(t, p.init, seed, p.path, 0)
-      t:requires_grad(true)
+      t:requires_grad(not m_frozen(p))
       p.module[p.name] = t
     end
   end
@@ -206,7 +208,7 @@ function Module:load_state_dict(sd, opts)
       end
       if not p.tensor then
         local t = fsdp.empty(p.shape, { dtype = "f32", tag = "param" })
-        t:requires_grad(true)
+        t:requires_grad(not m_frozen(p))
         p.module[p.name] = t
         p.tensor = t
       end
@@ -219,6 +221,27 @@ function Module:load_state_dict(sd, opts)
       if not seen[k] then error("load_state_dict: unexpected '" .. k .. "'", 2) end
     end
   end
+  return self
+end
+
+--- module:requires_grad(false) freezes every parameter of the module and
+-- its descendants (true unfreezes them): declared ones (before
+-- materialize), materialized ones, and a sharded model's views. A frozen
+-- parameter gets no gradient, so optimizers leave it alone; fsdp.shard
+-- gives it no gradient shard, no gradient traffic and no optimizer state
+-- (freeze before making the optimizer). t:requires_grad(false) on one
+-- parameter does the same for that one.
+function Module:requires_grad(flag)
+  if type(flag) ~= "boolean" then
+    error(self.__name .. ":requires_grad: expected true or false, got " .. tostring(flag), 2)
+  end
+  self:apply(function(m)
+    for _, name in ipairs(m._param_names) do
+      m._param_specs[name].frozen = not flag
+      local t = m[name]
+      if fsdp.is_tensor(t) then t:requires_grad(flag) end
+    end
+  end)
   return self
 end
 
