@@ -15,6 +15,7 @@ local optim = require "fsdp.optim"
 local Module = require "fsdp.nn.module"
 local layers = require "fsdp.nn.layers"
 local tr = require "fsdp.nn.transformer"
+local planner = require "fsdp.plan"
 
 local rank, world = fsdp.rank(), fsdp.world()
 local V, C, L, R = 256, 64, 4, 8
@@ -136,7 +137,21 @@ t.ok(comm == 0 or ratio(lora.reduced, full.reduced) <= 1.25 * share,
   string.format("LoRA reduced bytes ratio %.3f, trainable share %.3f", ratio(lora.reduced, full.reduced), share))
 t.ok(lora.losses[3] < lora.losses[1], string.format("LoRA: the adapters learn (loss %.4f -> %.4f)", lora.losses[1],
   lora.losses[3]))
+-- the planner runs the same fsdp.shard on the counting device: it must see
+-- the same (run with FSDP_COMM_SYNC=1: collectives complete at issue, as there)
+local lora_model = Net()
+freeze_base(lora_model)
+local plan = planner.plan(lora_model, { policy = fsdp.policy.by_type("LoRABlock"), seed = 3 }, world,
+  { rank = rank, batch = B * world, ctx = T, steps = 3 })
+t.eq(plan.traffic.reduced_bytes, lora.reduced, "planner: LoRA reduced bytes as measured")
+t.eq(plan.memory.optimizer.current, lora.now.optimizer, "planner: LoRA optimizer state as measured")
+t.eq(plan.memory.grad.current, lora.now.grad, "planner: LoRA gradient shards as measured")
+if os.getenv("FSDP_COMM_SYNC") == "1" then
+  t.eq(plan.memory.grad.peak, lora.peak.grad, "planner: LoRA gradient peak as measured")
+end
 if rank == 0 then
+  print(string.format("planner: grad peak %d, optimizer %d, reduced %d", plan.memory.grad.peak,
+    plan.memory.optimizer.current, plan.traffic.reduced_bytes))
   print(string.format("ranks=%d trainable share %.4f (%d of %d)", world, share, L * adapter_numel, total))
   print(string.format("%-12s %12s %12s %8s", "", "all", "lora", "ratio"))
   for _, row in ipairs({ { "grad peak", full.peak.grad, lora.peak.grad }, { "opt state", full.now.optimizer,
