@@ -232,15 +232,28 @@ fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g) {
     }
     fsdp_tensor **slot = t->is_leaf ? &t->grad : &t->bgrad;
     if (!*slot) {
-        bool reuse = !t->is_leaf && g->dtype == t->dtype && tensor_is_contiguous(g) &&
-                     atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1;
-        if (reuse) {
+        /* A non-leaf's gradient is only read (by its node's backward), so it
+         * may be g itself even when others hold g too (an add gives one
+         * gradient to both inputs): no copy. Writing into it below copies
+         * first when it is shared. A leaf's .grad is the user's: its own. */
+        bool share = !t->is_leaf && g->dtype == t->dtype && tensor_is_contiguous(g);
+        if (share) {
             *slot = g;
             return FSDP_OK;
         }
         st = fresh_grad(slot, t, g, t->is_leaf ? FSDP_TAG_GRAD : fsdp_default_tag());
     } else {
-        st = add_into(*slot, g);
+        bool shared = !t->is_leaf && (atomic_load(&(*slot)->refcount) > 1 ||
+                                      atomic_load(&(*slot)->storage->refcount) > 1);
+        if (shared) {   /* copy on write: the others keep the value they were given */
+            fsdp_tensor *own;
+            st = fresh_grad(&own, t, *slot, fsdp_default_tag());
+            if (st == FSDP_OK) {
+                tensor_release(*slot);
+                *slot = own;
+            }
+        }
+        if (st == FSDP_OK) st = add_into(*slot, g);
     }
     tensor_release(g);
     return st;

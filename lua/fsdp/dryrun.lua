@@ -144,6 +144,7 @@ function M.run(fn, opts, ...)
   fsdp.memory.reset_peak("cpu")
   local base, base_host = memory_now("meta"), memory_now("cpu")
   local result = { steps = {}, mimic = mimic, steps_run = 0 }
+  local in_backward = { flops = 0, launches = 0, bytes = 0 }   -- this step's backward walks
   local t0 = traffic_now(world_group.comm)
   meta.reset()
   local function close_step()
@@ -154,11 +155,31 @@ function M.run(fn, opts, ...)
       traffic = traffic_between(t0, t1),
       memory = memory_since(base, memory_now("meta")),
       host = memory_since(base_host, memory_now("cpu")),
+      backward = { flops = in_backward.flops, launches = in_backward.launches, bytes = in_backward.bytes },
     }
+    in_backward.flops, in_backward.launches, in_backward.bytes = 0, 0, 0
     result.steps_run = k
     t0 = t1
     meta.reset()
     return k
+  end
+  -- the work of backward walks, apart: activation recomputation shows as
+  -- forward work inside them
+  local autograd = require "fsdp.autograd"
+  local real_backward = autograd.backward
+  local depth = 0   -- (recomputation runs nested backward walks: the outermost one counts)
+  autograd.backward = function(...)
+    if depth > 0 then return real_backward(...) end
+    depth = depth + 1
+    local a = meta.totals()
+    local res = { pcall(real_backward, ...) }
+    depth = depth - 1
+    local b = meta.totals()
+    in_backward.flops = in_backward.flops + b.flops - a.flops
+    in_backward.launches = in_backward.launches + b.launches - a.launches
+    in_backward.bytes = in_backward.bytes + (b.bytes_read + b.bytes_written) - (a.bytes_read + a.bytes_written)
+    if not res[1] then error(res[2], 0) end
+    return unpack(res, 2)
   end
   local hook = function()
     if close_step() >= steps then error(M.STOP, 0) end
@@ -177,6 +198,7 @@ function M.run(fn, opts, ...)
     if optim.after_step[i] == hook then table.remove(optim.after_step, i) end
   end
   shard_mod.shard = real_shard
+  autograd.backward = real_backward
   fsdp.set_default_device(prev_device)
   result.sharded = sharded
   if result.steps_run == 0 then   -- no fsdp.optim step: the whole run counts as one

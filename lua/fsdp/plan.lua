@@ -58,6 +58,7 @@ local function from_result(r, world, rank)
     for k in pairs(p.kernels) do p.kernels[k] = p.kernels[k] + e[k] end
   end
   p.kernel_list = last.kernels
+  p.backward = last.backward or { flops = 0, launches = 0, bytes = 0 }
   local m = p.memory
   p.peak = m.param.peak + m.grad.peak + m.optimizer.peak
   p.persistent = m.param.current + m.grad.current + m.optimizer.current
@@ -176,6 +177,11 @@ function M.format(p)
   add("kernels %s: %d launches, %.2f GFLOP, %.3f GB read + %.3f GB written, %d host syncs",
     p.whole_run and "over the whole run" or "per step", k.launches, k.flops / 1e9, k.bytes_read / 1e9,
     k.bytes_written / 1e9, k.syncs)
+  if p.backward.flops > 0 then
+    local rest = k.flops - p.backward.flops
+    add("  backward %.2f GFLOP, the rest (forward, optimizer) %.2f GFLOP: %.2f x (about 2 without activation "
+      .. "recomputation, 3 with it)", p.backward.flops / 1e9, rest / 1e9, rest > 0 and p.backward.flops / rest or 0)
+  end
   return table.concat(L, "\n")
 end
 

@@ -230,4 +230,22 @@ do
   t.all_near(g:get_grad():tolist(), { 0.6, 0.8 }, 1e-6, "clipped to norm 1")
 end
 
+
+-- ---- a misspelled option or config key is an error naming the closest one ----
+t.raises(function() return nn.Linear(2, 3, { bais = false }) end, { "Linear: unknown option 'bais'",
+  "did you mean 'bias'?" }, "Linear option typo")
+t.raises(function() return nn.LayerNorm(4, { esp = 1e-5 }) end, { "LayerNorm: unknown option 'esp'",
+  "did you mean 'eps'?" }, "LayerNorm option typo")
+t.raises(function() return nn.Block(8, 2, { nrom = "rmsnorm" }) end, { "Block: unknown option 'nrom'",
+  "did you mean 'norm'?" }, "Block option typo")
+t.raises(function()
+  return nn.GPT({ vocab_size = 16, n_layers = 2, n_layer = 1, n_head = 1, n_embd = 8, block_size = 4 })
+end, { "GPT config: unknown option 'n_layers'", "did you mean 'n_layer'?" }, "GPT config typo")
+t.raises(function()
+  local m = nn.GPT(nn.gpt_preset("tiny")):materialize { seed = 1 }
+  return m:generate(fsdp.tensor({ { 1, 2 } }, { dtype = "i64" }), 1, { topk = 3 })
+end, { "GPT:generate: unknown option 'topk'", "did you mean 'top_k'?" }, "generate option typo")
+t.raises(function() return nn.gpt_preset("huge") end, { "no preset 'huge'", "tiny, small" }, "unknown preset")
+t.eq(nn.gpt_preset("small").n_embd, 768, "the small preset is GPT-2 124M's width")
+
 t.done()

@@ -97,6 +97,12 @@ do
   t.ok(rec.kernels.flops > plain.kernels.flops, string.format("recompute: %.0f FLOPs per step > %.0f (the forward "
     .. "runs again)", rec.kernels.flops, plain.kernels.flops))
   t.eq(rec.memory.optimizer.peak, plain.memory.optimizer.peak, "recompute: the same optimizer state")
+  -- the recomputed forward runs inside the backward walk
+  local function ratio(p) return p.backward.flops / (p.kernels.flops - p.backward.flops) end
+  t.ok(ratio(plain) > 1.5 and ratio(plain) < 2.5, string.format("backward / the rest = %.2f, about 2", ratio(plain)))
+  t.ok(ratio(rec) > ratio(plain) + 0.5, string.format("recompute: backward / the rest = %.2f, above %.2f",
+    ratio(rec), ratio(plain)))
+  t.ok(planner.format(rec):find("backward ", 1, true), "format shows the backward's share")
 end
 
 -- ---- bad input ----

@@ -38,8 +38,12 @@ local function padded(v, multiple)
   return math.ceil(v / multiple) * multiple
 end
 
+local config_names = { "vocab_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "pad_to", "hidden",
+  "theta" }
+
 local function check_config(name, cfg, keys)
   if type(cfg) ~= "table" then error(name .. ": expected a config table", 3) end
+  require("fsdp.options").check_keys(cfg, config_names, name .. " config", 5)
   for _, k in ipairs(keys) do
     local v = cfg[k]
     if type(v) ~= "number" or v < 1 or v ~= math.floor(v) then
@@ -168,6 +172,7 @@ end
 -- with {top_k=, temperature=, seed=}. Returns a Lua table per row.
 function GPT:generate(prompt, n, opts)
   opts = opts or {}
+  require("fsdp.options").check_keys(opts, { "top_k", "temperature", "seed" }, self.__name .. ":generate", 2)
   local rows = prompt:tolist()
   local was_training = self.training
   self:eval()

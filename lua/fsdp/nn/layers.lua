@@ -1,13 +1,20 @@
 -- Basic layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout.
 local fsdp = require "fsdp"
 local Module = require "fsdp.nn.module"
+local options = require "fsdp.options"
 local init = Module.init
+
+-- A misspelled option is an error naming the closest one (level: the caller of Class(...)).
+local function check(opts, names, what)
+  if opts ~= nil then options.check_keys(opts, names, what, 4) end
+end
 
 local M = {}
 
 --- Linear(in, out, {bias=true, std=0.02}): y = x W^T + b, W (out, in).
 local Linear = Module:extend("Linear")
 function Linear:__init(n_in, n_out, opts)
+  check(opts, { "bias", "std" }, "Linear")
   opts = opts or {}
   self.n_in, self.n_out = n_in, n_out
   self:param("weight", { n_out, n_in }, init.normal(opts.std or 0.02))
@@ -23,6 +30,7 @@ M.Linear = Linear
 --- Embedding(n, dim, {std=0.02}): rows of a (n, dim) table by integer ids.
 local Embedding = Module:extend("Embedding")
 function Embedding:__init(n, dim, opts)
+  check(opts, { "std" }, "Embedding")
   self.n, self.dim = n, dim
   self:param("weight", { n, dim }, init.normal(opts and opts.std or 0.02))
 end
@@ -32,6 +40,7 @@ M.Embedding = Embedding
 --- LayerNorm(dim, {eps=1e-5, affine=true}) over the last dim.
 local LayerNorm = Module:extend("LayerNorm")
 function LayerNorm:__init(dim, opts)
+  check(opts, { "eps", "affine" }, "LayerNorm")
   self.eps = opts and opts.eps or 1e-5
   if not (opts and opts.affine == false) then
     self:param("weight", { dim }, init.ones())
@@ -44,6 +53,7 @@ M.LayerNorm = LayerNorm
 --- RMSNorm(dim, {eps=1e-6}) over the last dim.
 local RMSNorm = Module:extend("RMSNorm")
 function RMSNorm:__init(dim, opts)
+  check(opts, { "eps" }, "RMSNorm")
   self.eps = opts and opts.eps or 1e-6
   self:param("weight", { dim }, init.ones())
 end

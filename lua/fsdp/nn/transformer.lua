@@ -104,6 +104,8 @@ M.CausalSelfAttention = Attention
 local Block = Module:extend("Block")
 function Block:__init(dim, n_head, opts)
   opts = opts or {}
+  require("fsdp.options").check_keys(opts, { "norm", "mlp", "bias", "rotary", "block_size", "theta", "hidden",
+    "proj_std", "dropout", "eps" }, "Block", 3)
   local Norm = opts.norm == "rmsnorm" and layers.RMSNorm or layers.LayerNorm
   self:add("ln_1", Norm(dim, { eps = opts.eps }))
   self:add("attn", Attention(dim, n_head, opts))
