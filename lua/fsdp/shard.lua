@@ -554,12 +554,58 @@ function Sharded:no_sync(fn, ...)
 end
 
 --- Runs fn with every unit gathered (parameters readable as full tensors),
--- then reshards. Collective: every rank must call it.
-function Sharded:summon_full_params(fn, ...)
+-- then writes this rank's slice of each parameter back into its master
+-- shard (what fn changed persists, as FSDP1's writeback=True) and
+-- reshards. sharded:summon_full_params({ writeback = false }, fn, ...)
+-- discards changes. Collective: every rank must call it, and writes must be
+-- the same on every rank (each keeps only its own slice). With a bf16
+-- compute dtype the written values are bf16-rounded.
+local summon_option_names = { "writeback" }
+function Sharded:summon_full_params(a, ...)
+  local writeback, fn = true, a
+  local args = { n = select("#", ...), ... }
+  if type(a) == "table" then
+    options.check_keys(a, summon_option_names, "summon_full_params", 2)
+    if a.writeback ~= nil and type(a.writeback) ~= "boolean" then
+      error("summon_full_params: writeback must be true or false, got " .. tostring(a.writeback), 2)
+    end
+    writeback = a.writeback ~= false
+    fn = args[1]
+    args = { n = args.n - 1, unpack(args, 2, args.n) }
+  end
+  if type(fn) ~= "function" then error("summon_full_params: expected a function, got " .. type(fn), 2) end
   for _, u in ipairs(self.units) do
     if C.fsdp_unit_unshard(self.sched, u.index) ~= 0 then raise() end
   end
-  local res = { pcall(fn, ...) }
+  -- a world of one: the parameters are the masters; discarding needs a copy
+  local saved = {}
+  if self.direct and not writeback then
+    fsdp.no_grad(function()
+      for k, u in ipairs(self.units) do saved[k] = u.master:clone() end
+    end)
+  end
+  local res = { pcall(fn, unpack(args, 1, args.n)) }
+  if #saved > 0 then
+    fsdp.no_grad(function()
+      for k, u in ipairs(self.units) do u.master:copy(saved[k]) end
+    end)
+  end
+  if res[1] and writeback and not self.direct then
+    local ok, err = pcall(fsdp.no_grad, function()
+      for _, u in ipairs(self.units) do
+        local lo, hi = u.shard_offset, u.shard_offset + u.shard_numel
+        for i, p in ipairs(u.params) do
+          local off = u.offsets[i]
+          local x, y = math.max(lo, off), math.min(hi, off + p.numel)
+          if x < y then
+            local full = p.module[p.name]:detach():view(-1)
+            u.master:narrow(1, x - lo + 1, y - x):copy(full:narrow(1, x - off + 1, y - x))
+          end
+        end
+      end
+    end)
+    if not ok then res = { false, err } end
+  end
   for _, u in ipairs(self.units) do C.fsdp_unit_reshard(self.sched, u.index) end
   if not res[1] then error(res[2], 0) end
   return unpack(res, 2)
