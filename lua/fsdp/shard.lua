@@ -66,13 +66,29 @@ end
 --- One unit per transformer block.
 function policy.per_block() return policy.by_type("Block") end
 
+--- Why module m cannot be a unit, or nil when it can: a module whose
+-- parameters are used outside its own forward (GPT's token embedding, tied
+-- to the LM head) would be resharded when the other use comes, and one
+-- without a forward of its own (a ModuleList) is never called, so nothing
+-- would run the hooks that gather it.
+function M.why_not_unit(m)
+  if m._used_outside_forward then
+    return "its parameters are used outside its own forward (it stays with its parent's unit)"
+  end
+  if m.forward == Module.forward then
+    return "it has no forward of its own (a container such as a ModuleList is never called, so nothing would "
+      .. "gather it; select its children instead)"
+  end
+end
+
 --- Units at modules holding at least min_params parameters that no unit
--- below them has claimed (decided children first).
+-- below them has claimed (decided children first); modules that cannot be
+-- units are passed over.
 function policy.by_size(min_params)
   if type(min_params) ~= "number" or min_params < 1 then
     error("fsdp.policy.by_size: expected a positive parameter count, got " .. tostring(min_params), 2)
   end
-  return function(_, _, unclaimed) return unclaimed >= min_params end
+  return function(m, _, unclaimed) return unclaimed >= min_params and M.why_not_unit(m) == nil end
 end
 
 --- No unit but the root (one flat buffer for the whole model).
@@ -114,12 +130,12 @@ function M.assign_units(model, wrap)
         error(string.format("fsdp.shard: the wrap policy returned %s (a %s) for '%s' (%s); expected true or false",
           tostring(decision), type(decision), path, m.__name), 0)
       end
-      -- a module whose parameters are used outside its own forward (GPT's
-      -- token embedding, tied to the LM head) stays with its parent: as a
-      -- unit of its own it would be resharded when the other use comes
-      -- and a module without a forward of its own (a ModuleList) cannot be
-      -- one: nothing would call the hooks that gather it
-      if decision and not m._used_outside_forward and m.forward ~= Module.forward then
+      if decision then
+        local why = M.why_not_unit(m)
+        if why then
+          error(string.format("fsdp.shard: the wrap policy selected '%s' (%s), which cannot be a unit: %s", path,
+            m.__name, why), 0)
+        end
         local u = { path = path, module = m, params = {}, numel = 0 }
         units[#units + 1] = u
         owner[m] = u

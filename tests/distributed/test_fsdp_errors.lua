@@ -29,6 +29,15 @@ function cases.policy()
   fsdp.shard(model, { policy = function(m) return m.__name == "Block" and "yes" or false end })
 end
 
+-- a policy selecting modules that cannot be units: a container without a
+-- forward of its own, and the tied token embedding
+function cases.modulelist()
+  fsdp.shard(nn.GPT(cfg), { policy = fsdp.policy.by_type("ModuleList") })
+end
+function cases.tied()
+  fsdp.shard(nn.GPT(cfg), { policy = fsdp.policy.by_type("Embedding") })
+end
+
 -- two blocks share one MLP object: wrapped per block, its parameters
 -- would belong to two units
 function cases.shared()
