@@ -267,21 +267,43 @@ static int order_index(const int *order, int n, int k) {
     return -1;
 }
 
+/* Pending reduction k, in issue order (the same on every rank, so the
+ * replica all-reduces match too): wait for it, average it across replicas
+ * (hybrid), add it into the unit's gradient shard and free its output. */
+static fsdp_status add_reduced(fsdp_sched *s, int k) {
+    pending *q = &s->pend[k];
+    if (!q->reduced) return FSDP_OK;   /* added already */
+    unit *u = &s->units[q->unit];
+    fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
+    if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
+        r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
+    if (r == FSDP_OK) {
+        fsdp_tensor *g32 = q->reduced;
+        tensor_retain(g32);
+        /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
+        if (s->shard_device != s->device) r = convert_to(&g32, -1, s->shard_device);
+        if (r == FSDP_OK) r = convert_to(&g32, FSDP_F32, -1);
+        if (r == FSDP_OK) r = ensure_grad(s, u);
+        if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+        tensor_release(g32);
+    }
+    if (q->work) fsdp_work_free(q->work);
+    q->work = NULL;
+    tensor_release(q->reduced);
+    q->reduced = NULL;
+    return r;
+}
+
 /* The walk reached the end of unit k's forward: its backward starts. */
 static fsdp_status before_backward(void *p) {
     marker_ctx *m = p;
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
     FSDP_TRY(gather_now(s, u));
-    /* each reduce-scatter in flight holds a full flat gradient: let at most
-     * one still run while this unit's backward starts */
-    for (int k = 0; k + 1 < s->n_pend; k++) {
-        if (!s->pend[k].work) continue;
-        fsdp_status r = fsdp_work_wait(s->pend[k].work);
-        fsdp_work_free(s->pend[k].work);   /* frees the flat gradient it held */
-        s->pend[k].work = NULL;
-        FSDP_TRY(r);
-    }
+    /* each reduce-scatter in flight holds a full flat gradient and its
+     * output: let at most one still run while this unit's backward starts;
+     * the others are added into their gradient shards and freed now */
+    for (int k = 0; k + 1 < s->n_pend; k++) FSDP_TRY(add_reduced(s, k));
     if (!u->flat_grad && !u->frozen) {   /* kept across micro-batches without sync */
         if (s->direct) {   /* gradients accumulate into the gradient shard itself */
             int64_t one = 1;
@@ -371,24 +393,8 @@ static fsdp_status finish_backward(void *p) {
     fsdp_sched *s = p;
     fsdp_status st = FSDP_OK;
     for (int k = 0; k < s->n_pend; k++) {
-        pending *q = &s->pend[k];
-        unit *u = &s->units[q->unit];
-        fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
-        if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
-            r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
-        if (r == FSDP_OK) {
-            fsdp_tensor *g32 = q->reduced;
-            tensor_retain(g32);
-            /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
-            if (s->shard_device != s->device) r = convert_to(&g32, -1, s->shard_device);
-            if (r == FSDP_OK) r = convert_to(&g32, FSDP_F32, -1);
-            if (r == FSDP_OK) r = ensure_grad(s, u);
-            if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
-            tensor_release(g32);
-        }
+        fsdp_status r = add_reduced(s, k);
         if (r != FSDP_OK && st == FSDP_OK) st = r;
-        if (q->work) fsdp_work_free(q->work);
-        tensor_release(q->reduced);
     }
     s->n_pend = 0;
     /* a unit prefetched but not used since (a recomputed block's backward
