@@ -36,7 +36,9 @@ declare -A label=(
 )
 run_one() {   # name round -> appends "ms rss" to $out/name
   local name=$1 log=$out/$1.$2.log ms
-  local torch=(/usr/bin/python3 tools/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2
+  # PyTorch gets the OpenMP wait policy the engine uses by default (workers
+  # sleep when idle), which on a shared host is its faster setting
+  local torch=(env OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 tools/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2
                --steps "$((STEPS - 1))")
   case $name in
     engine_f32)  /usr/bin/time -v env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;

@@ -50,8 +50,8 @@ void cpu_matmul_f32_blas(float *c, const float *a, const float *b, int64_t batch
                          int trans_a, int trans_b, float alpha, float beta,
                          int64_t stride_a, int64_t stride_b, int64_t stride_c);
 /* bf16 A, B, C with f32 accumulation and one rounding per element of C:
- * oneDNN's bf16 matmul (AVX512-BF16 dot products where the CPU has them),
- * else widened to f32 for OpenBLAS. */
+ * oneDNN's bf16 matmul where the CPU has bf16 instructions (AVX512-BF16,
+ * AMX), else widened to f32 for cpu_matmul_f32. */
 void cpu_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                      int64_t K, int trans_a, int trans_b, float alpha, float beta,
                      int64_t stride_a, int64_t stride_b, int64_t stride_c);

@@ -91,7 +91,8 @@ static void matmul_bf16_naive(uint16_t *c, const uint16_t *a, const uint16_t *b,
         }
 }
 
-/* Without oneDNN: each batch widened to f32, one sgemm, narrowed once. */
+/* Without bf16 oneDNN: each batch widened to f32, one f32 matmul (oneDNN or
+ * OpenBLAS by shape), narrowed once. */
 static void matmul_bf16_via_f32(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M,
                                 int64_t N, int64_t K, int ta, int tb, float alpha, float beta, int64_t sa,
                                 int64_t sb, int64_t sc) {
@@ -107,7 +108,7 @@ static void matmul_bf16_via_f32(uint16_t *c, const uint16_t *a, const uint16_t *
         if (i == 0 || sa) cpu_cast_bf16_to_f32(wa, ai, M * K);
         if (i == 0 || sb) cpu_cast_bf16_to_f32(wb, bi, K * N);
         if (beta != 0.0f) cpu_cast_bf16_to_f32(wc, ci, M * N);
-        cpu_matmul_f32_blas(wc, wa, wb, 1, M, N, K, ta, tb, alpha, beta, 0, 0, 0);
+        cpu_matmul_f32(wc, wa, wb, 1, M, N, K, ta, tb, alpha, beta, 0, 0, 0);
         cpu_cast_f32_to_bf16(ci, wc, M * N);
     }
     free(wa);
@@ -115,11 +116,25 @@ static void matmul_bf16_via_f32(uint16_t *c, const uint16_t *a, const uint16_t *
     free(wc);
 }
 
+/* Does oneDNN run bf16 on bf16 hardware here (AVX512-BF16 dot products or
+ * AMX tiles: "brg:avx512_core_bf16", "brg:avx512_core_amx_bf16")? On a CPU
+ * without them it emulates bf16 ("gemm:jit") at a fraction of f32 speed,
+ * so there bf16 is widened to the f32 path instead. */
+static int bf16_native = -1;
+
+static int dnnl_bf16_is_native(void) {
+    if (bf16_native < 0) {
+        const char *impl = cpu_matmul_dnnl_impl(1, 64, 64, 64);
+        bf16_native = strstr(impl, "bf16") != NULL;
+    }
+    return bf16_native;
+}
+
 void cpu_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                      int64_t K, int trans_a, int trans_b, float alpha, float beta,
                      int64_t stride_a, int64_t stride_b, int64_t stride_c) {
     if (batch <= 0 || M <= 0 || N <= 0) return;
-    if (K > 0 && cpu_matmul_dnnl(1, c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b,
+    if (K > 0 && dnnl_bf16_is_native() && cpu_matmul_dnnl(1, c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b,
                                  stride_c) == 0)
         return;
     matmul_bf16_via_f32(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
