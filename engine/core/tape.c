@@ -462,7 +462,7 @@ fsdp_status fsdp_backward_step(int *custom_id) {
             if (tt0 > 0) {
                 char name[48];
                 snprintf(name, sizeof name, "%s backward", node->op);
-                trace_event_add(TRACE_COMPUTE, name, NULL, -1, -1, tt0, trace_now());
+                trace_event_add(TRACE_COMPUTE, name, trace_current_unit(), -1, -1, tt0, trace_now());
             }
             grad_enabled = was;
             if (st != FSDP_OK) {

@@ -76,11 +76,48 @@ void trace_event_add(int track, const char *name, const char *unit, int64_t byte
     pthread_mutex_unlock(&g_mu);
 }
 
+/* the open unit spans of the calling (compute) thread */
+enum { UNIT_DEPTH = 32 };
+static struct {
+    const char *phase, *unit;
+    double t0;
+} g_units[UNIT_DEPTH];
+static int g_nunits;
+
+static const char *current_unit(void) { return g_nunits > 0 ? g_units[g_nunits - 1].unit : NULL; }
+const char *trace_current_unit(void) { return current_unit(); }
+
+void trace_unit_push(const char *phase, const char *unit) {
+    if (!fsdp_trace_on) return;
+    if (g_nunits == UNIT_DEPTH) return;
+    g_units[g_nunits].phase = phase;
+    g_units[g_nunits].unit = unit;
+    g_units[g_nunits].t0 = mono_us();
+    g_nunits++;
+}
+
+void trace_unit_pop(const char *phase, const char *unit) {
+    if (!fsdp_trace_on) return;
+    for (int i = g_nunits - 1; i >= 0; i--) {
+        if (g_units[i].unit == unit && g_units[i].phase == phase) {
+            double now = mono_us();
+            /* spans above it were left by an error: they end here too */
+            for (int k = g_nunits - 1; k >= i; k--) {
+                char name[48];
+                snprintf(name, sizeof name, "%s %s", g_units[k].phase, g_units[k].unit);
+                trace_event_add(TRACE_COMPUTE, name, g_units[k].unit, -1, -1, g_units[k].t0, now);
+            }
+            g_nunits = i;
+            return;
+        }
+    }
+}
+
 void trace_op_end(trace_scope *s) {
     if (s->t0 <= 0 || !fsdp_trace_on) return;
     int64_t bytes = -1;
     if (s->out && *s->out) bytes = tensor_numel(*s->out) * (int64_t)fsdp_dtype_size((*s->out)->dtype);
-    trace_event_add(TRACE_COMPUTE, s->name, NULL, bytes, -1, s->t0, mono_us());
+    trace_event_add(TRACE_COMPUTE, s->name, current_unit(), bytes, -1, s->t0, mono_us());
 }
 
 static int mpi_world(int *rank, int *size) {
@@ -123,6 +160,7 @@ fsdp_status fsdp_trace_step(int64_t step) {
     snprintf(name, sizeof name, "step %lld", (long long)step);
     trace_event_add(TRACE_STEPS, name, NULL, -1, -1, g_last_mark, now);
     g_last_mark = now;
+    g_nunits = 0;   /* a step leaves no unit open */
     return FSDP_OK;
 }
 

@@ -16,6 +16,14 @@ double trace_now(void);
 void trace_event_add(int track, const char *name, const char *unit, int64_t bytes, int64_t seq, double t0,
                      double t1);
 
+/* The FSDP unit whose forward or backward runs (the calling thread): ops
+ * recorded meanwhile carry it, and the span itself becomes an event
+ * ("forward h.0", "backward h.0"). Pop names the unit it closes, so a
+ * forward left by an error cannot shift the others. */
+void trace_unit_push(const char *phase, const char *unit);
+void trace_unit_pop(const char *phase, const char *unit);
+const char *trace_current_unit(void);
+
 /* TRACE_OP("fsdp_matmul", out) as an op's first line: the op, from there
  * to whichever return, with the bytes of *out. */
 typedef struct {

@@ -27,6 +27,7 @@
  * memory; each gather copies this rank's shard (cast to the compute dtype
  * first) to the device, and each reduced gradient shard comes back. */
 #include "ops_util.h"
+#include "trace.h"
 #include "comm_internal.h"
 #include <stdint.h>
 #include <stdlib.h>
@@ -300,6 +301,7 @@ static fsdp_status before_backward(void *p) {
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
     FSDP_TRY(gather_now(s, u));
+    trace_unit_push("backward", u->name);
     /* each reduce-scatter in flight holds a full flat gradient and its
      * output: let at most one still run while this unit's backward starts;
      * the others are added into their gradient shards and freed now */
@@ -327,6 +329,7 @@ static fsdp_status after_backward(void *p) {
     marker_ctx *m = p;
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
+    trace_unit_pop("backward", u->name);
     if (s->sync && u->flat_grad && s->direct) {   /* already in the gradient shard */
         unlink_grads(u);
         tensor_release(u->flat_grad);
@@ -701,6 +704,7 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
         s->finish_registered = true;
     }
     FSDP_TRY(gather_now(s, u));
+    trace_unit_push("forward", u->name);
     /* forward prefetch: the unit that came after this one last time */
     if (s->forward_prefetch) {
         int i = order_index(s->fwd_order, s->n_fwd_order, k);
@@ -717,6 +721,7 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
 fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_post_forward", s, k));
     unit *u = &s->units[k];
+    trace_unit_pop("forward", u->name);
     bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
     if (!replay && s->n_order < 4 * s->cap_units) s->order[s->n_order++] = k;
     bool grad = grad_is_enabled();

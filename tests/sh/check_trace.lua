@@ -58,6 +58,16 @@ for pid = 0, ranks - 1 do
     if not ops[want] then fail("rank " .. pid .. ": no " .. want .. " on the compute track") end
   end
   if not (ops.attention or ops.attention_qkv) then fail("rank " .. pid .. ": no attention op on the compute track") end
+  -- the units' forward and backward spans, once a step each, and the ops inside them carry their unit
+  local spans, unitless = {}, 0
+  for _, e in ipairs(per[pid][1] or {}) do
+    if e.name:match("^forward ") or e.name:match("^backward ") then spans[e.name] = (spans[e.name] or 0) + 1 end
+    if e.name == "matmul" and not e.args.unit then unitless = unitless + 1 end
+  end
+  for _, want in ipairs { "forward root", "backward root", "forward h.0", "backward h.1" } do
+    if spans[want] ~= steps then fail(string.format("rank %d: %s %s times, want %d", pid, want, spans[want] or 0, steps)) end
+  end
+  if unitless > 0 then fail(string.format("rank %d: %d matmuls without a unit", pid, unitless)) end
   if ranks > 1 and not ops.wait then fail("rank " .. pid .. ": no wait on the compute track") end
   -- nesting: on one track, two events are disjoint or one holds the other
   for tid, list in pairs(per[pid]) do
