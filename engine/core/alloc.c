@@ -163,7 +163,7 @@ void fsdp_free(int device, int tag, void *ptr, size_t nbytes) {
     pthread_mutex_unlock(&a->lock);
 }
 
-fsdp_status fsdp_mem_stats(int device, int tag, int64_t *current, int64_t *peak, int64_t *reserved) {
+fsdp_status fsdp_mem_stats(fsdp_device device, fsdp_tag tag, int64_t *current, int64_t *peak, int64_t *reserved) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_stats: no device %d", device);
     if (tag < -1 || tag >= FSDP_TAG_COUNT)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_stats: unknown tag %d (expected -1 .. %d)", tag,
@@ -177,7 +177,7 @@ fsdp_status fsdp_mem_stats(int device, int tag, int64_t *current, int64_t *peak,
     return FSDP_OK;
 }
 
-fsdp_status fsdp_mem_reset_peak(int device) {
+fsdp_status fsdp_mem_reset_peak(fsdp_device device) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_reset_peak: no device %d", device);
     device_allocator *a = &allocators[device];
     pthread_mutex_lock(&a->lock);
@@ -187,7 +187,7 @@ fsdp_status fsdp_mem_reset_peak(int device) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_mem_set_cap(int device, int64_t cap_bytes) {
+fsdp_status fsdp_mem_set_cap(fsdp_device device, int64_t cap_bytes) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_set_cap: no device %d", device);
     if (cap_bytes < 0)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_set_cap: cap %lld is negative (0 means no cap)",
@@ -200,14 +200,14 @@ fsdp_status fsdp_mem_set_cap(int device, int64_t cap_bytes) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_mem_get_cap(int device, int64_t *cap_bytes) {
+fsdp_status fsdp_mem_get_cap(fsdp_device device, int64_t *cap_bytes) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_get_cap: no device %d", device);
     if (!cap_bytes) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_get_cap: out is NULL");
     *cap_bytes = allocators[device].cap;
     return FSDP_OK;
 }
 
-fsdp_status fsdp_mem_empty_cache(int device) {
+fsdp_status fsdp_mem_empty_cache(fsdp_device device) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_mem_empty_cache: no device %d", device);
     device_allocator *a = &allocators[device];
     if (!a->backend) return FSDP_OK;
@@ -217,7 +217,7 @@ fsdp_status fsdp_mem_empty_cache(int device) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_mem_set_default_tag(int tag, int *previous) {
+fsdp_status fsdp_mem_set_default_tag(fsdp_tag tag, int *previous) {
     if (tag < 0 || tag >= FSDP_TAG_COUNT)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_mem_set_default_tag: unknown tag %d", tag);
     if (previous) *previous = default_tag;

@@ -35,7 +35,7 @@ fsdp_status fsdp_default_device(int *out) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_set_default_device(int device) {
+fsdp_status fsdp_set_default_device(fsdp_device device) {
     if (!device_kernels(device))
         return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_set_default_device: %s is not built into this engine, or has "
                               "no hardware", fsdp_device_name(device));
@@ -43,7 +43,7 @@ fsdp_status fsdp_set_default_device(int device) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t size) {
+fsdp_status fsdp_device_info(fsdp_device device, int *available, char *desc, int64_t size) {
     if (!available) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_device_info: available is NULL");
     if (size < 0) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_device_info: size %lld is negative", (long long)size);
     switch (device) {

@@ -207,20 +207,20 @@ static fsdp_status check_tag(const char *op, int tag) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag) {
+fsdp_status fsdp_tensor_empty(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag) {
     CHECK_OUT("fsdp_tensor_empty", out);
     FSDP_TRY(check_tag("fsdp_tensor_empty", tag));
     return tensor_new(out, dtype, ndim, shape, device, tag, false);
 }
 
-fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag) {
+fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag) {
     CHECK_OUT("fsdp_tensor_zeros", out);
     FSDP_TRY(check_tag("fsdp_tensor_zeros", tag));
     return tensor_new(out, dtype, ndim, shape, device, tag, true);
 }
 
-fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, const void *data,
-                                  int64_t nbytes, int device, int tag) {
+fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, const void *data,
+                                  int64_t nbytes, fsdp_device device, fsdp_tag tag) {
     CHECK_OUT("fsdp_tensor_from_data", out);
     FSDP_TRY(check_tag("fsdp_tensor_from_data", tag));
     if (!data && nbytes > 0) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_tensor_from_data: data is NULL");
@@ -369,7 +369,7 @@ fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device) {
+fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, fsdp_device device) {
     CHECK_OUT("fsdp_tensor_to_device", out);
     *out = NULL;
     CHECK_T("fsdp_tensor_to_device", t);
@@ -384,7 +384,7 @@ fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device)
     fsdp_tensor *r;
     FSDP_TRY(tensor_new(&r, t->dtype, t->ndim, t->shape, device, t->storage->tag, false));
     size_t nbytes = r->storage->nbytes;
-    if (from == device) {   /* a contiguous copy on the same device */
+    if (from == (int)device) {   /* a contiguous copy on the same device */
         if (nbytes) dk->copy_strided(tensor_data(r), r->strides, tensor_data(t), t->strides, t->ndim, t->shape,
                                      fsdp_dtype_size(t->dtype));
         *out = r;

@@ -224,7 +224,7 @@ fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_comm_counts(fsdp_comm *c, int kind, int64_t *calls, int64_t *bytes) {
+fsdp_status fsdp_comm_counts(fsdp_comm *c, fsdp_collective kind, int64_t *calls, int64_t *bytes) {
     FSDP_TRY(comm_check(c, "fsdp_comm_counts"));
     if (kind < 0 || kind >= K_COUNTED)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_counts on comm %s(%d): kind %d, expected 0..%d", c->name,
@@ -399,7 +399,7 @@ static fsdp_status check_reduce_op(const char *opname, const char *label, fsdp_c
                           c->name, c->size, op, max_ok ? "sum (0), avg (1) or max (2)" : "sum (0) or avg (1)");
 }
 
-fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
+fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
                                 const char *label) {
     static const char *name = "fsdp_reduce_scatter";
     FSDP_TRY(prepare(work, c, name));
@@ -461,7 +461,7 @@ static fsdp_status issue_in_place(fsdp_work **work, work_kind kind, fsdp_comm *c
     return comm_issue(work, w, name);
 }
 
-fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label) {
+fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp_reduce_op op, const char *label) {
     static const char *name = "fsdp_all_reduce";
     FSDP_TRY(prepare(work, c, name));
     if (!label) label = "";
@@ -501,7 +501,7 @@ fsdp_status fsdp_barrier(fsdp_comm *c) {
 }
 
 /* On the comm thread too, so it keeps its place among queued collectives. */
-fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, int op) {
+fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, fsdp_reduce_op op) {
     static const char *name = "fsdp_all_reduce_doubles";
     FSDP_TRY(comm_check(c, name));
     if (n < 0 || (n > 0 && !values))

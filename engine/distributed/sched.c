@@ -445,8 +445,8 @@ static fsdp_status record_marker(fsdp_sched *s, int k, bool end) {
 
 /* ---- public ---- */
 
-fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
-                           int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit) {
+fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, fsdp_dtype compute_dtype,
+                           fsdp_dtype reduce_dtype, fsdp_prefetch backward_prefetch, int forward_prefetch, int limit) {
     if (!out || !shard_comm) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_new: NULL argument");
     if (!fsdp_dtype_is_float(compute_dtype) || !fsdp_dtype_is_float(reduce_dtype))
         return fsdp_set_error(FSDP_ERR_DTYPE, "fsdp_sched_new: compute dtype %s and reduce dtype %s must be f32 or bf16",
@@ -481,9 +481,9 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     return FSDP_OK;
 }
 
-fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device) {
+fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device) {
     if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_shard_device: schedule is NULL");
-    if (device != s->device && device != FSDP_DEVICE_CPU)
+    if ((int)device != s->device && device != FSDP_DEVICE_CPU)
         return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_sched_set_shard_device: shards go on the compute device (%s) or "
                               "the cpu, not %s", fsdp_device_name(s->device), fsdp_device_name(device));
     if (s->n_units > 0)
@@ -743,7 +743,7 @@ fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
     return reshard(s, &s->units[k]);
 }
 
-fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, int mode) {
+fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode) {
     if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_recompute: schedule is NULL");
     if (mode < FSDP_RECOMPUTE_NONE || mode > FSDP_RECOMPUTE_REPLAY)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_recompute: mode %d (expected 0, 1 or 2)", mode);

@@ -11,6 +11,38 @@
  *
  * Ownership: every fsdp_tensor** out-parameter receives a new reference,
  * which the caller gives back with fsdp_tensor_release().
+ *
+ * A worked example: y = sum(x W) on every rank, its gradient, and the
+ * gradient averaged across ranks (one process without mpirun is a world
+ * of one; the same code runs under `mpirun -np N`).
+ *
+ *     #define TRY(call) do { if ((call) != FSDP_OK) {                         \
+ *             fprintf(stderr, "%s\n", fsdp_last_error()); return 1; } } while (0)
+ *     int rank, world;
+ *     TRY(fsdp_runtime_init(&rank, &world));
+ *     int64_t xs[2] = {4, 3}, ws[2] = {3, 5};                    // x (4, 3), W (3, 5)
+ *     fsdp_tensor *x, *w, *xw, *y, *dw;
+ *     TRY(fsdp_tensor_zeros(&x, FSDP_F32, 2, xs, FSDP_DEVICE_CPU, FSDP_TAG_ACTIVATION));
+ *     TRY(fsdp_tensor_zeros(&w, FSDP_F32, 2, ws, FSDP_DEVICE_CPU, FSDP_TAG_PARAM));
+ *     TRY(fsdp_init_normal(w, 0.0, 0.02, 1234, 0, 0));          // seed, stream, offset
+ *     TRY(fsdp_fill(x, 1.0 + rank));
+ *     TRY(fsdp_tensor_set_requires_grad(w, 1));                 // ops on w are taped
+ *     TRY(fsdp_matmul(&xw, x, w, 0, 0));                        // (4, 5)
+ *     TRY(fsdp_sum(&y, xw, 0, NULL, 0));                        // () : every dim
+ *     int custom = 0;                                           // backward walks the tape
+ *     TRY(fsdp_backward_begin(y, NULL));
+ *     while (custom != -1) TRY(fsdp_backward_step(&custom));    // -1: done (no Lua ops here)
+ *     TRY(fsdp_tensor_grad(w, &dw));                            // dW = x^T 1, (3, 5)
+ *     fsdp_comm *comm; fsdp_work *work;
+ *     TRY(fsdp_comm_world(&comm));
+ *     TRY(fsdp_all_reduce(&work, comm, dw, FSDP_REDUCE_AVG, "dW"));   // asynchronous
+ *     TRY(fsdp_work_wait(work));                                // dW averaged over ranks
+ *     TRY(fsdp_work_free(work));
+ *     // ... fsdp_tensor_release each tensor, fsdp_comm_free(comm), fsdp_runtime_finalize()
+ *
+ * A bad call returns its status and leaves the process running: for example
+ * fsdp_matmul of (4, 3) by (5, 3) fails with FSDP_ERR_SHAPE, and
+ * fsdp_last_error() names the op, both shapes, the dtypes and the device.
  */
 #ifndef FSDP_H
 #define FSDP_H
@@ -56,6 +88,7 @@ typedef enum fsdp_device {
 
 /* What an allocation is for; the allocator keeps statistics per tag. */
 typedef enum fsdp_tag {
+    FSDP_TAG_ALL = -1,        /* statistics only: the totals over every tag */
     FSDP_TAG_PARAM = 0,
     FSDP_TAG_GRAD = 1,
     FSDP_TAG_OPTIMIZER = 2,
@@ -109,12 +142,12 @@ fsdp_status fsdp_get_num_threads(int *out);
  * rank's GPU, by local rank) when the CUDA backend is built and a GPU is
  * there, else the CPU. */
 fsdp_status fsdp_default_device(int *out);
-fsdp_status fsdp_set_default_device(int device);
+fsdp_status fsdp_set_default_device(fsdp_device device);
 /* Whether a device can be used (*available 0 or 1) and, into desc (size
  * bytes, may be NULL), what it is: "cpu (8 threads)", "cuda:0 NVIDIA H200
  * (132 SMs, 139 GiB)", or why it cannot be used ("not built", "no GPU:
  * cudaGetDeviceCount: ..."). */
-fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t size);
+fsdp_status fsdp_device_info(fsdp_device device, int *available, char *desc, int64_t size);
 /* Initializes MPI when the process was started by mpirun, else a world of one. */
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
@@ -123,14 +156,14 @@ fsdp_status fsdp_runtime_finalize(void);
 fsdp_status fsdp_runtime_abort(const char *msg, int exit_code);
 
 /* ---- allocator ---- */
-/* tag = -1 gives the totals over all tags. */
-fsdp_status fsdp_mem_stats(int device, int tag, int64_t *current, int64_t *peak, int64_t *reserved);
-fsdp_status fsdp_mem_reset_peak(int device);
-fsdp_status fsdp_mem_set_cap(int device, int64_t cap_bytes);   /* 0 = no cap */
-fsdp_status fsdp_mem_get_cap(int device, int64_t *cap_bytes);
-fsdp_status fsdp_mem_empty_cache(int device);
+/* tag = FSDP_TAG_ALL (-1) gives the totals over all tags. */
+fsdp_status fsdp_mem_stats(fsdp_device device, fsdp_tag tag, int64_t *current, int64_t *peak, int64_t *reserved);
+fsdp_status fsdp_mem_reset_peak(fsdp_device device);
+fsdp_status fsdp_mem_set_cap(fsdp_device device, int64_t cap_bytes);   /* 0 = no cap */
+fsdp_status fsdp_mem_get_cap(fsdp_device device, int64_t *cap_bytes);
+fsdp_status fsdp_mem_empty_cache(fsdp_device device);
 /* Tag given to tensors made by ops on this thread (default ACTIVATION). */
-fsdp_status fsdp_mem_set_default_tag(int tag, int *previous);
+fsdp_status fsdp_mem_set_default_tag(fsdp_tag tag, int *previous);
 
 /* ---- files and checksums (checkpoints, safetensors, token shards) ----
  * POSIX file calls behind handles, so that Lua declares no libc: reads and
@@ -207,7 +240,7 @@ fsdp_status fsdp_hasher_free(fsdp_hasher *h);
  * device lacks are missing here too, so the op layer takes the same path,
  * e.g. bf16 matmul natively on CUDA, through f32 on the CPU). cuda fails
  * when the CUDA table is not built in (no nvcc at build time). */
-fsdp_status fsdp_meta_mimic(int device);
+fsdp_status fsdp_meta_mimic(fsdp_device device);
 fsdp_status fsdp_meta_mimicked(int *device);
 fsdp_status fsdp_meta_reset(void);                /* zeroes every counter */
 /* Entries are numbered 0 .. *n - 1 (raw_alloc, raw_free, then the table's). */
@@ -219,11 +252,11 @@ fsdp_status fsdp_meta_entry_count(int *n);
 fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
 /* ---- tensors ---- */
-fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
-fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
+fsdp_status fsdp_tensor_empty(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
+fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
 /* Copies nbytes of contiguous row-major data in. */
-fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape,
-                                  const void *data, int64_t nbytes, int device, int tag);
+fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape,
+                                  const void *data, int64_t nbytes, fsdp_device device, fsdp_tag tag);
 /* Copies the tensor out, contiguous row-major, into dst of capacity nbytes. */
 fsdp_status fsdp_tensor_to_data(fsdp_tensor *t, void *dst, int64_t nbytes);
 fsdp_status fsdp_tensor_retain(fsdp_tensor *t);
@@ -246,7 +279,7 @@ fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size);
  * memory tag, its own storage, not recorded on the tape (no gradient flows
  * through it). Same device: a contiguous copy. Between two devices neither
  * of which is the CPU, through a host buffer. */
-fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device);
+fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, fsdp_device device);
 
 /* ---- views (share storage; differentiable) ---- */
 /* One entry of shape may be -1. Copies when the layout does not allow a view. */
@@ -271,7 +304,7 @@ fsdp_status fsdp_init_normal(fsdp_tensor *t, double mean, double std, uint64_t s
 fsdp_status fsdp_init_uniform(fsdp_tensor *t, double low, double high, uint64_t seed, uint64_t stream, int64_t offset);
 
 /* ---- ops (new output; recorded on the tape when gradients are enabled) ---- */
-fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *b); /* broadcasting */
+fsdp_status fsdp_binary(fsdp_tensor **out, fsdp_binary_op op, fsdp_tensor *a, fsdp_tensor *b); /* broadcasting */
 fsdp_status fsdp_add(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
 fsdp_status fsdp_sub(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
 fsdp_status fsdp_mul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
@@ -308,7 +341,7 @@ fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fs
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale);
 /* Inverted dropout; the mask depends only on (seed, offset + i). */
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset);
-fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype);
+fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, fsdp_dtype dtype);
 
 /* ---- in place on whole tensors (never recorded) ---- */
 fsdp_status fsdp_scale_(fsdp_tensor *t, double s);                         /* t *= s */
@@ -379,7 +412,7 @@ fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
  * communicator split from it, and their bytes per rank: all-gather the
  * gathered output, reduce-scatter the input, all-reduce and broadcast the
  * tensor, all_reduce_doubles 8 per value. */
-fsdp_status fsdp_comm_counts(fsdp_comm *c, int kind, int64_t *calls, int64_t *bytes);
+fsdp_status fsdp_comm_counts(fsdp_comm *c, fsdp_collective kind, int64_t *calls, int64_t *bytes);
 fsdp_status fsdp_comm_reset_counts(fsdp_comm *c);
 fsdp_status fsdp_comm_free(fsdp_comm *c);
 /* dst (size * n elements) <- every rank's src (n elements), in rank order. */
@@ -387,13 +420,13 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
 /* dst (n elements) <- this rank's n-element block of the sum (or average)
  * of every rank's src (size * n elements). f32 and bf16 (over MPI, bf16
  * sums in f32 and rounds once; NCCL sums bf16 natively). */
-fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
+fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
                                 const char *label);
-fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label);
+fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp_reduce_op op, const char *label);
 fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
 fsdp_status fsdp_barrier(fsdp_comm *c);
 /* n doubles combined across ranks in place (sum, avg or max), synchronously. */
-fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, int op);
+fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, fsdp_reduce_op op);
 fsdp_status fsdp_work_wait(fsdp_work *w);
 fsdp_status fsdp_work_test(fsdp_work *w, int *done);
 fsdp_status fsdp_work_free(fsdp_work *w);
@@ -432,13 +465,13 @@ fsdp_status fsdp_trace_stop(void);
  * runs in C: gather (and prefetch) before, reduce-scatter (averaged, in the
  * reduce dtype) into the gradient shard after. With a replica communicator
  * (hybrid sharding) the reduced shard is then averaged across replicas. */
-fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
-                           int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit);
+fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, fsdp_dtype compute_dtype,
+                           fsdp_dtype reduce_dtype, fsdp_prefetch backward_prefetch, int forward_prefetch, int limit);
 fsdp_status fsdp_sched_free(fsdp_sched *s);
 /* Where master and gradient shards live (and so the optimizer state): the
  * compute device (the default) or FSDP_DEVICE_CPU, offloading them to host
  * memory. Only before the first unit is added. */
-fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device);
+fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device);
 /* A world of one (DESIGN.md, decision 10): on a shard group of one rank,
  * without replicas, with f32 compute and reduction and shards on the
  * compute device, on = 1 makes each unit's parameters views of its master
@@ -476,8 +509,12 @@ fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int unit);
  * gathered), FSDP_RECOMPUTE_REPLAY (that recomputation, just before its
  * backward: units stay gathered for it, kept ones are not regathered, and
  * the order used for prefetch is left as the forward made it). */
-enum { FSDP_RECOMPUTE_NONE = 0, FSDP_RECOMPUTE_FORWARD = 1, FSDP_RECOMPUTE_REPLAY = 2 };
-fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, int mode);
+typedef enum fsdp_recompute_mode {
+    FSDP_RECOMPUTE_NONE = 0,
+    FSDP_RECOMPUTE_FORWARD = 1,
+    FSDP_RECOMPUTE_REPLAY = 2
+} fsdp_recompute_mode;
+fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode);
 /* Gather or free a unit outside the schedule (evaluation, export). */
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);

@@ -449,7 +449,7 @@ static const fsdp_device_kernels *mimic_table(int device) {
 
 /* ---- public ---- */
 
-fsdp_status fsdp_meta_mimic(int device) {
+fsdp_status fsdp_meta_mimic(fsdp_device device) {
     if (device != FSDP_DEVICE_CPU && device != FSDP_DEVICE_CUDA)
         return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_meta_mimic: device %d (%s), expected cpu (0) or cuda (1)",
                               device, fsdp_device_name(device));

@@ -165,7 +165,7 @@ done:
     return st;
 }
 
-fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *b) {
+fsdp_status fsdp_binary(fsdp_tensor **out, fsdp_binary_op op, fsdp_tensor *a, fsdp_tensor *b) {
     TRACE_OP("binary", out);
     if (op < FSDP_ADD || op > FSDP_DIV)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_binary: unknown op %d (expected 0..3)", op);
@@ -548,7 +548,7 @@ static fsdp_status cast_backward(fsdp_node *node) {
     return op_give_grad(node, 0, g);   /* converted to the input's dtype there */
 }
 
-fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype) {
+fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, fsdp_dtype dtype) {
     TRACE_OP("cast", out);
     const char *names[] = {"t"};
     fsdp_tensor *ts[] = {t};

@@ -32,6 +32,7 @@ typedef enum fsdp_device {
 } fsdp_device;
 
 typedef enum fsdp_tag {
+    FSDP_TAG_ALL = -1,
     FSDP_TAG_PARAM = 0,
     FSDP_TAG_GRAD = 1,
     FSDP_TAG_OPTIMIZER = 2,
@@ -81,9 +82,9 @@ fsdp_status fsdp_set_num_threads(int n);
 fsdp_status fsdp_get_num_threads(int *out);
 
 fsdp_status fsdp_default_device(int *out);
-fsdp_status fsdp_set_default_device(int device);
+fsdp_status fsdp_set_default_device(fsdp_device device);
 
-fsdp_status fsdp_device_info(int device, int *available, char *desc, int64_t size);
+fsdp_status fsdp_device_info(fsdp_device device, int *available, char *desc, int64_t size);
 
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
@@ -91,13 +92,13 @@ fsdp_status fsdp_runtime_finalize(void);
 
 fsdp_status fsdp_runtime_abort(const char *msg, int exit_code);
 
-fsdp_status fsdp_mem_stats(int device, int tag, int64_t *current, int64_t *peak, int64_t *reserved);
-fsdp_status fsdp_mem_reset_peak(int device);
-fsdp_status fsdp_mem_set_cap(int device, int64_t cap_bytes);
-fsdp_status fsdp_mem_get_cap(int device, int64_t *cap_bytes);
-fsdp_status fsdp_mem_empty_cache(int device);
+fsdp_status fsdp_mem_stats(fsdp_device device, fsdp_tag tag, int64_t *current, int64_t *peak, int64_t *reserved);
+fsdp_status fsdp_mem_reset_peak(fsdp_device device);
+fsdp_status fsdp_mem_set_cap(fsdp_device device, int64_t cap_bytes);
+fsdp_status fsdp_mem_get_cap(fsdp_device device, int64_t *cap_bytes);
+fsdp_status fsdp_mem_empty_cache(fsdp_device device);
 
-fsdp_status fsdp_mem_set_default_tag(int tag, int *previous);
+fsdp_status fsdp_mem_set_default_tag(fsdp_tag tag, int *previous);
 
 typedef struct fsdp_file fsdp_file;
 typedef struct fsdp_dir_listing fsdp_dir_listing;
@@ -154,7 +155,7 @@ fsdp_status fsdp_hasher_update(fsdp_hasher *h, const void *data, int64_t n);
 fsdp_status fsdp_hasher_digest(fsdp_hasher *h, uint64_t *out);
 fsdp_status fsdp_hasher_free(fsdp_hasher *h);
 
-fsdp_status fsdp_meta_mimic(int device);
+fsdp_status fsdp_meta_mimic(fsdp_device device);
 fsdp_status fsdp_meta_mimicked(int *device);
 fsdp_status fsdp_meta_reset(void);
 
@@ -162,11 +163,11 @@ fsdp_status fsdp_meta_entry_count(int *n);
 
 fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
-fsdp_status fsdp_tensor_empty(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
-fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag);
+fsdp_status fsdp_tensor_empty(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
+fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
 
-fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape,
-                                  const void *data, int64_t nbytes, int device, int tag);
+fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape,
+                                  const void *data, int64_t nbytes, fsdp_device device, fsdp_tag tag);
 
 fsdp_status fsdp_tensor_to_data(fsdp_tensor *t, void *dst, int64_t nbytes);
 fsdp_status fsdp_tensor_retain(fsdp_tensor *t);
@@ -186,7 +187,7 @@ fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out);
 
 fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size);
 
-fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, int device);
+fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, fsdp_device device);
 
 fsdp_status fsdp_reshape(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int64_t *shape);
 fsdp_status fsdp_permute(fsdp_tensor **out, fsdp_tensor *t, int ndim, const int *perm);
@@ -204,7 +205,7 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src);
 fsdp_status fsdp_init_normal(fsdp_tensor *t, double mean, double std, uint64_t seed, uint64_t stream, int64_t offset);
 fsdp_status fsdp_init_uniform(fsdp_tensor *t, double low, double high, uint64_t seed, uint64_t stream, int64_t offset);
 
-fsdp_status fsdp_binary(fsdp_tensor **out, int op, fsdp_tensor *a, fsdp_tensor *b);
+fsdp_status fsdp_binary(fsdp_tensor **out, fsdp_binary_op op, fsdp_tensor *a, fsdp_tensor *b);
 fsdp_status fsdp_add(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
 fsdp_status fsdp_sub(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
 fsdp_status fsdp_mul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b);
@@ -234,7 +235,7 @@ fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fs
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale);
 
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset);
-fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, int dtype);
+fsdp_status fsdp_cast(fsdp_tensor **out, fsdp_tensor *t, fsdp_dtype dtype);
 
 fsdp_status fsdp_scale_(fsdp_tensor *t, double s);
 fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha);
@@ -258,19 +259,19 @@ fsdp_status fsdp_comm_split_all(fsdp_comm **out, fsdp_comm *parent, const int *c
 fsdp_status fsdp_comm_new_counting(fsdp_comm **out, int world, int rank);
 fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size);
 
-fsdp_status fsdp_comm_counts(fsdp_comm *c, int kind, int64_t *calls, int64_t *bytes);
+fsdp_status fsdp_comm_counts(fsdp_comm *c, fsdp_collective kind, int64_t *calls, int64_t *bytes);
 fsdp_status fsdp_comm_reset_counts(fsdp_comm *c);
 fsdp_status fsdp_comm_free(fsdp_comm *c);
 
 fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label);
 
-fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
+fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
                                 const char *label);
-fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int op, const char *label);
+fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp_reduce_op op, const char *label);
 fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
 fsdp_status fsdp_barrier(fsdp_comm *c);
 
-fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, int op);
+fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, fsdp_reduce_op op);
 fsdp_status fsdp_work_wait(fsdp_work *w);
 fsdp_status fsdp_work_test(fsdp_work *w, int *done);
 fsdp_status fsdp_work_free(fsdp_work *w);
@@ -284,11 +285,11 @@ fsdp_status fsdp_trace_start(const char *path);
 fsdp_status fsdp_trace_step(int64_t step);
 fsdp_status fsdp_trace_stop(void);
 
-fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, int compute_dtype,
-                           int reduce_dtype, int backward_prefetch, int forward_prefetch, int limit);
+fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, fsdp_dtype compute_dtype,
+                           fsdp_dtype reduce_dtype, fsdp_prefetch backward_prefetch, int forward_prefetch, int limit);
 fsdp_status fsdp_sched_free(fsdp_sched *s);
 
-fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, int device);
+fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device);
 
 fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
 
@@ -306,8 +307,12 @@ fsdp_status fsdp_unit_param(fsdp_sched *s, int unit, int i, int ndim, const int6
 fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int unit);
 
-enum { FSDP_RECOMPUTE_NONE = 0, FSDP_RECOMPUTE_FORWARD = 1, FSDP_RECOMPUTE_REPLAY = 2 };
-fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, int mode);
+typedef enum fsdp_recompute_mode {
+    FSDP_RECOMPUTE_NONE = 0,
+    FSDP_RECOMPUTE_FORWARD = 1,
+    FSDP_RECOMPUTE_REPLAY = 2
+} fsdp_recompute_mode;
+fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode);
 
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
