@@ -31,6 +31,7 @@
 #include "comm_internal.h"
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct unit {
     char name[128];
@@ -60,6 +61,7 @@ struct fsdp_sched {
     atomic_int refcount;
     fsdp_comm *shard_comm, *replica_comm;
     int shard_rank, shard_size, replica_size;
+    bool local_one;                /* a shard group of one copies locally (unless FSDP_FORCE_COLLECTIVES=1) */
     int device;                    /* where gathered buffers and gradients during backward live */
     int shard_device;              /* where master and gradient shards live: device, or the CPU (offload) */
     int compute_dtype, reduce_dtype;
@@ -177,7 +179,7 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
         return r;
     }
     /* a shard group of one holds the whole unit: a local copy, no collective */
-    if (s->shard_size == 1)
+    if (s->local_one)
         r = fsdp_copy(u->full, src);
     else
         r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
@@ -368,7 +370,7 @@ static fsdp_status after_backward(void *p) {
         }
         fsdp_work *w = NULL;
         /* a group of one: the average over one rank is the gradient itself */
-        if (s->shard_size == 1)
+        if (s->local_one)
             r = fsdp_copy(dst, src);
         else
             r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
@@ -443,6 +445,14 @@ static fsdp_status record_marker(fsdp_sched *s, int k, bool end) {
                               marker_release);
 }
 
+/* FSDP_FORCE_COLLECTIVES=1: a shard group of one still gathers and reduces
+ * through its communicator instead of copying locally (so that one
+ * GPU can exercise NCCL; fsdp.shard then leaves direct mode off too). */
+static bool force_collectives(void) {
+    const char *v = getenv("FSDP_FORCE_COLLECTIVES");
+    return v && strcmp(v, "1") == 0;
+}
+
 /* ---- public ---- */
 
 fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *replica_comm, fsdp_dtype compute_dtype,
@@ -467,6 +477,7 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
         return st;
     }
     fsdp_comm_info(s->shard_comm, &s->shard_rank, &s->shard_size);
+    s->local_one = s->shard_size == 1 && !force_collectives();
     s->replica_size = 1;
     if (s->replica_comm) fsdp_comm_info(s->replica_comm, NULL, &s->replica_size);
     fsdp_default_device(&s->device);

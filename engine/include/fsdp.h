@@ -479,7 +479,10 @@ fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device);
  * nothing is gathered, copied, reduced or freed around a unit, and the
  * memory is that of the unsharded model. (A backward abandoned halfway then
  * leaves its partial gradients, as on an unsharded model.) Only before the
- * first unit is added; refused where the conditions do not hold. */
+ * first unit is added; refused where the conditions do not hold.
+ * Without direct mode a shard group of one copies locally rather than
+ * calling its communicator, unless FSDP_FORCE_COLLECTIVES=1 is set (so that
+ * one GPU can exercise NCCL). */
 fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
 /* A unit of n parameters with these element counts, in order; keep: leave it
  * gathered from forward to backward (the root; shard_grad_op). */
