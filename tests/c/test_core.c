@@ -58,6 +58,28 @@ static void check_allocator(void) {
     test_check(fsdp_mem_stats(9, -1, &cur, NULL, NULL) == FSDP_ERR_DEVICE, "unknown device rejected");
 }
 
+/* Persistent tags (param, grad, optimizer) round a request up by under 2%;
+ * activations by at most 25% (their classes are coarser, for reuse). */
+static void check_rounding(void) {
+    const int64_t sizes[] = {1025, 1537, 4099, 250001, 1 << 20 | 1, 4862209, 39 * 1000 * 1000 + 7};
+    const int tags[] = {FSDP_TAG_PARAM, FSDP_TAG_GRAD, FSDP_TAG_OPTIMIZER, FSDP_TAG_ACTIVATION};
+    for (int k = 0; k < 4; k++) {
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+            int64_t cur0, cur, n = sizes[i], bytes = 4 * n;
+            fsdp_tensor *t;
+            fsdp_mem_stats(CPU, tags[k], &cur0, NULL, NULL);
+            test_check(fsdp_tensor_empty(&t, FSDP_F32, 1, &n, CPU, tags[k]) == FSDP_OK, "empty: %s", fsdp_last_error());
+            fsdp_mem_stats(CPU, tags[k], &cur, NULL, NULL);
+            double slack = (double)(cur - cur0 - bytes) / (double)bytes;
+            double limit = tags[k] == FSDP_TAG_ACTIVATION ? 0.25 : 0.02;
+            test_check(cur - cur0 >= bytes && slack <= limit, "tag %d, %lld bytes: held %lld (slack %.4f, limit %.2f)",
+                       tags[k], (long long)bytes, (long long)(cur - cur0), slack, limit);
+            fsdp_tensor_release(t);
+        }
+    }
+    fsdp_mem_empty_cache(CPU);
+}
+
 static void check_views(void) {
     float v[24];
     for (int i = 0; i < 24; i++) v[i] = (float)i + 1;
@@ -161,6 +183,7 @@ static void check_threads_and_version(void) {
 
 int main(void) {
     check_allocator();
+    check_rounding();
     check_views();
     check_threads_and_version();
     return test_summary();
