@@ -353,28 +353,83 @@ static fsdp_status work_device(fsdp_work *w, int device, bool need_scratch, cons
     return st;
 }
 
+static fsdp_status check_reduce_op(const char *opname, const char *label, fsdp_comm *c, int op, bool max_ok) {
+    if (op == FSDP_REDUCE_SUM || op == FSDP_REDUCE_AVG || (max_ok && op == FSDP_REDUCE_MAX)) return FSDP_OK;
+    return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): reduce op %d, expected %s", opname, label,
+                          c->name, c->size, op, max_ok ? "sum (0), avg (1) or max (2)" : "sum (0) or avg (1)");
+}
+
+/* Which dtypes a collective on tensors takes. */
+typedef enum {
+    SAME_DTYPE,          /* any, dst and src alike (all-gather moves bytes) */
+    SAME_FLOAT_DTYPE,    /* f32 or bf16, alike, reduced with sum or avg (reduce-scatter) */
+    REDUCIBLE_DTYPE,     /* f32, bf16 with sum, avg or max; i32, i64 with sum or max (all-reduce) */
+} dtype_rule;
+
+/* The local checks of a collective on tensors, in the order a caller meets
+ * them: each tensor usable, one device, the reduce op and the dtypes (rule),
+ * then for a gather or a scatter the element counts: the whole tensor (dst
+ * when dst_whole, else src) holds size times the block's elements, and a
+ * block fits MPI's int counts. src NULL: one tensor, in place. */
+static fsdp_status check_collective(const char *opname, const char *label, fsdp_comm *c, fsdp_tensor *dst,
+                                    fsdp_tensor *src, bool dst_whole, dtype_rule rule, int op) {
+    char a[200], b[200];
+    FSDP_TRY(check_tensor(opname, label, src ? "dst" : "t", dst, c));
+    if (src) {
+        FSDP_TRY(check_tensor(opname, label, "src", src, c));
+        FSDP_TRY(check_same_device(opname, label, c, dst, src));
+    }
+    switch (rule) {
+    case SAME_DTYPE:
+        if (dst->dtype != src->dtype)
+            return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): dst %s and src %s differ in dtype", opname,
+                                  label, c->name, c->size, tensor_desc(dst, a, sizeof a),
+                                  tensor_desc(src, b, sizeof b));
+        break;
+    case SAME_FLOAT_DTYPE:
+        FSDP_TRY(check_reduce_op(opname, label, c, op, false));
+        if (dst->dtype != src->dtype || (src->dtype != FSDP_F32 && src->dtype != FSDP_BF16))
+            return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): dst %s, src %s: expected both f32 or both "
+                                  "bf16", opname, label, c->name, c->size, tensor_desc(dst, a, sizeof a),
+                                  tensor_desc(src, b, sizeof b));
+        break;
+    case REDUCIBLE_DTYPE:
+        if (fsdp_dtype_is_float(dst->dtype)) {
+            FSDP_TRY(check_reduce_op(opname, label, c, op, true));
+        } else if (dst->dtype == FSDP_I32 || dst->dtype == FSDP_I64) {
+            if (op != FSDP_REDUCE_SUM && op != FSDP_REDUCE_MAX)
+                return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): t %s: reduce op %d (%s), integers "
+                                      "take sum (0) or max (2)", opname, label, c->name, c->size,
+                                      tensor_desc(dst, a, sizeof a), op, comm_op_name(op));
+        } else {
+            return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): t %s: expected f32, bf16, i32 or i64",
+                                  opname, label, c->name, c->size, tensor_desc(dst, a, sizeof a));
+        }
+        break;
+    }
+    if (!src) return FSDP_OK;
+    fsdp_tensor *whole = dst_whole ? dst : src, *block = dst_whole ? src : dst;
+    const char *whole_name = dst_whole ? "dst" : "src", *block_name = dst_whole ? "src" : "dst";
+    int64_t n = tensor_numel(block);
+    if (tensor_numel(whole) != n * c->size)
+        return fsdp_set_error(FSDP_ERR_SHAPE,
+                              "%s '%s' on comm %s(%d): %s %s has %lld elements, expected size * %s numel = "
+                              "%d * %lld = %lld (%s %s)",
+                              opname, label, c->name, c->size, whole_name, tensor_desc(whole, a, sizeof a),
+                              (long long)tensor_numel(whole), block_name, c->size, (long long)n,
+                              (long long)n * c->size, block_name, tensor_desc(block, b, sizeof b));
+    if (n > INT_MAX)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s '%s' on comm %s(%d): %s %s has more than %d elements", opname,
+                              label, c->name, c->size, block_name, tensor_desc(block, b, sizeof b), INT_MAX);
+    return FSDP_OK;
+}
+
 fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, const char *label) {
     static const char *op = "fsdp_all_gather";
     FSDP_TRY(prepare(work, c, op));
     if (!label) label = "";
-    FSDP_TRY(check_tensor(op, label, "dst", dst, c));
-    FSDP_TRY(check_tensor(op, label, "src", src, c));
-    FSDP_TRY(check_same_device(op, label, c, dst, src));
-    char a[200], b[200];
-    if (dst->dtype != src->dtype)
-        return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): dst %s and src %s differ in dtype", op, label,
-                              c->name, c->size, tensor_desc(dst, a, sizeof a), tensor_desc(src, b, sizeof b));
+    FSDP_TRY(check_collective(op, label, c, dst, src, true, SAME_DTYPE, -1));
     int64_t n = tensor_numel(src);
-    if (tensor_numel(dst) != n * c->size)
-        return fsdp_set_error(FSDP_ERR_SHAPE,
-                              "%s '%s' on comm %s(%d): dst %s has %lld elements, expected size * src numel = "
-                              "%d * %lld = %lld (src %s)",
-                              op, label, c->name, c->size, tensor_desc(dst, a, sizeof a),
-                              (long long)tensor_numel(dst), c->size, (long long)n, (long long)n * c->size,
-                              tensor_desc(src, b, sizeof b));
-    if (n > INT_MAX)
-        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s '%s' on comm %s(%d): src %s has more than %d elements",
-                              op, label, c->name, c->size, tensor_desc(src, b, sizeof b), INT_MAX);
     fsdp_work *w;
     FSDP_TRY(comm_work_new(&w, K_ALL_GATHER, c, label, n * c->size * (int64_t)fsdp_dtype_size(dst->dtype),
                            dst->dtype, 0, op));
@@ -393,37 +448,13 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
     return comm_issue(work, w, op);
 }
 
-static fsdp_status check_reduce_op(const char *opname, const char *label, fsdp_comm *c, int op, bool max_ok) {
-    if (op == FSDP_REDUCE_SUM || op == FSDP_REDUCE_AVG || (max_ok && op == FSDP_REDUCE_MAX)) return FSDP_OK;
-    return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): reduce op %d, expected %s", opname, label,
-                          c->name, c->size, op, max_ok ? "sum (0), avg (1) or max (2)" : "sum (0) or avg (1)");
-}
-
 fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
                                 const char *label) {
     static const char *name = "fsdp_reduce_scatter";
     FSDP_TRY(prepare(work, c, name));
     if (!label) label = "";
-    FSDP_TRY(check_tensor(name, label, "dst", dst, c));
-    FSDP_TRY(check_tensor(name, label, "src", src, c));
-    FSDP_TRY(check_same_device(name, label, c, dst, src));
-    FSDP_TRY(check_reduce_op(name, label, c, op, false));
-    char a[200], b[200];
-    if (dst->dtype != src->dtype || (src->dtype != FSDP_F32 && src->dtype != FSDP_BF16))
-        return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): dst %s, src %s: expected both f32 or both bf16",
-                              name, label, c->name, c->size, tensor_desc(dst, a, sizeof a),
-                              tensor_desc(src, b, sizeof b));
+    FSDP_TRY(check_collective(name, label, c, dst, src, false, SAME_FLOAT_DTYPE, op));
     int64_t n = tensor_numel(dst);
-    if (tensor_numel(src) != n * c->size)
-        return fsdp_set_error(FSDP_ERR_SHAPE,
-                              "%s '%s' on comm %s(%d): src %s has %lld elements, expected size * dst numel = "
-                              "%d * %lld = %lld (dst %s)",
-                              name, label, c->name, c->size, tensor_desc(src, b, sizeof b),
-                              (long long)tensor_numel(src), c->size, (long long)n, (long long)n * c->size,
-                              tensor_desc(dst, a, sizeof a));
-    if (n > INT_MAX)
-        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s '%s' on comm %s(%d): dst %s has more than %d elements", name,
-                              label, c->name, c->size, tensor_desc(dst, a, sizeof a), INT_MAX);
     fsdp_work *w;
     FSDP_TRY(comm_work_new(&w, K_REDUCE_SCATTER, c, label, n * c->size * (int64_t)fsdp_dtype_size(src->dtype),
                            src->dtype, op, name));
@@ -465,19 +496,7 @@ fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp
     static const char *name = "fsdp_all_reduce";
     FSDP_TRY(prepare(work, c, name));
     if (!label) label = "";
-    FSDP_TRY(check_tensor(name, label, "t", t, c));
-    char a[200];
-    if (fsdp_dtype_is_float(t->dtype)) {
-        FSDP_TRY(check_reduce_op(name, label, c, op, true));
-    } else if (t->dtype == FSDP_I32 || t->dtype == FSDP_I64) {
-        if (op != FSDP_REDUCE_SUM && op != FSDP_REDUCE_MAX)
-            return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): t %s: reduce op %d (%s), integers take "
-                                  "sum (0) or max (2)", name, label, c->name, c->size,
-                                  tensor_desc(t, a, sizeof a), op, comm_op_name(op));
-    } else {
-        return fsdp_set_error(FSDP_ERR_DTYPE, "%s '%s' on comm %s(%d): t %s: expected f32, bf16, i32 or i64", name,
-                              label, c->name, c->size, tensor_desc(t, a, sizeof a));
-    }
+    FSDP_TRY(check_collective(name, label, c, t, NULL, false, REDUCIBLE_DTYPE, op));
     return issue_in_place(work, K_ALL_REDUCE, c, label, t, op, name);
 }
 

@@ -5,6 +5,8 @@
  *   comm.c            public collectives: argument checks, then a work item
  *   comm_queue.c      the comm thread that runs work items in issue order,
  *                     bf16 widening, overlap scratch, CUDA works in flight
+ *   comm_work.c       work handles: wait, test, free, traffic statistics,
+ *                     the REPL's hooks (abandoned waits)
  *   comm_debug.c      fingerprints: the agreement check before data moves
  *   comm_watchdog.c   a wait that lasts too long: the report, the end
  *   comm_mpi.c        backend "mpi": MPI for CPU tensors, any world size

@@ -125,18 +125,35 @@ typedef struct comm_config {
 } comm_config;
 const comm_config *comm_cfg(void);
 double comm_now(void);   /* CLOCK_MONOTONIC seconds */
+/* A condition variable whose timed waits use CLOCK_MONOTONIC (comm_now). */
+void comm_cond_init(pthread_cond_t *cv);
 
-/* ---- the queue (comm_queue.c) ---- */
+/* ---- works (comm_work.c) ---- */
 
 fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const char *label, int64_t bytes, int dtype,
                           int arg, const char *opname);
 void comm_work_unref(fsdp_work *w);
+/* Gives the work's tensors back (once; from whichever thread gets there
+ * first). */
+void comm_work_drop_tensors(fsdp_work *w);
+/* Whether a CUDA collective reached the comm stream, so that its tensors
+ * must live until the GPU is done with it. */
+bool comm_work_on_gpu(const fsdp_work *w);
+/* The comm thread's error (status st, fsdp_last_error) kept in w for the
+ * waiting thread, with a description of the collective. */
+void comm_work_take_error(fsdp_work *w, fsdp_status st);
+/* A collective that ran: the process-wide traffic and the family's counts
+ * (c NULL: the communicator is gone, only the process-wide figures). */
+void comm_count_traffic(fsdp_work *w, fsdp_comm *c);
+/* This thread's last error without the " [rank N]" fsdp_set_error appends. */
+int comm_last_error_len(const char **e);
+
+/* ---- the queue (comm_queue.c) ---- */
+
 /* Queues w (its sequence number taken in queue order) and either hands it
  * to the caller (out) or waits for it (out NULL). On failure w is gone. */
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname);
 bool comm_overlaps(const void *a, int64_t an, const void *b, int64_t bn);
-/* This thread's last error without the " [rank N]" fsdp_set_error appends. */
-int comm_last_error_len(const char **e);
 /* The last few collectives this rank finished, oldest first, one per line
  * (debug mode keeps them; "" otherwise). */
 void comm_history(char *buf, size_t size);

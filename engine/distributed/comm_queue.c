@@ -3,7 +3,8 @@
  * Every collective becomes a work item on ONE process-wide comm thread that
  * runs them in issue order. Each rank therefore enters its collectives in
  * exactly the order the caller issued them, and the calling thread blocks
- * only inside fsdp_work_wait. A work holds its tensors until it completes.
+ * only inside fsdp_work_wait (comm_work.c, with the rest of the caller's
+ * side of a work). A work holds its tensors until it completes.
  * Before a work's data moves, comm_agree (comm_debug.c) checks that every
  * rank runs the same collective.
  *
@@ -81,117 +82,15 @@ const comm_config *comm_cfg(void) {
     return &g_cfg;
 }
 
+void comm_cond_init(pthread_cond_t *cv) {
+    comm_cfg();
+    pthread_cond_init(cv, &g_condattr);
+}
+
 double comm_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static struct timespec abs_time(double t) {
-    struct timespec ts;
-    ts.tv_sec = (time_t)t;
-    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
-    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
-    return ts;
-}
-
-/* ---- statistics (fsdp_comm_stats: process-wide; fsdp_comm_counts: per family) ---- */
-
-static pthread_mutex_t stats_mu = PTHREAD_MUTEX_INITIALIZER;
-static int64_t g_gathered, g_reduced;
-static double g_wait_s;
-
-fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds) {
-    pthread_mutex_lock(&stats_mu);
-    if (gathered_bytes) *gathered_bytes = g_gathered;
-    if (reduced_bytes) *reduced_bytes = g_reduced;
-    if (wait_seconds) *wait_seconds = g_wait_s;
-    pthread_mutex_unlock(&stats_mu);
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_comm_reset_stats(void) {
-    pthread_mutex_lock(&stats_mu);
-    g_gathered = g_reduced = 0;
-    g_wait_s = 0;
-    pthread_mutex_unlock(&stats_mu);
-    return FSDP_OK;
-}
-
-/* A collective that ran: the process-wide traffic and the family's counts. */
-static void count_traffic(fsdp_work *w, fsdp_comm *c) {
-    int64_t bytes = w->n * (int64_t)fsdp_dtype_size(w->dtype);
-    int64_t gathered = 0, reduced = 0;
-    if (w->kind == K_ALL_GATHER) gathered = bytes * w->comm_size;
-    if (w->kind == K_REDUCE_SCATTER) reduced = bytes * w->comm_size;
-    if (w->kind == K_ALL_REDUCE) reduced = bytes;
-    if (gathered || reduced) {
-        pthread_mutex_lock(&stats_mu);
-        g_gathered += gathered;
-        g_reduced += reduced;
-        pthread_mutex_unlock(&stats_mu);
-    }
-    if (c && c->counts && w->kind < K_COUNTED) {
-        atomic_fetch_add(&c->counts->calls[w->kind], 1);
-        atomic_fetch_add(&c->counts->bytes[w->kind], (long long)w->fp.bytes);
-    }
-}
-
-/* ---- works ---- */
-
-void comm_work_unref(fsdp_work *w) {
-    if (atomic_fetch_sub(&w->refs, 1) != 1) return;
-    tensor_release(w->t_dst);
-    tensor_release(w->t_src);
-    tensor_release(w->t_scratch);
-    if (w->gw) comm_device_backend()->work_free(w->gw);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
-    free(w);
-}
-
-fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const char *label, int64_t bytes, int dtype,
-                          int arg, const char *opname) {
-    if (comm_cfg()->error[0]) return fsdp_set_error(FSDP_ERR_INVALID, "%s: %s", opname, g_cfg.error);
-    fsdp_work *w = calloc(1, sizeof *w);
-    if (!w) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory for a work handle", opname);
-    atomic_init(&w->refs, 1);
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_cond_init(&w->cv, &g_condattr);
-    w->kind = kind;
-    w->comm = c;
-    w->counted = kind != K_FREE;
-    snprintf(w->comm_name, sizeof w->comm_name, "%s", c->name);
-    w->comm_size = c->size;
-    if (!label) label = "";
-    w->fp.comm_id = c->id;
-    w->fp.bytes = (uint64_t)bytes;
-    w->fp.label_hash = comm_hash_str(label);
-    w->fp.kind = kind;
-    w->fp.dtype = dtype;
-    w->fp.arg = arg;
-    snprintf(w->fp.label, sizeof w->fp.label, "%s", label);
-    *out = w;
-    return FSDP_OK;
-}
-
-/* Gives the work's tensors back (once; from whichever thread gets there
- * first: the comm thread at completion, or a waiting thread once the
- * compute stream is ordered after a CUDA collective). */
-static void work_drop_tensors(fsdp_work *w) {
-    pthread_mutex_lock(&w->mu);
-    fsdp_tensor *a = w->t_dst, *b = w->t_src, *c = w->t_scratch;
-    w->t_dst = w->t_src = w->t_scratch = NULL;
-    pthread_mutex_unlock(&w->mu);
-    tensor_release(a);
-    tensor_release(b);
-    tensor_release(c);
-}
-
-/* Whether a CUDA collective reached the comm stream, so that its tensors
- * must live until the GPU is done with it. */
-static bool work_on_gpu(const fsdp_work *w) {
-    return w->gw && comm_device_backend()->work_recorded(w->gw);
 }
 
 /* ---- the queue ---- */
@@ -280,27 +179,6 @@ void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t nam
     snprintf(comm_name, name_size, "%s", q_current_comm);
     *comm_size = q_current_size;
     pthread_mutex_unlock(&q_mu);
-}
-
-int comm_last_error_len(const char **e) {
-    char suffix[32];
-    snprintf(suffix, sizeof suffix, " [rank %d]", fsdp_current_rank());
-    *e = fsdp_last_error();
-    size_t n = strlen(*e), k = strlen(suffix);
-    if (n >= k && strcmp(*e + n - k, suffix) == 0) n -= k;
-    return (int)n;
-}
-
-/* The comm thread's error, kept in the work for the waiting thread (whose
- * fsdp_set_error adds " [rank N]" back). */
-static void work_take_error(fsdp_work *w, fsdp_status st) {
-    const char *e;
-    int n = comm_last_error_len(&e);
-    char what[160];
-    comm_fp_describe(&w->fp, false, what, sizeof what);
-    snprintf(w->msg, sizeof w->msg, "%s (collective #%llu on comm %s(%d)): %.*s", what,
-             (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, n, e);
-    w->status = st;
 }
 
 /* ---- host collectives on the comm thread ---- */
@@ -506,7 +384,7 @@ static void poll_inflight(void) {
         if (r > 0) {
             g_inflight = w->gnext;
             if (!g_inflight) g_inflight_tail = NULL;
-            work_drop_tensors(w);
+            comm_work_drop_tensors(w);
             comm_work_unref(w);
             continue;
         }
@@ -553,13 +431,13 @@ static void run_work(fsdp_work *w) {
     fsdp_status st = comm_agree(w);
     set_state(RS_MOVING);
     if (st != FSDP_OK) {
-        if (w->status == FSDP_OK) work_take_error(w, st);   /* the exchange itself failed */
+        if (w->status == FSDP_OK) comm_work_take_error(w, st);   /* the exchange itself failed */
         return;
     }
     if (w->device == FSDP_DEVICE_CUDA) {
         st = run_gpu(w);
-        if (st != FSDP_OK) work_take_error(w, st);
-        else count_traffic(w, c);
+        if (st != FSDP_OK) comm_work_take_error(w, st);
+        else comm_count_traffic(w, c);
         return;
     }
     /* A counting communicator leaves tensors of other devices untouched:
@@ -568,7 +446,7 @@ static void run_work(fsdp_work *w) {
     if (!touch && c->be == &comm_count_backend && device_is_host_like(w->device)) {
         st = count_scratch(w);
         if (st != FSDP_OK) {
-            work_take_error(w, st);
+            comm_work_take_error(w, st);
             return;
         }
     }
@@ -584,10 +462,10 @@ static void run_work(fsdp_work *w) {
     case K_FREE: st = run_free(w); break;
     }
     if (st != FSDP_OK) {
-        work_take_error(w, st);
+        comm_work_take_error(w, st);
         return;
     }
-    count_traffic(w, w->comm ? c : NULL);
+    comm_count_traffic(w, w->comm ? c : NULL);
 }
 
 /* ---- the comm thread ---- */
@@ -663,8 +541,8 @@ static void *comm_thread_main(void *arg) {
         set_state(RS_IDLE);
         /* Completion: the tensors go back now, not when the handle is freed;
          * those of a CUDA collective once the GPU is done with them. */
-        if (work_on_gpu(w)) inflight_push(w);
-        else work_drop_tensors(w);
+        if (comm_work_on_gpu(w)) inflight_push(w);
+        else comm_work_drop_tensors(w);
         pthread_mutex_lock(&w->mu);
         w->done = true;
         pthread_cond_broadcast(&w->cv);
@@ -714,151 +592,6 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
     fsdp_status st = fsdp_work_wait(w);
     comm_work_unref(w);
     return st;
-}
-
-/* ---- public: works ---- */
-
-/* A CUDA collective the comm thread has enqueued: order the compute stream
- * after it (or, with FSDP_NCCL_BLOCKING_WAIT, wait for the GPU here, under
- * the watchdog); then its tensors may go back. */
-static fsdp_status gpu_wait(fsdp_work *w, double t0) {
-    const comm_backend *dev = comm_device_backend();
-    fsdp_status st = FSDP_OK;
-    if (g_cfg.blocking_wait) {
-        for (;;) {
-            int r = dev->work_poll(w->gw, NULL);
-            if (r > 0) break;
-            if (r < 0) {
-                st = FSDP_ERR_COMM;
-                break;
-            }
-            if (g_cfg.watchdog_s > 0 && comm_now() - t0 > g_cfg.watchdog_s) comm_watchdog_fire(w, comm_now() - t0);
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
-        }
-    } else {
-        st = dev->work_wait(w->gw);
-    }
-    if (st != FSDP_OK) {
-        /* the buffers stay held (until the handle goes): the GPU may still use them */
-        const char *e;
-        int n = comm_last_error_len(&e);
-        char what[160];
-        comm_fp_describe(&w->fp, false, what, sizeof what);
-        return fsdp_set_error(st, "%s (collective #%llu on comm %s(%d)): %.*s", what, (unsigned long long)w->fp.seq,
-                              w->comm_name, w->comm_size, n, e);
-    }
-    work_drop_tensors(w);
-    return FSDP_OK;
-}
-
-/* fsdp_comm_abandon: waits give up (the REPL, when a peer failed a chunk). */
-static _Atomic int g_abandon_on;
-static long long g_abandoned;
-static char g_abandon_reason[512];
-static pthread_mutex_t g_abandon_mu = PTHREAD_MUTEX_INITIALIZER;
-
-fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned) {
-    pthread_mutex_lock(&g_abandon_mu);
-    if (abandoned) *abandoned = g_abandoned;
-    if (reason) {
-        snprintf(g_abandon_reason, sizeof g_abandon_reason, "%s", reason);
-        g_abandon_on = 1;
-    } else {
-        g_abandon_on = 0;
-        g_abandoned = 0;
-    }
-    pthread_mutex_unlock(&g_abandon_mu);
-    return FSDP_OK;
-}
-
-static fsdp_status abandon_wait(fsdp_work *w) {
-    pthread_mutex_lock(&g_abandon_mu);
-    g_abandoned++;
-    char what[160];
-    comm_fp_describe(&w->fp, false, what, sizeof what);
-    fsdp_status st = fsdp_set_error(FSDP_ERR_COMM, "%s (collective #%llu on comm %s(%d)) abandoned: %s", what,
-                                    (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, g_abandon_reason);
-    pthread_mutex_unlock(&g_abandon_mu);
-    return st;
-}
-
-fsdp_status fsdp_work_wait(fsdp_work *w) {
-    if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
-    comm_cfg();
-    double t0 = comm_now();
-    pthread_mutex_lock(&w->mu);
-    /* Later than the comm thread's own watchdog, which reports more. */
-    double limit = g_cfg.watchdog_s + comm_watchdog_grace() + 1;
-    while (!w->done) {
-        if (g_abandon_on) {
-            pthread_mutex_unlock(&w->mu);
-            return abandon_wait(w);   /* the work keeps its tensors: the comm thread may still use them */
-        }
-        /* wake up now and then to see fsdp_comm_abandon */
-        double until = t0 + (g_cfg.watchdog_s > 0 ? limit : 1e18), tick = comm_now() + 0.1;
-        struct timespec dl = abs_time(tick < until ? tick : until);
-        int rc = pthread_cond_timedwait(&w->cv, &w->mu, &dl);
-        if (rc == ETIMEDOUT && !w->done && g_cfg.watchdog_s > 0 && comm_now() - t0 > limit) {
-            pthread_mutex_unlock(&w->mu);
-            comm_watchdog_fire(w, comm_now() - t0);
-            pthread_mutex_lock(&w->mu);
-        }
-    }
-    w->observed = true;
-    fsdp_status st = w->status;
-    pthread_mutex_unlock(&w->mu);
-    if (fsdp_trace_on)
-        trace_event_add(TRACE_COMPUTE, "wait", w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, t0 * 1e6,
-                        trace_now());
-    fsdp_status gst = work_on_gpu(w) ? gpu_wait(w, t0) : FSDP_OK;
-    double dt = comm_now() - t0;
-    pthread_mutex_lock(&stats_mu);
-    g_wait_s += dt;
-    pthread_mutex_unlock(&stats_mu);
-    /* The comm thread's message, re-set on this thread. */
-    if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);
-    return gst;
-}
-
-/* *done = 1 once complete; a completed work that failed returns its error. */
-fsdp_status fsdp_work_test(fsdp_work *w, int *done) {
-    if (!w || !done) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_test: %s is NULL", w ? "done" : "work");
-    pthread_mutex_lock(&w->mu);
-    bool is_done = w->done;
-    fsdp_status st = w->done ? w->status : FSDP_OK;
-    pthread_mutex_unlock(&w->mu);
-    if (is_done && work_on_gpu(w)) {   /* enqueued: done once the GPU is */
-        int r = comm_device_backend()->work_poll(w->gw, NULL);
-        if (r == 0) is_done = false;
-        if (r < 0 && st == FSDP_OK) {
-            const char *e;
-            int n = comm_last_error_len(&e);
-            snprintf(w->msg, sizeof w->msg, "%.*s", n, e);
-            st = FSDP_ERR_COMM;
-        }
-        if (r > 0) work_drop_tensors(w);
-    }
-    *done = is_done;
-    if (is_done) {
-        pthread_mutex_lock(&w->mu);
-        w->observed = true;
-        pthread_mutex_unlock(&w->mu);
-    }
-    if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);
-    return FSDP_OK;
-}
-
-/* Waits when needed; returns the collective's error only when nobody saw it
- * through fsdp_work_wait or fsdp_work_test. */
-fsdp_status fsdp_work_free(fsdp_work *w) {
-    if (!w) return FSDP_OK;
-    pthread_mutex_lock(&w->mu);
-    bool seen = w->observed;
-    pthread_mutex_unlock(&w->mu);
-    fsdp_status st = fsdp_work_wait(w);
-    comm_work_unref(w);
-    return seen ? FSDP_OK : st;
 }
 
 /* ---- shutdown ---- */
