@@ -11,8 +11,8 @@ local nn = require "fsdp.nn"
 local optim = require "fsdp.optim"
 local data = require "fsdp.data"
 local options = require "fsdp.options"
-local dist = fsdp.distributed
-local fail, log = options.fail, dist.print0
+local metrics = require "fsdp.metrics"
+local dist, log = fsdp.distributed, fsdp.distributed.print0
 
 local o = options.parse(..., {
   { "preset", nn.gpt_preset_names, "tiny", "model size: tiny (tests) or small (GPT-2 124M)" },
@@ -70,38 +70,14 @@ options.check("gpt2.lua", {   -- what cannot work is refused before anything is 
   { not o.group_size or world % o.group_size == 0, "--group-size=%s does not divide the world size %d",
     tostring(o.group_size), world },
 })
-local resume_from = o.resume and (o.resume == true and o.save_dir or o.resume)
-local resume_dir = resume_from and (fsdp.checkpoint.exists(resume_from) and resume_from or
-  fsdp.checkpoint.latest(resume_from))
-if resume_from and not resume_dir and o.resume ~= true then
-  fail("gpt2.lua: --resume=%s: no checkpoint there (none in it, nor under it)", resume_from)
-end
+local run = fsdp.checkpoint.manager { save_dir = o.save_dir, save_every = o.save_every, keep = o.keep,
+  resume = o.resume, what = "gpt2.lua" }   -- refuses a --resume=PATH without a checkpoint now
 
 -- Data: each rank reads its rows of every global batch. Evaluation reads
 -- data held out from training: --val-data, or else the last tenth of a
 -- text file, a folder's val_* shards, or a glob's last shard.
-local function loader(path, split)
-  local spec = { batch = o.batch, ctx = o.ctx, seed = o.seed + (split == "val" and 1 or 0), shuffle = true,
-    rank = dist.rank(), world = world }
-  if data.is_dir(path) then
-    local want = (split and split .. "_" or "") .. "*.bin"
-    spec.pattern = data.glob(path:gsub("/+$", "") .. "/" .. want)
-    if #spec.pattern == 0 then fail("gpt2.lua: no token shards (%s) in the folder %s", want, path) end
-  elseif path:match("%.bin$") or path:match("[%*%?]") then
-    local files = data.glob(path)
-    if #files == 0 then fail("gpt2.lua: no token shards match '%s'", path) end
-    spec.pattern = files
-    if split and #files > 1 then spec.pattern = split == "val" and { files[#files] } or { unpack(files, 1, #files - 1) } end
-  else
-    local why = options.file_problem(path)
-    if why then fail("gpt2.lua: '%s': %s", path, why) end
-    spec.path, spec.split = path, split
-    return data.ByteLoader(spec)
-  end
-  return data.TokenLoader(spec)
-end
-local train = loader(o.data, not o.val_data and "train" or nil)
-local val = o.val_data and loader(o.val_data) or loader(o.data, "val")
+local train, val = data.splits { data = o.data, val_data = o.val_data, batch = o.batch, ctx = o.ctx, seed = o.seed,
+  what = "gpt2.lua" }
 
 -- The model: declared here, sharded by fsdp.shard (on one rank its
 -- parameters are views of the master copy; nothing is gathered).
@@ -122,53 +98,14 @@ local lr_at = optim.schedule.cosine(o.lr, o.warmup, o.steps, o.min_lr)
 
 -- Checkpoints: each rank writes its shard (any rank count can load them):
 -- parameters, optimizer, step, both loaders' positions and the dropout RNG.
-local first_step = 1
-if resume_dir then
-  local info = fsdp.checkpoint.load(resume_dir, { model = sharded, optim = opt })
-  first_step = info.step + 1
-  train:set_state(info.data)
-  if info.extra and info.extra.val then val:set_state(info.extra.val) end
-  if info.rng then nn.set_rng_state(info.rng) end
-  log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", resume_dir,
-    info.world_size, info.step, info.data.index, info.data.epoch)
-elseif resume_from then
-  log("--resume: no checkpoint under %s yet; starting at step 1", resume_from)
-end
-local function save_checkpoint(step)
-  local dir = fsdp.checkpoint.save_step(o.save_dir, step, {
-    model = sharded, optim = opt, step = step, data = train:state(), rng = nn.rng_state(),
-    schedule = { step = step, kind = "cosine", lr = o.lr, warmup = o.warmup, total = o.steps, min_lr = o.min_lr },
-    extra = { val = val:state(), preset = o.preset, model = o.model, seed = o.seed },
-  }, { keep = o.keep > 0 and o.keep or nil })
-  log("step %5d | saved %s", step, dir)
-end
+local first_step = run:load { model = sharded, optim = opt, data = train, val = val,
+  schedule = { kind = "cosine", lr = o.lr, warmup = o.warmup, total = o.steps, min_lr = o.min_lr },
+  extra = { preset = o.preset, model = o.model, seed = o.seed } }
 
-local function evaluate()
-  model:eval()
-  local total = 0
-  fsdp.no_grad(function()
-    for _ = 1, o.eval_steps do
-      local x, y = val:next()
-      local logits, loss = model(x, y)
-      total = total + loss:item()
-      for _, t in ipairs({ x, y, logits, loss }) do t:free() end
-      fsdp.collect()   -- the forward's intermediates go back now, not when Lua's collector runs
-    end
-  end)
-  model:train()
-  return dist.mean(total / o.eval_steps)
-end
-
-local now = require("fsdp.timer").now
-local tokens, t_total, peak_total = o.batch * o.ctx, 0, 0
--- per-step figures (max over ranks) for the log line and --metrics
-local meter = require("fsdp.metrics").new {
-  path = o.metrics, tokens_per_step = tokens,
-  flops_per_token = require("fsdp.metrics").gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx),
-}
+local meter = metrics.new { path = o.metrics, tokens_per_step = o.batch * o.ctx,   -- per step, max over ranks
+  flops_per_token = metrics.gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx) }
 if meter.peak_flops then log("MFU against %.1f TFLOP/s (%s)", meter.peak_flops / 1e12, meter.peak_source) end
 for step = first_step, o.steps do
-  local t0 = now()
   meter:begin_step()
   local lr = lr_at(step)
   opt:set_lr(lr)
@@ -187,34 +124,25 @@ for step = first_step, o.steps do
   local norm = o.clip > 0 and sharded:clip_grad_norm(o.clip) or sharded:grad_norm()
   opt:step()
   opt:zero_grad()
-  loss = dist.mean(loss)
-  local rec = meter:end_step { step = step, loss = loss, lr = lr, grad_norm = norm }
-  local dt = now() - t0
-  t_total = t_total + dt
-  peak_total = math.max(peak_total, rec.peak_bytes.total)
+  local rec = meter:end_step { step = step, loss = dist.mean(loss), lr = lr, grad_norm = norm }
   if step == 1 or step % o.log_every == 0 or step == o.steps then log("%s", meter:format(rec)) end
   if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps) then
-    local el = evaluate()
+    local el = require("fsdp.evaluate").loss(model, val, o.eval_steps)
     meter:record { step = step, eval_loss = el }
     log("step %5d | eval loss %.4f", step, el)
   end
-  if o.save_every > 0 and step % o.save_every == 0 then save_checkpoint(step) end
+  run:maybe_save(step)
 end
 meter:close()
+local summary = meter:summary()
 log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (max over ranks)", o.steps,
-  t_total / math.max(1, o.steps - first_step + 1) * 1e3, peak_total / 2 ^ 20)
+  summary.mean_step_ms, summary.peak_bytes / 2 ^ 20)
 
 if o.sample > 0 then   -- every rank runs the forwards (sharded units gather collectively)
   local prompt = val:next():narrow(1, 1, 1):narrow(2, 1, math.min(16, o.ctx))
   local rows = model:generate(prompt, o.sample, { top_k = o.top_k, seed = o.seed })
-  if cfg.vocab_size == 256 then
-    log("sample: %s", (data.decode_bytes(rows[1]):gsub("[%c]", " ")))
-  elseif cfg.vocab_size == 50257 then   -- GPT-2's vocabulary: decoded with its tokenizer
-    local ok, text = pcall(function() return require("fsdp.tokenizer").gpt2():decode(rows[1]) end)
-    if ok then log("sample: %s", (text:gsub("[%c]", " "))) else log("sample tokens: %s", table.concat(rows[1], " ")) end
-  else
-    log("sample tokens: %s", table.concat(rows[1], " "))
-  end
+  local text, decoded = require("fsdp.tokenizer").printable(rows[1], cfg.vocab_size)
+  log("sample%s: %s", decoded and "" or " tokens", text)
 end
 if o.export then   -- HF names; streamed unit by unit, never the whole model on one rank
   fsdp.checkpoint.export(o.export, sharded, { hf = true })

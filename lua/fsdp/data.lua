@@ -17,6 +17,7 @@
 --                               seed = 1, shuffle = true, rank = r, world = w }
 --   local x, y = L:next()
 --   local st = L:state()   ... L:set_state(st)   -- resume exactly
+--   local train, val = data.splits{ data = "shards", batch = 8, ctx = 256, seed = 1 }   -- a recipe's two loaders
 
 local ffi = require "ffi"
 local bit = require "bit"
@@ -514,6 +515,75 @@ function M.ByteLoader(opts)
   L.files = { opts.path }
   L.text = text          -- keeps the bytes base points into alive
   return L
+end
+
+-- ---- a recipe's data: training and held-out loaders from a path ----
+
+-- Mistakes in the paths a user gave are usage errors: one line, exit 2.
+local function usage_error(...) require("fsdp.options").fail(...) end
+
+--- data.open(path, split, spec) -> a loader. path is a text file (its bytes
+-- are the tokens), a folder of .bin token shards, a glob of them or one
+-- shard; split nil (all of it), "train" or "val" picks the part:
+-- a text file's first nine tenths or last tenth (data.split_range), a
+-- folder's train_*.bin or val_*.bin, a glob's shards but the last or its
+-- last (a glob of one shard gives that shard to both). spec holds the loader
+-- options (batch, ctx, seed, shuffle, rank, world, dtype, device, tag) and
+-- spec.what, the name that prefixes a usage error (default "data.open"):
+-- a missing or unreadable file, a folder without shards, a glob that
+-- matches none. Damaged shards raise the loaders' own errors.
+function M.open(path, split, spec)
+  local what = spec.what or "data.open"
+  if type(path) ~= "string" then usage_error("%s: the data path must be a string, got %s", what, type(path)) end
+  if split ~= nil and split ~= "train" and split ~= "val" then
+    raise(fmt("%s: split must be nil, 'train' or 'val', got '%s'", what, tostring(split)))
+  end
+  local opts = {}
+  for k, v in pairs(spec) do if k ~= "what" then opts[k] = v end end
+  if is_dir(path) then
+    local want = (split and split .. "_" or "") .. "*.bin"
+    opts.pattern = M.glob(path:gsub("/+$", "") .. "/" .. want)
+    if #opts.pattern == 0 then usage_error("%s: no token shards (%s) in the folder %s", what, want, path) end
+  elseif path:match("%.bin$") or path:match("[%*%?]") then
+    local files = M.glob(path)
+    if #files == 0 then usage_error("%s: no token shards match '%s'", what, path) end
+    opts.pattern = files
+    if split and #files > 1 then
+      opts.pattern = split == "val" and { files[#files] } or { unpack(files, 1, #files - 1) }
+    end
+  else
+    local why = require("fsdp.options").file_problem(path)
+    if why then usage_error("%s: '%s': %s", what, path, why) end
+    opts.path, opts.split = path, split
+    return M.ByteLoader(opts)
+  end
+  return M.TokenLoader(opts)
+end
+
+--- data.splits{ data = PATH, val_data = PATH or nil, batch, ctx, seed = 0,
+--   shuffle = true, rank, world, what, ... } -> train, val: the loaders of a
+-- training run. Training reads data; evaluation reads val_data when given
+-- (and training then all of data), else the part of data held out from
+-- training (data.open's "val" split, training its "train" split), whose
+-- order is drawn from seed + 1. rank and world default
+-- to this process's place in the job (fsdp.distributed). Both paths are
+-- checked before the first batch is read, the training path first.
+function M.splits(opts)
+  if type(opts) ~= "table" then raise("data.splits: expected an options table") end
+  local spec = {}
+  for k, v in pairs(opts) do if k ~= "data" and k ~= "val_data" then spec[k] = v end end
+  local dist = require "fsdp.distributed"
+  if spec.rank == nil then spec.rank = dist.rank() end
+  if spec.world == nil then spec.world = dist.world() end
+  if spec.shuffle == nil then spec.shuffle = true end
+  spec.seed = spec.seed or 0
+  spec.what = spec.what or "data.splits"
+  if opts.val_data then
+    return M.open(opts.data, nil, spec), M.open(opts.val_data, nil, spec)
+  end
+  local train = M.open(opts.data, "train", spec)
+  spec.seed = spec.seed + 1
+  return train, M.open(opts.data, "val", spec)
 end
 
 --- data.split_range(n, val_fraction, split) -> first, last (1-based, inclusive):

@@ -12,6 +12,7 @@
 --     print(m:format(r))
 --   end
 --   m:record { step = step, eval_loss = el }   -- a line of other figures
+--   local s = m:summary()                      -- { steps, mean_step_ms, peak_bytes } so far
 --   m:close()
 --
 -- Every figure is this step's, never a total since the last log line:
@@ -83,7 +84,8 @@ end
 function M.new(opts)
   opts = opts or {}
   local self = setmetatable({ tokens_per_step = opts.tokens_per_step, flops_per_token = opts.flops_per_token,
-                              rank = fsdp.rank(), world = fsdp.world() }, Metrics)
+                              rank = fsdp.rank(), world = fsdp.world(),
+                              n_steps = 0, sum_step_ms = 0, peak_total = 0 }, Metrics)
   local env = tonumber(os.getenv("FSDP_PEAK_TFLOPS") or "")
   if opts.peak_flops then
     self.peak_flops, self.peak_source = opts.peak_flops, "given"
@@ -140,8 +142,18 @@ function Metrics:end_step(fig)
     end
   end
   self.t0 = nil
+  self.n_steps, self.sum_step_ms = self.n_steps + 1, self.sum_step_ms + rec.step_ms
+  self.peak_total = math.max(self.peak_total, rec.peak_bytes.total)
   self:record(rec)
   return rec
+end
+
+--- m:summary() -> { steps, mean_step_ms, peak_bytes }: over every step
+-- recorded so far (0 of each before the first), each step's figures being
+-- the maximum over ranks.
+function Metrics:summary()
+  return { steps = self.n_steps, mean_step_ms = self.sum_step_ms / math.max(1, self.n_steps),
+           peak_bytes = self.peak_total }
 end
 
 --- m:record(t): one JSON line (rank 0), e.g. { step =, eval_loss = }.

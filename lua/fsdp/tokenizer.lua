@@ -8,6 +8,7 @@
 --   local ids = tok:encode("Hello world")          -- { 15496, 995 }
 --   local s   = tok:decode(ids)                    -- "Hello world"
 --   local buf, n = tok:encode_buffer(text)         -- uint16_t[n] cdata, for shards
+--   print(tokenizer.printable(ids, 50257))          -- a sample on one line (bytes for vocab 256)
 --
 -- Encoding is GPT-2's: the text is cut into pieces by the rule
 --   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -370,5 +371,23 @@ end
 
 --- tok:token_bytes(id) -> the bytes of one token (nil when unknown).
 function Tokenizer:token_bytes(id) return self.decoder[id] end
+
+--- tokenizer.printable(ids, vocab_size) -> text, decoded: a model's tokens
+-- (a Lua list) for a log line. A vocabulary of 256 is bytes; GPT-2's
+-- (50257) is decoded with tokenizer.gpt2() when its files are there and
+-- every id is in it; control characters (newlines too) show as spaces, so
+-- the text stays on one line. decoded is false when no decoder fits: text
+-- is then the ids, separated by spaces.
+function M.printable(ids, vocab_size)
+  if type(ids) ~= "table" then error("tokenizer.printable: ids must be a Lua list, got " .. type(ids), 2) end
+  local ok, text
+  if vocab_size == 256 then
+    ok, text = true, require("fsdp.data").decode_bytes(ids)
+  elseif vocab_size == 50257 then
+    ok, text = pcall(function() return M.gpt2():decode(ids) end)
+  end
+  if not ok then return concat(ids, " "), false end
+  return (text:gsub("%c", " ")), true
+end
 
 return M

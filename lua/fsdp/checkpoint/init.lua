@@ -9,6 +9,9 @@
 --   ck.save_step("ckpt", 100, state, { keep = 3 })   -- ckpt/step_00000100, keeps the last 3
 --   local dir = ck.latest("ckpt")                     -- newest complete one, or nil
 --   ck.export("gpt2.safetensors", sharded, { hf = true })
+--   local run = ck.manager{ save_dir = "ckpt", save_every = 50, keep = 3, resume = true }   -- a training run's
+--   local first = run:load{ model = sharded, optim = opt, data = train, val = val }     -- 1, or on from the newest
+--   for step = first, steps do ... run:maybe_save(step) end
 --   ck.import("gpt2.safetensors", sharded)
 --
 -- save, load, export and import take opts.progress: a function(op, done,
@@ -148,6 +151,93 @@ function M.save_step(root, step, state, opts)
       for i = 1, #list - keep do remove_tree(list[i].dir) end
     end
   end)
+  return dir
+end
+
+-- ---- a training run's checkpoints: resume, then save on a schedule ----
+
+local Manager = {}
+Manager.__index = Manager
+
+-- A copy of table t (nil: none) with t[k] = v.
+local function with(t, k, v)
+  local c = {}
+  for key, x in pairs(t or {}) do c[key] = x end
+  c[k] = v
+  return c
+end
+
+--- fsdp.checkpoint.manager{ save_dir = DIR, save_every = N (0: never),
+--   keep = K (0 or nil: all), resume = nil | true | PATH, what = "recipe",
+--   log = fn } -> the checkpoints of one training run, named as a recipe's
+-- options (--save-dir, --save-every, --keep, --resume) name them. Make it
+-- before anything is built: it finds where to resume from, and a mistake
+-- is a usage error (one line) before any work is done.
+--   resume == true: the newest complete checkpoint in save_dir; none yet is
+--   a fresh start.  resume == PATH: that checkpoint, or the newest under
+--   PATH; none is a usage error.
+-- m.dir is the checkpoint to resume from (nil: a fresh start). log (default
+-- fsdp.distributed.print0) gets the lines that say what happened.
+function M.manager(opts)
+  if type(opts) ~= "table" then raise("fsdp.checkpoint.manager: expected an options table") end
+  local what = opts.what or "fsdp.checkpoint.manager"
+  local save_dir, every, keep, resume = opts.save_dir, opts.save_every or 0, opts.keep or 0, opts.resume
+  if type(save_dir) ~= "string" or save_dir == "" then raise(what .. ": save_dir must be a non-empty string") end
+  if not is_uint(every) then raise(what .. ": save_every must be a non-negative integer, got " .. tostring(every)) end
+  if not is_uint(keep) then raise(what .. ": keep must be a non-negative integer, got " .. tostring(keep)) end
+  if resume ~= nil and resume ~= false and resume ~= true and type(resume) ~= "string" then
+    raise(what .. ": resume must be nil, true or a path, got " .. type(resume))
+  end
+  local self = setmetatable({ save_dir = save_dir, save_every = every, keep = keep, what = what,
+    log = opts.log or require("fsdp.distributed").print0 }, Manager)
+  if resume then
+    self.resume_from = resume == true and save_dir or resume
+    self.dir = M.exists(self.resume_from) and self.resume_from or M.latest(self.resume_from)
+    if not self.dir and resume ~= true then
+      require("fsdp.options").fail("%s: --resume=%s: no checkpoint there (none in it, nor under it)", what, resume)
+    end
+  end
+  return self
+end
+
+--- m:load{ model = sharded, optim = opt, data = loader, val = loader,
+--   schedule = {...}, extra = {...} } -> the first step to run: 1 on a
+-- fresh start, else the saved step + 1, with the model, the optimizer, both
+-- loaders' positions and the dropout RNG as they were saved. Collective.
+-- The parts are kept for maybe_save: schedule and extra (plain tables)
+-- are saved with every checkpoint, the schedule with its step.
+function Manager:load(parts)
+  if type(parts) ~= "table" or parts.model == nil or parts.data == nil then
+    raise(self.what .. ": load needs { model =, data = (the training loader), optim =, val = }")
+  end
+  self.parts = parts
+  local nn = require "fsdp.nn"
+  if not self.dir then
+    if self.resume_from then self.log("--resume: no checkpoint under %s yet; starting at step 1", self.resume_from) end
+    return 1
+  end
+  local info = M.load(self.dir, { model = parts.model, optim = parts.optim })
+  parts.data:set_state(info.data)
+  if parts.val and info.extra and info.extra.val then parts.val:set_state(info.extra.val) end
+  if info.rng then nn.set_rng_state(info.rng) end
+  self.log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", self.dir,
+    info.world_size, info.step, info.data.index, info.data.epoch)
+  return info.step + 1
+end
+
+--- m:maybe_save(step) -> the checkpoint's folder when save_every divides
+-- step (save_dir/step_NNNNNNNN, keeping the newest keep), else nil.
+-- Collective: every rank calls it after every step.
+function Manager:maybe_save(step)
+  if self.save_every == 0 or step % self.save_every ~= 0 then return nil end
+  local p = self.parts
+  if not p then raise(self.what .. ": maybe_save before load (load gives the parts to save)") end
+  local dir = M.save_step(self.save_dir, step, {
+    model = p.model, optim = p.optim, step = step, data = p.data:state(), rng = require("fsdp.nn").rng_state(),
+    schedule = p.schedule and with(p.schedule, "step", step),
+    extra = with(p.extra, "val", p.val and p.val:state()),
+  }, { keep = self.keep > 0 and self.keep or nil })
+  self.log("step %5d | saved %s", step, dir)
   return dir
 end
 

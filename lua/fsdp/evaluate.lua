@@ -1,0 +1,36 @@
+-- fsdp.evaluate: a model's loss on held-out data, the same on one rank and
+-- on many.
+--
+--   local evaluate = require "fsdp.evaluate"
+--   local loss = evaluate.loss(model, val_loader, 4)   -- mean over 4 batches and over ranks
+local fsdp = require "fsdp"
+
+local M = {}
+
+--- evaluate.loss(model, loader, n) -> the mean of n batches' losses,
+-- averaged over ranks (each rank's loader gives its rows of a global
+-- batch). model(x, y) returns logits, loss, as the nn language models do.
+-- The model runs in eval mode (no dropout) without gradients, and is back
+-- in the mode it was in afterwards. Collective: every rank calls it.
+function M.loss(model, loader, n)
+  if type(n) ~= "number" or n < 1 or n ~= math.floor(n) then
+    error("evaluate.loss: n (batches) must be a positive integer, got " .. tostring(n), 2)
+  end
+  local was_training = model.training
+  model:eval()
+  local total = 0
+  local ok, err = pcall(fsdp.no_grad, function()
+    for _ = 1, n do
+      local x, y = loader:next()
+      local logits, loss = model(x, y)
+      total = total + loss:item()
+      for _, t in ipairs({ x, y, logits, loss }) do t:free() end
+      fsdp.collect()   -- the forward's intermediates go back now, not when Lua's collector runs
+    end
+  end)
+  model:train(was_training ~= false)
+  if not ok then error(err, 0) end
+  return fsdp.distributed.mean(total / n)
+end
+
+return M
