@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # recipes/gpt2.lua as the README runs it, on 2 ranks (tiny preset, a short
 # run): it exits 0, the log parses, the loss falls, evaluation and the
-# sample are there, every log line comes once (from rank 0), and option
-# mistakes are one line, printed once, with exit status 2.
+# sample are there, every log line comes once (from rank 0), option
+# mistakes are one line, printed once, with exit status 2, and a run resumed
+# from a checkpoint goes on as the uninterrupted run did.
 #   bash recipe_gpt2.sh MPIRUN... -- LAUNCHER
 set -u
 mpirun=()
@@ -36,6 +37,25 @@ grep -q "traceback" <<<"$out" && bad "no traceback for an option error" "$out" |
 out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --batch=3 2>&1); rc=$?
 [ $rc -ne 0 ] && [ "$(grep -c 'batch=3 is not divisible by 2 ranks' <<<"$out")" -eq 1 ] && ok ||
   bad "a batch the ranks cannot split, once" "$out"
+
+# checkpoints: a run resumed from its step-3 checkpoint logs the same steps 4-6
+# as the run that went on (same schedule: --steps=6 both times)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+args=(recipes/gpt2.lua --steps=6 --log-every=1 --eval-every=0 --sample=0 --save-every=3 --save-dir="$TMP/ck")
+steps_of() { grep -E '^step +[4-6] \| loss' <<<"$1" | sed -E 's/^(step +[0-9]+ \| loss [0-9.]+) .*/\1/'; }
+whole=$("${mpirun[@]}" 2 "$L" "${args[@]}" 2>&1); rc=$?
+[ $rc -eq 0 ] && [ -d "$TMP/ck/step_00000003" ] && [ -d "$TMP/ck/step_00000006" ] && ok ||
+  bad "a 2-rank run saves at steps 3 and 6" "$whole"
+resumed=$("${mpirun[@]}" 2 "$L" "${args[@]}" --resume="$TMP/ck/step_00000003" 2>&1); rc=$?
+[ $rc -eq 0 ] && ok || bad "the resumed run exits $rc" "$resumed"
+[ "$(grep -c "^resumed from $TMP/ck/step_00000003 (saved by 2 rank(s)): step 3" <<<"$resumed")" -eq 1 ] && ok ||
+  bad "one line says where it resumed from" "$resumed"
+grep -qE '^step +[1-3] \| loss' <<<"$resumed" && bad "the resumed run starts at step 4" "$resumed" || ok
+a=$(steps_of "$whole"); b=$(steps_of "$resumed")
+[ "$(wc -l <<<"$a")" -eq 3 ] && [ "$a" = "$b" ] && ok || bad "steps 4-6 resumed equal steps 4-6 run through" "$a
+--- resumed:
+$b"
 
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ] && [ $pass -gt 0 ]
