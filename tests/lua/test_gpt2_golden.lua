@@ -6,35 +6,17 @@
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
-local nn = require "fsdp.nn"
 local optim = require "fsdp.optim"
 local st = require "fsdp.safetensors"
 
 local TOL = 1e-4
 
-local init, meta = st.load("tests/fixtures/gpt2_tiny_init.safetensors")
 local gold = st.load("tests/fixtures/gpt2_tiny_golden.safetensors")
-
-local cfg = {
-  vocab_size = tonumber(meta.vocab_size), n_layer = tonumber(meta.n_layer), n_head = tonumber(meta.n_head),
-  n_embd = tonumber(meta.n_embd), block_size = tonumber(meta.block_size),
-}
-local model = nn.GPT(cfg)
-model:from_hf(init)
+local model, cfg = t.gpt2_tiny_fixture()
 t.eq(model:num_parameters() - (model.padded_vocab - cfg.vocab_size) * cfg.n_embd, 35584,
   "parameter count matches the torch model (padding rows aside)")
 
--- relative error of two tensors in the L2 sense, computed in Lua doubles
-local function rel_err(a, b)
-  local x, y = a:float():contiguous():view(-1):tolist(), b:float():contiguous():view(-1):tolist()
-  if #x ~= #y then return math.huge end
-  local num, den = 0, 0
-  for i = 1, #x do
-    num = num + (x[i] - y[i]) ^ 2
-    den = den + y[i] ^ 2
-  end
-  return math.sqrt(num / math.max(den, 1e-30))
-end
+local rel_err = t.rel_err   -- ||engine - torch|| / ||torch||, in Lua doubles
 
 local function close(a, b, name)
   local e = rel_err(a, b)

@@ -12,37 +12,20 @@
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
-local nn = require "fsdp.nn"
 local st = require "fsdp.safetensors"
 
 local TOL_LOSS = 2 ^ -9       -- relative, the loss (one scalar)
 local TOL = 2 ^ -5            -- relative L2, logits and every gradient
 
-local init, meta = st.load("tests/fixtures/gpt2_tiny_init.safetensors")
 local gold16 = st.load("tests/fixtures/gpt2_tiny_golden_bf16.safetensors")
 local gold64 = st.load("tests/fixtures/gpt2_tiny_golden.safetensors")
-
-local cfg = {
-  vocab_size = tonumber(meta.vocab_size), n_layer = tonumber(meta.n_layer), n_head = tonumber(meta.n_head),
-  n_embd = tonumber(meta.n_embd), block_size = tonumber(meta.block_size),
-}
-local model = nn.GPT(cfg)
-model:from_hf(init)
+local model, cfg = t.gpt2_tiny_fixture()
 local shapes = {}
 for _, p in ipairs(model:named_parameters()) do shapes[p.path] = p.tensor:shape() end
 -- one rank: the shards are the whole model, gathered in bf16 for compute
 local sharded = fsdp.shard(model, { mixed_precision = { compute = "bf16" } })
 
-local function rel_err(a, b)
-  local x, y = a:float():contiguous():view(-1):tolist(), b:float():contiguous():view(-1):tolist()
-  if #x ~= #y then return math.huge end
-  local num, den = 0, 0
-  for i = 1, #x do
-    num = num + (x[i] - y[i]) ^ 2
-    den = den + y[i] ^ 2
-  end
-  return math.sqrt(num / math.max(den, 1e-30))
-end
+local rel_err = t.rel_err
 
 local function close(a, b, f64, name)
   local e = rel_err(a, b)

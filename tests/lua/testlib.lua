@@ -6,6 +6,8 @@
 --   t.near(x, 0.5, 1e-6, "value")
 --   local err = t.raises(function() ... end, {"fsdp_matmul", "3 vs 4"}, "matmul shapes")
 --   t.no_error(function() opt:step() end, "a step over an empty group")
+--   t.rel_err(a, b)                       -- ||a - b|| / ||b|| of two tensors
+--   local model, cfg = t.gpt2_tiny_fixture()   -- the PyTorch fixtures' GPT, their init weights loaded
 --   t.done()
 --
 -- A file that made no check at all fails in done(): a test that checks
@@ -107,6 +109,34 @@ function M.token_batch(seed, B, T, vocab)
     end
   end
   return fsdp.tensor(rows, { dtype = "i64" }), fsdp.tensor(targets, { dtype = "i64" })
+end
+
+--- ||a - b|| / ||b||, the L2 relative error of two tensors (any shapes and
+-- dtypes, as many elements), computed in Lua doubles; math.huge when the
+-- element counts differ.
+function M.rel_err(a, b)
+  local x, y = a:float():contiguous():view(-1):tolist(), b:float():contiguous():view(-1):tolist()
+  if #x ~= #y then return math.huge end
+  local num, den = 0, 0
+  for i = 1, #x do
+    num = num + (x[i] - y[i]) ^ 2
+    den = den + y[i] ^ 2
+  end
+  return math.sqrt(num / math.max(den, 1e-30))
+end
+
+--- The tiny GPT-2 of the PyTorch fixtures (tools/gpt2_torch.py) -> model,
+-- cfg: an nn.GPT with the weights of tests/fixtures/gpt2_tiny_init.safetensors
+-- and the config its metadata gives. Paths are from the repository root.
+function M.gpt2_tiny_fixture()
+  local init, meta = require("fsdp.safetensors").load("tests/fixtures/gpt2_tiny_init.safetensors")
+  local cfg = {
+    vocab_size = tonumber(meta.vocab_size), n_layer = tonumber(meta.n_layer), n_head = tonumber(meta.n_head),
+    n_embd = tonumber(meta.n_embd), block_size = tonumber(meta.block_size),
+  }
+  local model = require("fsdp.nn").GPT(cfg)
+  model:from_hf(init)
+  return model, cfg
 end
 
 function M.done()
