@@ -145,6 +145,15 @@ typedef struct fsdp_device_kernels {
                       float decay, float step_size, float inv_sqrt_bc2);
     void (*sgd_f32)(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                     float weight_decay, int nesterov, int first);
+    /* adamw_f32 over n flat f32 tensors at once: tensor i is p[i], g[i],
+     * m[i], v[i] of counts[i] elements with its own decay[i], step_size[i]
+     * and inv_sqrt_bc2[i] (host arrays of device pointers and values; the
+     * betas and eps are shared). The same float expressions as adamw_f32,
+     * element for element. CUDA: one launch per 64 tensors. Optional (NULL:
+     * the op layer calls adamw_f32 per tensor). */
+    void (*adamw_many_f32)(float *const *p, const float *const *g, float *const *m, float *const *v,
+                           const int64_t *counts, const float *decay, const float *step_size,
+                           const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps);
 } fsdp_device_kernels;
 
 /* The table of a device, or NULL when it is not built or has no hardware. */

@@ -202,6 +202,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .dropout_f32 = cuda_dropout_f32,
     .adamw_f32 = cuda_adamw_f32,
     .sgd_f32 = cuda_sgd_f32,
+    .adamw_many_f32 = cuda_adamw_many_f32,
 };
 
 /* ---- start-up ---- */

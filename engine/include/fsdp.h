@@ -359,6 +359,15 @@ fsdp_status fsdp_sumsq_many(fsdp_tensor *const *ts, int n, double *out);
  * moments; step counts from 1. */
 fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
                             double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
+/* fsdp_adamw_step over n parameters at once (one device): parameter i with
+ * grads[i], exp_avgs[i], exp_avg_sqs[i], learning rate lrs[i], weight decay
+ * weight_decays[i] and step steps[i]; the betas and eps are shared. All are
+ * checked before any is updated; devices that have it update them all in a
+ * few launches (CUDA: one per 64 tensors), the others one tensor at a time.
+ * Results equal n calls of fsdp_adamw_step. */
+fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const *grads, fsdp_tensor *const *exp_avgs,
+                                 fsdp_tensor *const *exp_avg_sqs, const double *lrs, const double *weight_decays,
+                                 const int64_t *steps, int n, double beta1, double beta2, double eps);
 /* SGD as PyTorch defines it; momentum_buf may be NULL when momentum is 0.
  * first_step initializes the buffer with the gradient. */
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,

@@ -54,6 +54,12 @@ static int64_t sum_counts(const int64_t *counts, int n) {
     return s;
 }
 
+static int64_t nonempty(const int64_t *counts, int n) {
+    int64_t k = 0;
+    for (int i = 0; i < n; i++) k += counts[i] > 0;
+    return k;
+}
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -223,7 +229,11 @@ static int64_t sum_counts(const int64_t *counts, int n) {
       1, 0, )                                                                                                      \
     X(void, sgd_f32, "optimizer", (float *p, const float *g, float *buf, int64_t n, float lr, float momentum,     \
       float dampening, float weight_decay, int nesterov, int first), F32 * n * (buf ? 3 : 2),                     \
-      F32 * n * (buf ? 2 : 1), 4 * n, 1, 0, )
+      F32 * n * (buf ? 2 : 1), 4 * n, 1, 0, )                                                                      \
+    X(void, adamw_many_f32, "optimizer", (float *const *p, const float *const *g, float *const *m,               \
+      float *const *v, const int64_t *counts, const float *decay, const float *step_size,                         \
+      const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps), 4 * F32 * sum_counts(counts, n),    \
+      3 * F32 * sum_counts(counts, n), 12 * sum_counts(counts, n), (nonempty(counts, n) + 63) / 64, 0, )
 
 /* ---- counters ---- */
 

@@ -3,6 +3,7 @@
  * Each step is a single pass: every element is read and written once. */
 #include "ops_util.h"
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 /* float (f32 if need_f32), contiguous, with data, n elements (n >= 0), on
@@ -154,6 +155,92 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
                               (float)(lr / bc1), (float)(1.0 / sqrt(bc2)));
     tensor_release(g32);
     return FSDP_OK;
+}
+
+/* Many parameters: every tensor checked first, then one call of the
+ * device's adamw_many_f32 (or adamw_f32 per tensor where it has none). */
+fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const *grads, fsdp_tensor *const *exp_avgs,
+                                 fsdp_tensor *const *exp_avg_sqs, const double *lrs, const double *weight_decays,
+                                 const int64_t *steps, int n, double beta1, double beta2, double eps) {
+    const char *op = "fsdp_adamw_step_many";
+    if (n < 0 || (n > 0 && (!params || !grads || !exp_avgs || !exp_avg_sqs || !lrs || !weight_decays || !steps)))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s: %d parameters, with a NULL array among params, grads, exp_avgs, "
+                              "exp_avg_sqs, lrs, weight_decays, steps", op, n);
+    if (n == 0) return FSDP_OK;
+    if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && eps >= 0))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s: betas (%g, %g), eps %g out of range", op, beta1, beta2, eps);
+    char name[64];
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "params[%d]", i);
+        FSDP_TRY(check_flat(op, name, params[i], -1, true, i ? params[0] : NULL, "params[0]"));
+        int64_t numel = tensor_numel(params[i]);
+        snprintf(name, sizeof name, "grads[%d]", i);
+        FSDP_TRY(check_flat(op, name, grads[i], numel, false, params[0], "params[0]"));
+        snprintf(name, sizeof name, "exp_avgs[%d]", i);
+        FSDP_TRY(check_flat(op, name, exp_avgs[i], numel, true, params[0], "params[0]"));
+        snprintf(name, sizeof name, "exp_avg_sqs[%d]", i);
+        FSDP_TRY(check_flat(op, name, exp_avg_sqs[i], numel, true, params[0], "params[0]"));
+        if (steps[i] < 1)
+            return fsdp_set_error(FSDP_ERR_INVALID, "%s: steps[%d] is %lld, expected >= 1", op, i, (long long)steps[i]);
+        if (!(lrs[i] >= 0 && weight_decays[i] >= 0))
+            return fsdp_set_error(FSDP_ERR_INVALID, "%s: parameter %d: lr %g, weight decay %g out of range", op, i,
+                                  lrs[i], weight_decays[i]);
+    }
+    const fsdp_device_kernels *k = KERNELS(params[0]);
+    float **pp = calloc((size_t)n, sizeof *pp), **mp = calloc((size_t)n, sizeof *mp);
+    float **vp = calloc((size_t)n, sizeof *vp);
+    const float **gp = calloc((size_t)n, sizeof *gp);
+    int64_t *counts = calloc((size_t)n, sizeof *counts);
+    float *decay = calloc((size_t)n, sizeof *decay), *step_size = calloc((size_t)n, sizeof *step_size);
+    float *ibc2 = calloc((size_t)n, sizeof *ibc2);
+    fsdp_status st = pp && mp && vp && gp && counts && decay && step_size && ibc2
+                         ? FSDP_OK
+                         : fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory for %d parameters", op, n);
+    int m = 0;   /* tensors with an f32 gradient, updated together below */
+    for (int i = 0; i < n && st == FSDP_OK; i++) {
+        double bc1 = 1.0 - pow(beta1, (double)steps[i]), bc2 = 1.0 - pow(beta2, (double)steps[i]);
+        float d = (float)(1.0 - lrs[i] * weight_decays[i]), ss = (float)(lrs[i] / bc1), ib = (float)(1.0 / sqrt(bc2));
+        if (grads[i]->dtype != FSDP_F32) {
+            /* a gradient of another dtype (shards keep f32 ones): widened and
+             * stepped now, so that one staged copy at a time exists */
+            fsdp_tensor *g = NULL;
+            st = tensor_as_f32(&g, grads[i]);
+            if (st != FSDP_OK) break;
+            k->adamw_f32(tensor_data(params[i]), tensor_data(g), tensor_data(exp_avgs[i]),
+                         tensor_data(exp_avg_sqs[i]), tensor_numel(params[i]), (float)beta1, (float)beta2, (float)eps,
+                         d, ss, ib);
+            tensor_release(g);
+            continue;
+        }
+        pp[m] = tensor_data(params[i]);
+        gp[m] = tensor_data(grads[i]);
+        mp[m] = tensor_data(exp_avgs[i]);
+        vp[m] = tensor_data(exp_avg_sqs[i]);
+        counts[m] = tensor_numel(params[i]);
+        decay[m] = d;
+        step_size[m] = ss;
+        ibc2[m] = ib;
+        m++;
+    }
+    if (st == FSDP_OK) {
+        if (k->adamw_many_f32) {
+            k->adamw_many_f32(pp, gp, mp, vp, counts, decay, step_size, ibc2, m, (float)beta1, (float)beta2,
+                              (float)eps);
+        } else {
+            for (int i = 0; i < m; i++)
+                k->adamw_f32(pp[i], gp[i], mp[i], vp[i], counts[i], (float)beta1, (float)beta2, (float)eps, decay[i],
+                             step_size[i], ibc2[i]);
+        }
+    }
+    free(pp);
+    free(gp);
+    free(mp);
+    free(vp);
+    free(counts);
+    free(decay);
+    free(step_size);
+    free(ibc2);
+    return st;
 }
 
 /* ---- SGD ---- */

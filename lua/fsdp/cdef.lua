@@ -247,6 +247,10 @@ fsdp_status fsdp_sumsq_many(fsdp_tensor *const *ts, int n, double *out);
 fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
                             double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
 
+fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const *grads, fsdp_tensor *const *exp_avgs,
+                                 fsdp_tensor *const *exp_avg_sqs, const double *lrs, const double *weight_decays,
+                                 const int64_t *steps, int n, double beta1, double beta2, double eps);
+
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
                           double momentum, double dampening, double weight_decay, int nesterov, int first_step);
 

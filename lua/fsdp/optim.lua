@@ -2,12 +2,13 @@
 -- flat shards of a sharded model: the same code runs on both), gradient
 -- clipping by global norm, and learning-rate schedules.
 --
--- Each step is one fused C pass per tensor (fsdp_adamw_step /
--- fsdp_sgd_step); state tensors are allocated under the "optimizer" tag.
+-- Each step is one fused C pass per tensor (fsdp_sgd_step), or one call
+-- for all of them (fsdp_adamw_step_many); state tensors are allocated under the "optimizer" tag.
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
 local options = require "fsdp.options"
 local C = core.C
+local ffi = require "ffi"
 local raise = core.raise
 
 local M = {}
@@ -82,7 +83,8 @@ end
 
 -- One step: update(group, param, grad, state, first) for every parameter
 -- that has a gradient; state is the parameter's table, made on first use.
-local function step_each(self, update)
+-- finish(), when given, runs after the last update (a batched call).
+local function step_each(self, update, finish)
   self.step_count = self.step_count + 1
   for _, g in ipairs(self.groups) do
     for _, p in ipairs(g.params) do
@@ -97,17 +99,46 @@ local function step_each(self, update)
       end
     end
   end
+  if finish then finish() end
   C.fsdp_trace_step(self.step_count)   -- a step boundary on the timeline (when one is recorded)
   for _, fn in ipairs(M.after_step) do fn(self) end
 end
 
-local function adamw_update(g, p, grad, st, first)
-  if first then st.exp_avg, st.exp_avg_sq, st.step = state_like(p), state_like(p), 0 end
-  st.step = st.step + 1
-  return C.fsdp_adamw_step(p, grad, st.exp_avg, st.exp_avg_sq, g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, st.step)
+-- One fused C call for every parameter with a gradient (per run of
+-- parameters with the same betas, eps and device; usually one): a few launches on a GPU instead of one per tensor.
+local function new_batch() return { n = 0, params = {}, grads = {}, m = {}, v = {}, lr = {}, wd = {}, step = {} } end
+
+local function adamw_flush(b, g)
+  local n = b.n
+  if n == 0 then return end
+  local function ptrs(list) return ffi.new("fsdp_tensor *[?]", n, list) end
+  -- b keeps the tensors referenced while C reads them
+  local rc = C.fsdp_adamw_step_many(ptrs(b.params), ptrs(b.grads), ptrs(b.m), ptrs(b.v),
+    ffi.new("double[?]", n, b.lr), ffi.new("double[?]", n, b.wd), ffi.new("int64_t[?]", n, b.step), n,
+    g.beta1, g.beta2, g.eps)
+  -- the gradient references step_each took go back now, not when the
+  -- collector runs (zero_grad then frees the gradients themselves)
+  for i = 1, n do b.grads[i]:free() end
+  if rc ~= 0 then raise() end
 end
 
-function AdamW:step() step_each(self, adamw_update) end
+function AdamW:step()
+  local b, last, last_device = new_batch(), nil, nil
+  step_each(self, function(g, p, grad, st, first)
+    local device = p:device()   -- one call reads tensors of one device
+    if last and (last.beta1 ~= g.beta1 or last.beta2 ~= g.beta2 or last.eps ~= g.eps or device ~= last_device) then
+      adamw_flush(b, last)
+      b = new_batch()
+    end
+    last, last_device = g, device
+    if first then st.exp_avg, st.exp_avg_sq, st.step = state_like(p), state_like(p), 0 end
+    st.step = st.step + 1
+    local n = b.n + 1
+    b.n, b.params[n], b.grads[n], b.m[n], b.v[n] = n, p, grad, st.exp_avg, st.exp_avg_sq
+    b.lr[n], b.wd[n], b.step[n] = g.lr, g.weight_decay, st.step
+    return 0
+  end, function() if last then adamw_flush(b, last) end end)
+end
 
 --- SGD(params, {lr=, momentum=0, dampening=0, weight_decay=0, nesterov=false})
 local SGD = {}

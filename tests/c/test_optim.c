@@ -113,6 +113,95 @@ static void check_inplace_and_errors(void) {
     fsdp_tensor_release(bf);
 }
 
+/* fsdp_adamw_step_many: bit for bit n calls of fsdp_adamw_step (each
+ * tensor its own lr, weight decay and step), over several steps; bad input
+ * anywhere in the list updates nothing and names the tensor. */
+static void check_adamw_many(void) {
+    enum { N = 5 };
+    int64_t sizes[N] = {1, 7, 97, 0, 1009};
+    double lrs[N] = {1e-2, 3e-3, 1e-3, 1e-2, 2e-2}, wds[N] = {0.1, 0, 0.1, 0, 0.01};
+    int64_t steps[N];
+    fsdp_tensor *p1[N], *p2[N], *m1[N], *m2[N], *v1[N], *v2[N], *g[N];
+    test_rng r;
+    test_rng_seed(&r, 5);
+    for (int i = 0; i < N; i++) {
+        int64_t n = sizes[i];
+        float *x = malloc((size_t)(n ? n : 1) * 4), *zero = calloc((size_t)(n ? n : 1), 4);
+        test_fill_nonzero(&r, x, n, 1.0f);
+        p1[i] = make(x, n), p2[i] = make(x, n);
+        m1[i] = make(zero, n), m2[i] = make(zero, n), v1[i] = make(zero, n), v2[i] = make(zero, n);
+        steps[i] = 0;
+        free(x), free(zero);
+    }
+    for (int step = 1; step <= 3; step++) {
+        for (int i = 0; i < N; i++) {
+            float *x = malloc((size_t)(sizes[i] ? sizes[i] : 1) * 4);
+            test_fill_nonzero(&r, x, sizes[i], 0.5f);
+            g[i] = make(x, sizes[i]);
+            free(x);
+            steps[i] = step + i % 2;   /* steps may differ between tensors */
+            test_check(fsdp_adamw_step(p1[i], g[i], m1[i], v1[i], lrs[i], 0.9, 0.95, 1e-8, wds[i], steps[i]) == FSDP_OK,
+                       "adamw: %s", fsdp_last_error());
+        }
+        test_check(fsdp_adamw_step_many(p2, g, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8) == FSDP_OK,
+                   "adamw_many: %s", fsdp_last_error());
+        for (int i = 0; i < N; i++) fsdp_tensor_release(g[i]);
+    }
+    int same = 1;
+    for (int i = 0; i < N; i++) {
+        int64_t n = sizes[i];
+        float *a = malloc((size_t)(n ? n : 1) * 4), *b = malloc((size_t)(n ? n : 1) * 4);
+        fsdp_tensor *pairs[3][2] = {{p1[i], p2[i]}, {m1[i], m2[i]}, {v1[i], v2[i]}};
+        for (int k = 0; k < 3; k++) {
+            fsdp_tensor_to_data(pairs[k][0], a, n * 4);
+            fsdp_tensor_to_data(pairs[k][1], b, n * 4);
+            same &= memcmp(a, b, (size_t)n * 4) == 0;
+        }
+        free(a), free(b);
+    }
+    test_check(same, "adamw_many equals adamw per tensor, bit for bit (params and both moments)");
+
+    /* bad input: a short gradient at index 4, a step 0, a bf16 moment; nothing changes */
+    float before[7], after[7], one[2] = {1, 2};
+    fsdp_tensor_to_data(p2[1], before, sizeof before);
+    fsdp_tensor *gs[N];
+    for (int i = 0; i < N; i++) gs[i] = p1[i];   /* right sizes */
+    fsdp_tensor *short_g = make(one, 2);
+    gs[4] = short_g;
+    fsdp_status st = fsdp_adamw_step_many(p2, gs, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8);
+    test_check(st == FSDP_ERR_SHAPE && strstr(fsdp_last_error(), "fsdp_adamw_step_many: grads[4] f32[2]") &&
+                   strstr(fsdp_last_error(), "expected 1009"),
+               "adamw_many with a short grad: %s", fsdp_last_error());
+    fsdp_tensor_to_data(p2[1], after, sizeof after);
+    test_check(memcmp(before, after, sizeof before) == 0, "adamw_many that fails updates nothing");
+    int64_t bad_steps[N] = {1, 1, 0, 1, 1};
+    st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, bad_steps, N, 0.9, 0.95, 1e-8);
+    test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "steps[2] is 0"), "adamw_many step 0: %s",
+               fsdp_last_error());
+    fsdp_tensor *bf;
+    fsdp_cast(&bf, p2[0], FSDP_BF16);
+    fsdp_tensor *ms[N] = {m2[0], m2[1], m2[2], m2[3], m2[4]};
+    ms[0] = bf;
+    st = fsdp_adamw_step_many(p2, p1, ms, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8);
+    test_check(st == FSDP_ERR_DTYPE && strstr(fsdp_last_error(), "exp_avgs[0] bf16"), "adamw_many bf16 state: %s",
+               fsdp_last_error());
+    st = fsdp_adamw_step_many(p2, NULL, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8);
+    test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "NULL array"), "adamw_many NULL grads: %s",
+               fsdp_last_error());
+    st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, steps, N, 1.0, 0.95, 1e-8);
+    test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "betas (1, 0.95)"), "adamw_many beta1 1: %s",
+               fsdp_last_error());
+    test_check(fsdp_adamw_step_many(NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0.9, 0.95, 1e-8) == FSDP_OK,
+               "adamw_many of no parameters: %s", fsdp_last_error());
+    fsdp_tensor_release(bf);
+    fsdp_tensor_release(short_g);
+    for (int i = 0; i < N; i++) {
+        fsdp_tensor_release(p1[i]), fsdp_tensor_release(p2[i]);
+        fsdp_tensor_release(m1[i]), fsdp_tensor_release(m2[i]);
+        fsdp_tensor_release(v1[i]), fsdp_tensor_release(v2[i]);
+    }
+}
+
 int main(void) {
     int64_t sizes[] = {1, 7, 97, 100003};
     for (int i = 0; i < 4; i++) {
@@ -124,5 +213,6 @@ int main(void) {
         check_sgd(sizes[i], 0.9, 0, 0.01, 1);
     }
     check_inplace_and_errors();
+    check_adamw_many();
     return test_summary();
 }

@@ -15,7 +15,8 @@
  * |cpu| of the output, or the bound named):
  *   memory, casts, copies, fill, binary ops, scale, add_scalar, embedding
  *   (both ways: same order of adds), uniform init, dropout: bit for bit.
- *   axpy, adamw, sgd: rtol 1e-6 (contraction into FMAs may differ).
+ *   axpy, adamw (one tensor or many), sgd: rtol 1e-6 (contraction into FMAs
+ *   may differ).
  *   matmul: 1e-5 * (|alpha| sum_k |a_ik||b_kj| + |beta||c_ij|) per element.
  *   sum_dim: 1e-6 * the sum of |x| over the reduced elements; sum_all, sumsq:
  *   1e-10 relative to sum |x| (both accumulate in double).
@@ -1153,6 +1154,54 @@ static void test_random(void) {
 
 /* ---- optimizers ---- */
 
+/* adamw_many_f32: 70 tensors (more than a launch's group of 64; empty ones,
+ * one element, odd and prime sizes, some over a block of 2048, several
+ * slices of one buffer as a unit's shard gives them), each with its own
+ * decay, step size and bias correction, against the CPU's adamw_f32 per
+ * tensor: rtol 1e-6 as adamw_f32. */
+static void test_adamw_many(void) {
+    test_check(G->adamw_many_f32 != NULL, "CUDA has adamw_many_f32");
+    if (!G->adamw_many_f32) return;
+    enum { N = 70 };
+    int64_t counts[N], offs[N], total = 0;
+    for (int i = 0; i < N; i++) {
+        static const int64_t pick[] = {1, 0, 7, 2049, 4099, 3, 131, 5000, 2, 1};
+        counts[i] = pick[i % 10] + (i / 10);   /* the empty ones grow by a few each round */
+        if (i == 1) counts[i] = 0;
+        offs[i] = total;
+        total += counts[i];
+    }
+    /* one buffer per kind, tensor i a slice of it (device and host alike) */
+    float *p = hrand(total, 1), *g = hrand(total, 0.1f), *m = hrand(total, 0.01f), *v = hrand(total, 0.001f);
+    for (int64_t i = 0; i < total; i++) v[i] = fabsf(v[i]);
+    float *dp = dupf(p, total), *dg = dupf(g, total), *dm = dupf(m, total), *dv = dupf(v, total);
+    float *pp[N], *mp[N], *vp[N], decay[N], step[N], ibc2[N];
+    const float *gp[N];
+    float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f;
+    for (int i = 0; i < N; i++) {
+        float lr = 1e-3f * (1 + i % 3), t = (float)(1 + i % 5), wd = i % 2 ? 0.1f : 0.0f;
+        decay[i] = 1 - lr * wd;
+        step[i] = lr / (1 - powf(b1, t));
+        ibc2[i] = 1 / sqrtf(1 - powf(b2, t));
+        C->adamw_f32(p + offs[i], g + offs[i], m + offs[i], v + offs[i], counts[i], b1, b2, eps, decay[i], step[i],
+                     ibc2[i]);
+        pp[i] = dp + offs[i];
+        gp[i] = dg + offs[i];
+        mp[i] = dm + offs[i];
+        vp[i] = dv + offs[i];
+    }
+    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, N, b1, b2, eps);
+    check_f("adamw_many_f32 p (70 tensors)", back(dp, total), p, total, 1e-6, 1e-7, -1);
+    check_f("adamw_many_f32 m (70 tensors)", back(dm, total), m, total, 1e-6, 1e-7, -1);
+    check_f("adamw_many_f32 v (70 tensors)", back(dv, total), v, total, 1e-6, 1e-7, -1);
+    /* no tensors, and only empty ones: nothing to do, nothing touched */
+    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, 0, b1, b2, eps);
+    int64_t zeros[2] = {0, 0};
+    G->adamw_many_f32(pp, gp, mp, vp, zeros, decay, step, ibc2, 2, b1, b2, eps);
+    check_f("adamw_many_f32 of no elements leaves p alone", back(dp, total), p, total, 1e-6, 1e-7, -1);
+    free_case();
+}
+
 static void test_optim(void) {
     int64_t sizes[] = {1, 7, 4099};
     for (int s = 0; s < 3; s++) {
@@ -1409,6 +1458,7 @@ int main(int argc, char **argv) {
     test_bf16_nn();
     test_random();
     test_optim();
+    test_adamw_many();
     test_ops_end_to_end();
     G->synchronize();
     fsdp_status last = cuda_last_status();

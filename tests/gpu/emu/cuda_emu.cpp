@@ -26,6 +26,10 @@
     abort();
 }
 
+void emu_fail_kernel_ptrs(void) {
+    emu_fail("a kernel with more pointer arguments than EMU_MAX_KERNEL_PTRS (the host guard could not open them)");
+}
+
 /* The compute thread launches kernels; the comm thread only touches memory,
  * streams and events: one lock for the allocation map and the streams. */
 static std::mutex g_mu;
@@ -128,7 +132,7 @@ static void check_range(const void *p, size_t n, const char *what) {
  * What it cannot see: a host access to an allocation while a device op on
  * another thread happens to have that same allocation open. */
 
-enum { EMU_OP_SLOTS = 64, EMU_OP_ALLOCS = 16 };
+enum { EMU_OP_SLOTS = 64, EMU_OP_ALLOCS = EMU_MAX_KERNEL_PTRS };
 struct emu_op_slot {
     std::atomic<bool> used;
     const char *kind, *name;
@@ -176,7 +180,7 @@ extern "C" int emu_op_begin(const char *kind, const char *name, const void *cons
         bool seen = false;
         for (int j = 0; j < o.n; j++) seen |= o.keys[j] == it->first;
         if (seen) continue;
-        if (o.n == EMU_OP_ALLOCS) emu_fail("host guard: a device op with more than 16 buffers");
+        if (o.n == EMU_OP_ALLOCS) emu_fail("host guard: a device op with more buffers than EMU_OP_ALLOCS");
         o.keys[o.n++] = it->first;
         if (it->second.open++ == 0) set_open(it->second, true);
     }

@@ -127,7 +127,10 @@ struct emu_launch_cfg {
 void emu_run(const emu_launch_cfg &cfg, const std::function<void()> &body);
 /* A pointer argument of a kernel must be NULL or device memory. */
 void emu_check_device_ptr(const void *p, const char *what);
-enum { EMU_MAX_KERNEL_PTRS = 16 };
+enum { EMU_MAX_KERNEL_PTRS = 256 };
+
+/* Ends the process: a kernel with more than EMU_MAX_KERNEL_PTRS pointers. */
+[[noreturn]] void emu_fail_kernel_ptrs(void);
 
 /* The device memory a kernel may touch: the allocations its pointer
  * arguments point into (the host guard opens those, and only those, while
@@ -139,7 +142,8 @@ struct emu_ptr_list {
     int n = 0;
     void add(const void *q) {
         emu_check_device_ptr(q, "kernel argument");
-        if (n < EMU_MAX_KERNEL_PTRS) p[n++] = q;
+        if (n == EMU_MAX_KERNEL_PTRS) emu_fail_kernel_ptrs();
+        p[n++] = q;
     }
 };
 template <class T> inline void emu_kernel_ptrs(const T &v, emu_ptr_list &list) {
