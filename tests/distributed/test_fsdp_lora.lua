@@ -66,10 +66,11 @@ local share = L * adapter_numel / total
 
 -- bytes the allocator counts for a request of n: 64-byte steps up to 4 KiB,
 -- then four steps per power of two (engine/core/alloc.c)
+-- the allocator's rounding of an optimizer-tag block: 64-byte steps up to 4 KiB, then 64 per power of two
 local function rounded(n)
   if n <= 4096 then return math.ceil(math.max(n, 1) / 64) * 64 end
   local base = 2 ^ math.floor(math.log(n - 1) / math.log(2))
-  return base + math.ceil((n - base) / (base / 4)) * (base / 4)
+  return base + math.ceil((n - base) / (base / 64)) * (base / 64)
 end
 
 local function pad(n) return math.max(1, math.ceil(n / world)) * world end
