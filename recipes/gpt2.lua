@@ -82,7 +82,6 @@ local train, val = data.splits { data = o.data, val_data = o.val_data, batch = o
 -- The model: declared here, sharded by fsdp.shard (on one rank its
 -- parameters are views of the master copy; nothing is gathered).
 local model = (o.model == "llama" and nn.Llama or nn.GPT)(cfg)
-if o.init then model:from_hf((require "fsdp.safetensors").load(o.init)) end
 if o.recompute then nn.recompute(model, "Block") end
 local policies = { block = fsdp.policy.per_block(), size = fsdp.policy.by_size(o.wrap_size), none = fsdp.policy.none() }
 log("%s %s: %.2fM parameters, %d layers, width %d, vocab %d (padded %d), batch %d x %d, %s, %d rank(s), %s, wrap %s",
@@ -93,6 +92,8 @@ local sharded = fsdp.shard(model, {
   mixed_precision = { compute = o.dtype, reduce = o.reduce }, prefetch = o.prefetch,
   forward_prefetch = o.forward_prefetch, limit = o.limit, offload = o.offload,
 })
+-- --init: each rank reads only its own slices of the file, into its shard
+if o.init then fsdp.checkpoint.import(o.init, sharded) end
 local opt = optim.AdamW(sharded:param_groups(o.wd), { lr = o.lr, betas = { 0.9, 0.95 }, eps = 1e-8 })
 local lr_at = optim.schedule.cosine(o.lr, o.warmup, o.steps, o.min_lr)
 

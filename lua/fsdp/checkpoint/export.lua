@@ -4,20 +4,19 @@
 -- nn module. No rank ever holds the whole model: export gathers one unit at
 -- a time and rank 0 writes each tensor at its place; import reads only this
 -- rank's slices.
+local ffi = require "ffi"
 local fsdp = require "fsdp"
 local json = require "fsdp.json"
 local fio = require "fsdp.io"
 local safetensors = require "fsdp.safetensors"
 local common = require "fsdp.checkpoint.common"
-local read = require "fsdp.checkpoint.read"
 
 local core = require "fsdp.core"
 local C, raise = core.C, core.raise
 local fmt, sort = string.format, table.sort
-local min, max = math.min, math.max
+local floor, min, max = math.floor, math.min, math.max
 local together, describe, numel_of, shape_str, on_host = common.together, common.describe, common.numel_of,
   common.shape_str, common.on_host
-local commit = read.commit
 local parent_of = fio.parent
 
 local M = {}
@@ -195,62 +194,165 @@ function M.export(path, target, opts)
   return path
 end
 
--- Inverse of a to_hf layout for element range [a, a + n) of a parameter:
--- fills dst (f32 tensor of n elements) from the file.
-local function import_range(fd, info, e, a, n, dst, cache)
+-- ---- import: each rank reads the byte ranges of its own slices ----
+
+local BF16_BYTES, F32_BYTES = 2, 4
+local file_elem = { F32 = F32_BYTES, BF16 = BF16_BYTES }
+local file_dtype = { F32 = "f32", BF16 = "bf16" }
+
+local function pread_exact(fd, ptr, nbytes, at, info, fname)
+  if nbytes == 0 then return end
+  local got = fd:pread(ptr, nbytes, at)
+  if got ~= nbytes then
+    error(fmt("%s: short read of tensor %q: %d of %d bytes at byte %d (the file shrank?)", info.path, fname, got,
+      nbytes, at), 0)
+  end
+end
+
+-- Every tensor handle a read makes (stagings and the views over them) is
+-- freed as soon as the parameter is done, so that no staging waits for
+-- Lua's collector while the next parameter is read.
+local function scope()
+  local made = {}
+  local function keep(x)
+    made[#made + 1] = x
+    return x
+  end
+  local function close()
+    for i = #made, 1, -1 do made[i]:free() end
+  end
+  return keep, close
+end
+
+-- A host tensor of the file's dtype to read into (tag other: what a load
+-- stages is visible in the allocator's figures).
+local function host_stage(keep, shape, dt)
+  return keep(fsdp.empty(shape, { dtype = file_dtype[dt], tag = "other", device = "cpu" }))
+end
+
+-- Element range [a, a + n) of a parameter whose file tensor has the same
+-- element order (possibly fewer rows: those the export cut come back as
+-- zeros): one read of exactly that range, straight into dst when it is an
+-- f32 host tensor.
+local function read_same_order(fd, info, e, a, n, dst, keep)
   local te = info.tensors[e.fname]
+  local esz = file_elem[te.dtype]
   local base = info.data_start + te.offsets[1]
+  local m = max(0, min(n, numel_of(e.shape) - a))
+  if m > 0 then
+    local into = keep(dst:narrow(1, 1, m))
+    if te.dtype == "F32" and dst:device() == "cpu" then
+      pread_exact(fd, into:data_ptr(), esz * m, base + esz * a, info, e.fname)
+    else
+      local stage = host_stage(keep, { m }, te.dtype)
+      pread_exact(fd, stage:data_ptr(), esz * m, base + esz * a, info, e.fname)
+      into:copy(stage)
+    end
+  end
+  if m < n then keep(dst:narrow(1, m + 1, n - m)):fill(0) end
+end
+
+-- Element range [a, a + n) of a (R, K) parameter stored transposed, (K, R),
+-- in the file (HF's Conv1D). The range covers model rows r0..r1, which are
+-- file columns r0..r1; for each file row c the elements wanted form one
+-- run of columns, read into row c of a (K, r1 - r0 + 1) staging tensor.
+-- The staging, read as its transpose, is the model's rows r0..r1, copied
+-- out as (up to) three pieces: the tail of row r0, the full rows between,
+-- the head of row r1. Only this rank's bytes are read, and the staging
+-- holds at most min(n + 2 K, R K) elements.
+local function read_transposed(fd, info, e, a, n, dst, keep)
+  local te = info.tensors[e.fname]
+  local esz = file_elem[te.dtype]
+  local base = info.data_start + te.offsets[1]
+  local K, R = e.shape[1], e.shape[2]            -- file (K, R); model (R, K)
+  local last = a + n - 1
+  local r0, r1 = floor(a / K), floor(last / K)
+  local w = r1 - r0 + 1
+  local stage = host_stage(keep, { K, w }, te.dtype)
+  local sp = ffi.cast("uint8_t *", stage:data_ptr())
+  for c = 0, K - 1 do
+    local lo = r0 * K + c >= a and r0 or r0 + 1
+    local hi = r1 * K + c <= last and r1 or r1 - 1
+    if lo <= hi then
+      pread_exact(fd, sp + esz * (c * w + lo - r0), esz * (hi - lo + 1), base + esz * (c * R + lo), info, e.fname)
+    end
+  end
+  local rows = keep(stage:transpose(1, 2))        -- (w, K): model rows r0..r1
+  local c0, c1 = a - r0 * K, last - r1 * K        -- first column of row r0, last of row r1
+  -- dst elements [at, at + len) as (nrows, ncols) <- src
+  local function put(at, nrows, ncols, src)
+    keep(keep(dst:narrow(1, at + 1, nrows * ncols)):view({ nrows, ncols })):copy(src)
+  end
+  if w == 1 then
+    put(0, 1, n, keep(rows:narrow(2, c0 + 1, n)))
+  else
+    local head = K - c0
+    put(0, 1, head, keep(keep(rows:narrow(1, 1, 1)):narrow(2, c0 + 1, head)))
+    if w > 2 then put(head, w - 2, K, keep(rows:narrow(1, 2, w - 2))) end
+    put(n - c1 - 1, 1, c1 + 1, keep(keep(rows:narrow(1, w, 1)):narrow(2, 1, c1 + 1)))
+  end
+end
+
+-- Any other layout: the file tensor is read whole (this parameter only),
+-- the ops undone and this rank's range copied out.
+local function read_whole(fd, info, e, a, n, dst, keep)
+  local te = info.tensors[e.fname]
+  local t = host_stage(keep, e.shape, te.dtype)
+  pread_exact(fd, t:data_ptr(), te.nbytes, info.data_start + te.offsets[1], info, e.fname)
+  for i = #e.ops, 1, -1 do
+    local op = e.ops[i]
+    if op[1] == "transpose" then
+      t = keep(t:transpose(op[2], op[3]))
+    else   -- rows cut off by the export come back as zeros
+      local z = keep(fsdp.zeros(op[5], { dtype = file_dtype[te.dtype], tag = "other", device = "cpu" }))
+      keep(z:narrow(op[2], op[3], op[4])):copy(t)
+      t = z
+    end
+  end
+  local flat = keep(keep(t:contiguous()):view(-1))
+  dst:copy(keep(flat:narrow(1, a + 1, n)))
+end
+
+-- Fills dst (f32, n elements) with elements [a, a + n) of the parameter
+-- that layout entry e maps from the file; its stagings are freed on return.
+local function import_range(fd, info, e, a, n, dst)
   local ops = e.ops
+  local read = read_whole
   if #ops == 0 or (#ops == 1 and ops[1][1] == "narrow" and ops[1][2] == 1 and ops[1][3] == 1) then
-    -- the same element order (possibly fewer rows): read the range itself
-    local have = numel_of(e.shape)
-    local m = max(0, min(n, have - a))
-    if m > 0 then
-      local got = fd:pread(dst:data_ptr(), 4 * m, base + 4 * a)
-      if got ~= 4 * m then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
-    end
-    if m < n then dst:narrow(1, m + 1, n - m):fill(0) end
-    return
+    read = read_same_order
+  elseif #ops == 1 and ops[1][1] == "transpose" and #e.shape == 2 and
+      ((ops[1][2] == 1 and ops[1][3] == 2) or (ops[1][2] == 2 and ops[1][3] == 1)) then
+    read = read_transposed
   end
-  -- another order (a transpose): read the whole tensor once, undo the ops
-  local full = cache[e.fname]
-  if not full then
-    local t = fsdp.empty(e.shape, { dtype = "f32", device = "cpu" })
-    local nb = 4 * numel_of(e.shape)
-    local got = fd:pread(t:data_ptr(), nb, base)
-    if got ~= nb then error(fmt("%s: truncated data for tensor %q", info.path, e.fname), 0) end
-    for i = #ops, 1, -1 do
-      local op = ops[i]
-      if op[1] == "transpose" then
-        t = t:transpose(op[2], op[3])
-      else   -- rows cut off by the export come back as zeros
-        local z = fsdp.zeros(op[5], { dtype = "f32", device = "cpu" })
-        z:narrow(op[2], op[3], op[4]):copy(t)
-        t = z
-      end
-    end
-    full = t:contiguous():view(-1)
-    cache[e.fname] = full
-  end
-  dst:copy(full:narrow(1, a + 1, n))
+  local keep, close = scope()
+  local ok, err = pcall(read, fd, info, e, a, n, dst, keep)
+  close()
+  if not ok then error(err, 0) end
 end
 
 --- fsdp.checkpoint.import(path, model, opts): initializes a model (sharded
--- or an nn module) from a safetensors file of full tensors, as export
--- writes it or as Hugging Face ships GPT-2. Collective. Each rank reads only
--- its slices (a transposed tensor is read whole, one at a time). opts.hf:
--- the file uses to_hf names and layouts (default: as the file's metadata
--- says; else true for models with to_hf). opts.strict (true): tensors in the
--- file that map to nothing are an error (HF's attention-mask buffers and a
--- tied lm_head.weight are always skipped).
+-- or an nn module) from a safetensors file of full tensors (F32 or BF16),
+-- as export writes it or as Hugging Face ships GPT-2. Collective. Each rank
+-- reads only the byte ranges of its own slices (of a transposed tensor too:
+-- one run of columns per file row) and writes them into its shard, one
+-- parameter at a time: a load peaks at the shard plus one parameter's
+-- staging, never a second copy of the shard. opts.hf: the file uses to_hf
+-- names and layouts (default: as the file's metadata says; else true for
+-- models with to_hf). opts.strict (true): tensors in the file that map to
+-- nothing are an error (HF's attention-mask buffers and a tied
+-- lm_head.weight are always skipped).
+--
+-- Everything that can be checked before a byte is written is checked on
+-- every rank first (names, shapes, dtypes, that the data lies within the
+-- file); a read that fails after that (the file shrank under us) is an
+-- error on every rank saying that the model is partly imported.
 function M.import(path, target, opts)
   local what = "fsdp.checkpoint.import"
   if type(path) ~= "string" then raise(what .. ": path must be a string") end
   opts = opts or {}
   local d = describe(target, what)
-  local vals = together(d.comm, function()
-    local st = safetensors
-    local info = st.read_header(path)
+  local info, by_path = together(d.comm, function()
+    local info = safetensors.read_header(path)
     local hf = opts.hf
     if hf == nil then
       if info.metadata.fsdp_layout then hf = info.metadata.fsdp_layout == "hf" else hf = d.model.to_hf ~= nil end
@@ -270,8 +372,8 @@ function M.import(path, target, opts)
           error(fmt("%s: %s: tensor %q has shape %s, the model's '%s' needs %s there", what, path, fname,
             shape_str(te.shape), e.path, shape_str(e.shape)), 0)
         end
-        if te.dtype ~= "F32" then
-          error(fmt("%s: %s: tensor %q is %s (import reads F32)", what, path, fname, te.dtype), 0)
+        if not file_elem[te.dtype] then
+          error(fmt("%s: %s: tensor %q is %s (import reads F32 and BF16)", what, path, fname, te.dtype), 0)
         end
         e.fname = fname
         used[fname] = true
@@ -294,26 +396,40 @@ function M.import(path, target, opts)
         end
       end
     end
+    return info, by_path
+  end)
+  local okr, rerr = pcall(function()
     local okf, fd = pcall(fio.open, path, "r")
     if not okf then error(fmt("%s: %s: cannot open: %s", what, path, fd), 0) end
-    local out, cache = {}, {}
-    local ok, rerr = pcall(function()
+    local ok, err = pcall(function()
+      if fd:size() ~= info.file_bytes then
+        error(fmt("%s: %s: the file has %d bytes, its header was read from %d (it changed during the import)",
+          what, path, fd:size(), info.file_bytes), 0)
+      end
       local total, done = 0, 0
       for _, s in ipairs(d.segments) do total = total + 4 * s.count end
       local report = common.progress(opts, "import", total)
-      for i, s in ipairs(d.segments) do
-        local t = fsdp.empty({ s.count }, { dtype = "f32", tag = "other", device = "cpu" })
-        fsdp.no_grad(function() import_range(fd, info, by_path[s.path], s.start, s.count, t, cache) end)
-        out[i] = t
-        done = done + 4 * s.count
-        report(done)
-      end
+      fsdp.no_grad(function()
+        for _, s in ipairs(d.segments) do
+          import_range(fd, info, by_path[s.path], s.start, s.count, s.flat)
+          done = done + 4 * s.count
+          report(done)
+        end
+      end)
     end)
     fd:close()
-    if not ok then error(rerr, 0) end
-    return out
+    if not ok then error(err, 0) end
   end)
-  commit(d, nil, vals, nil, nil, nil)
+  local wrote = okr
+  together(d.comm, function()
+    if not okr then
+      error(fmt("%s (rank %d; the model's parameters are partly imported)", tostring(rerr), d.rank), 0)
+    end
+  end)
+  if d.sharded and wrote then
+    -- gathered buffers (the root stays gathered between steps) hold old values
+    for _, u in ipairs(d.sharded.units) do C.fsdp_unit_reshard(d.sharded.sched, u.index) end
+  end
   return target
 end
 
