@@ -40,6 +40,8 @@ local o = options.parse(..., {
   { "clip", "number", 1.0, "gradient clipping by global norm (0 = off)", min = 0 },
   { "dtype", { "f32", "bf16" }, "f32", "compute dtype (master weights and optimizer stay f32)" },
   { "recompute", "bool", false, "recompute each block's forward during backward (less activation memory)" },
+  { "head_chunk", "int", 0, "LM head and loss by vocabulary chunks of N rows (0 = whole, the fastest); sharded, the "
+    .. "tied embedding is then gathered and reduced a chunk at a time (memory-first)", min = 0 },
   { "eval_every", "int", 50, "evaluate every N steps (0 = never)", min = 0 },
   { "eval_steps", "int", 4, "batches per evaluation", min = 1 },
   { "log_every", "int", 10, "log every N steps", min = 1 },
@@ -59,6 +61,7 @@ local o = options.parse(..., {
 
 if o.threads then fsdp.set_num_threads(o.threads) end
 local cfg, world = nn.gpt_preset(o.preset), dist.world()
+if o.head_chunk > 0 then cfg.head_chunk = o.head_chunk end
 options.check("gpt2.lua", {   -- what cannot work is refused before anything is built
   { o.ctx <= cfg.block_size, "--ctx=%d is longer than the %s model's context of %d", o.ctx, o.preset, cfg.block_size },
   { o.batch % (world * o.accum) == 0, "--batch=%d is not divisible by %d ranks x %d micro-batches", o.batch, world,

@@ -134,6 +134,22 @@ typedef struct fsdp_device_kernels {
     void (*cross_entropy_backward_bf16)(uint16_t *dlogits, const uint16_t *logits, const float *lse,
                                         const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
                                         int64_t ignore_index, const float *dloss, int64_t count);
+    /* classifier.c: the vocabulary-chunked LM head and embedding (slice
+     * geometry in cpu_kernels.h). Optional: NULL where a device has none
+     * (the ops then refuse with a message naming the device). */
+    void (*classifier_lse_f32)(float *m, float *s, float *tlogit, const float *logits, const int64_t *targets,
+                               int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,
+                               int64_t valid_v, int64_t ignore_index);
+    int64_t (*classifier_finish_f32)(float *lse, float *losses, const float *m, const float *s, const float *tlogit,
+                                     const int64_t *targets, int64_t N, int64_t ignore_index);
+    void (*classifier_dlogits_f32)(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
+                                   int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,
+                                   int64_t valid_v, int64_t ignore_index, const float *dloss, int64_t count);
+    void (*embedding_slice_forward_f32)(float *out, const int64_t *ids, int64_t n, const float *rows, int64_t dim,
+                                        int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0);
+    void (*embedding_slice_backward_f32)(float *drows, const int64_t *ids, int64_t n, const float *dout,
+                                         int64_t dim, int64_t blocks, int64_t block_rows, int64_t block_stride,
+                                         int64_t row0);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);

@@ -42,13 +42,31 @@ void fsdp_free(int device, int tag, void *ptr, size_t nbytes);
 int fsdp_default_tag(void);
 
 /* ---- storage and tensors (tensor.c) ---- */
+struct fsdp_row_slicer;
 typedef struct fsdp_storage {
     atomic_int refcount;
     void *data;
     size_t nbytes;
     int device;
     int tag;
+    const struct fsdp_row_slicer *slicer;   /* a sliced unit's full buffer (sched.c), or NULL */
 } fsdp_storage;
+
+/* A sharded unit read and reduced by slices (the chunked classifier and
+ * embedding, engine/ops/classifier.c): its full buffer's storage carries
+ * this while the schedule lives; the buffer itself is never gathered whole
+ * for those ops. A slice is elements [lo, lo + n) of every rank's shard. */
+typedef struct fsdp_row_slicer {
+    /* *out (blocks * n, compute dtype, tag param): the slice of every shard, in rank order */
+    fsdp_status (*gather)(const struct fsdp_row_slicer *sl, int64_t lo, int64_t n, fsdp_tensor **out);
+    /* adds the rank average of g (blocks * n, f32, the same layout) into this
+     * rank's gradient shard [lo, lo + n) */
+    fsdp_status (*reduce)(const struct fsdp_row_slicer *sl, int64_t lo, int64_t n, fsdp_tensor *g);
+    void *sched;
+    int unit;
+    int64_t blocks;    /* ranks in the shard group */
+    int64_t shard_n;   /* elements per rank */
+} fsdp_row_slicer;
 
 struct fsdp_tensor {
     atomic_int refcount;

@@ -157,6 +157,30 @@ void cpu_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, 
                                      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
                                      int64_t ignore_index, const float *dloss, int64_t count);
 
+/* ---- vocabulary-chunked classifier and embedding (classifier.c) ----
+ * A slice of a (V, dim) table: `blocks` runs of block_rows rows, run b from
+ * table row b * block_stride + row0, packed one after the other. */
+/* Online log-sum-exp over the slice's logits (N, blocks * block_rows): updates
+ * the running max m (start -inf), sum s (start 0) and the target's logit
+ * tlogit of rows n, counting only table rows < valid_v. */
+void cpu_classifier_lse_f32(float *m, float *s, float *tlogit, const float *logits, const int64_t *targets,
+                            int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,
+                            int64_t valid_v, int64_t ignore_index);
+/* lse = m + log s, losses = lse - tlogit (0 where ignored); returns the count not ignored. */
+int64_t cpu_classifier_finish_f32(float *lse, float *losses, const float *m, const float *s, const float *tlogit,
+                                  const int64_t *targets, int64_t N, int64_t ignore_index);
+/* dlogits = g (exp(logits - lse) - onehot) for the slice, g = dloss[0] / count;
+ * 0 in padded rows and ignored rows. dlogits may be logits. */
+void cpu_classifier_dlogits_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
+                                int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,
+                                int64_t valid_v, int64_t ignore_index, const float *dloss, int64_t count);
+/* out[k] = the slice's row of ids[k] where the slice holds it (others untouched). */
+void cpu_embedding_slice_forward_f32(float *out, const int64_t *ids, int64_t n, const float *rows, int64_t dim,
+                                     int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0);
+/* drows (blocks * block_rows, dim) = scatter-add of dout rows whose ids the slice holds (zeroed here first). */
+void cpu_embedding_slice_backward_f32(float *drows, const int64_t *ids, int64_t n, const float *dout, int64_t dim,
+                                      int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0);
+
 /* ---- optimizers (optim_kernels.c) ---- */
 /* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),
  * with decay = 1 - lr*wd, step_size = lr / (1 - beta1^t), inv_sqrt_bc2 = 1/sqrt(1 - beta2^t). */

@@ -330,6 +330,22 @@ fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *i
  * Only the first valid_vocab columns take part (0 = all V): padded vocabulary. */
 fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets,
                                int64_t ignore_index, int64_t valid_vocab);
+/* The LM head and its loss by vocabulary chunks (llm.c's fused classifier):
+ * x (N, C), weight (V, C), targets integer (N): the mean over targets !=
+ * ignore_index of cross_entropy(x @ weight^T), computed chunk_rows rows of
+ * weight at a time with an online log-sum-exp, so that the (N, V) logits
+ * never exist; backward recomputes each chunk's logits. The same value as
+ * fsdp_matmul + fsdp_cross_entropy. weight may be a parameter of a sliced
+ * unit (fsdp_sched_add_sliced_unit): then each chunk is gathered, and its
+ * gradient reduce-scattered, on its own (chunk_rows rows over the group). */
+fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *targets,
+                                       int64_t chunk_rows, int64_t ignore_index, int64_t valid_vocab);
+/* fsdp_embedding by chunks of chunk_rows rows of table (a sliced unit's
+ * parameter too); backward reduces each chunk's gradient on its own. */
+fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids, int64_t chunk_rows);
+/* logits (N, V) = x (N, C) @ weight (V, C)^T by chunks (a sliced unit's
+ * parameter too), without gradients (evaluation, sampling). */
+fsdp_status fsdp_chunked_logits(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, int64_t chunk_rows);
 /* q, k, v (B, H, T, D): out (B, H, T, D). scale <= 0 means 1/sqrt(D). */
 fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fsdp_tensor *v, int causal, double scale);
 /* Attention from the packed output of a fused q, k, v projection: qkv
@@ -497,6 +513,15 @@ fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
  * gathered from forward to backward (the root; shard_grad_op). */
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                                 int *index);
+/* A unit of one parameter (a table of rows of `row` elements, numel in all)
+ * padded so that every shard holds whole rows, read by the chunked ops a
+ * slice at a time (fsdp_chunked_cross_entropy, fsdp_chunked_embedding): a
+ * slice is the same rows of every rank's shard, gathered on their own, and
+ * its gradient is reduce-scattered into the gradient shard as soon as it is
+ * computed (also under no_sync: the sums are the same). It has no forward
+ * hooks of its own; unshard/reshard gather it whole as any unit. Not with
+ * offloaded shards. */
+fsdp_status fsdp_sched_add_sliced_unit(fsdp_sched *s, const char *name, int64_t numel, int64_t row, int *index);
 fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset);
 /* Marks a unit frozen: its parameters get no gradient (their views do not

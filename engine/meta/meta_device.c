@@ -218,6 +218,24 @@ static int64_t nonempty(const int64_t *counts, int n) {
       BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T,                                               \
       BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D,  \
       6, 0, )                                                                                                     \
+    X(void, classifier_lse_f32, "loss", (float *m, float *s, float *tlogit, const float *logits,                \
+      const int64_t *targets, int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,   \
+      int64_t valid_v, int64_t ignore_index), F32 * N * blocks * block_rows + 8 * N + 3 * F32 * N, 3 * F32 * N,     \
+      4 * N * blocks * block_rows, 1, 0, )                                                                         \
+    X(int64_t, classifier_finish_f32, "loss", (float *lse, float *losses, const float *m, const float *s,         \
+      const float *tlogit, const int64_t *targets, int64_t N, int64_t ignore_index), 3 * F32 * N + 8 * N,          \
+      2 * F32 * N, 4 * N, 3, 1, ignore_index == 0 ? 0 : N)                                                         \
+    X(void, classifier_dlogits_f32, "loss", (float *dlogits, const float *logits, const float *lse,              \
+      const int64_t *targets, int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,   \
+      int64_t valid_v, int64_t ignore_index, const float *dloss, int64_t count),                                   \
+      F32 * N * blocks * block_rows + F32 * N + 8 * N + F32, F32 * N * blocks * block_rows,                        \
+      3 * N * blocks * block_rows, 1, 0, )                                                                         \
+    X(void, embedding_slice_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n,               \
+      const float *rows, int64_t dim, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0),     \
+      8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                                             \
+    X(void, embedding_slice_backward_f32, "embedding", (float *drows, const int64_t *ids, int64_t n,            \
+      const float *dout, int64_t dim, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0),     \
+      8 * n + F32 * n * dim, F32 * blocks * block_rows * dim, n * dim, 2, 0, )                                     \
     X(void, init_normal_f32, "init", (float *out, int64_t n, float mean, float std, uint64_t seed,                \
       uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
     X(void, init_uniform_f32, "init", (float *out, int64_t n, float low, float high, uint64_t seed,               \

@@ -230,6 +230,13 @@ fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *i
 fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets,
                                int64_t ignore_index, int64_t valid_vocab);
 
+fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *targets,
+                                       int64_t chunk_rows, int64_t ignore_index, int64_t valid_vocab);
+
+fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids, int64_t chunk_rows);
+
+fsdp_status fsdp_chunked_logits(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, int64_t chunk_rows);
+
 fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fsdp_tensor *v, int causal, double scale);
 
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale);
@@ -299,6 +306,8 @@ fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
 
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                                 int *index);
+
+fsdp_status fsdp_sched_add_sliced_unit(fsdp_sched *s, const char *name, int64_t numel, int64_t row, int *index);
 fsdp_status fsdp_unit_info(fsdp_sched *s, int unit, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset);
 

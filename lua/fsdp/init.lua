@@ -38,6 +38,12 @@ fsdp.tape_pop = autograd.tape_pop
 
 fsdp.autograd = autograd
 fsdp.memory = require "fsdp.memory"
+do   -- the vocabulary-chunked head, loss and embedding
+  local classifier = require "fsdp.classifier"
+  fsdp.chunked_cross_entropy = classifier.chunked_cross_entropy
+  fsdp.chunked_embedding = classifier.chunked_embedding
+  fsdp.chunked_logits = classifier.chunked_logits
+end
 --- Gives every dead tensor's memory back now. Lua's collector sees only
 -- the small handles, so it may otherwise keep the engine memory of
 -- finished work (an evaluation's activations) for a while.

@@ -20,6 +20,14 @@
 -- unsharded init. A materialized model is accepted too (its values are
 -- copied into the shards and its tensors dropped).
 --
+-- A module marked with _slice_rows (GPT's tied embedding under head_chunk)
+-- gets its trainable weight in a sliced unit of its own (sched.c): the
+-- chunked ops (fsdp.chunked_cross_entropy, fsdp.chunked_embedding) gather
+-- it a chunk of rows at a time and reduce-scatter each chunk's gradient at
+-- once, so neither the table nor its gradient is ever whole on a rank, and
+-- it is not held gathered through the blocks' backward. Not with offload
+-- (it stays with its unit then).
+--
 -- Frozen parameters (module:requires_grad(false) or t:requires_grad(false),
 -- before fsdp.shard or after it, before the optimizer is made) go into a
 -- second, frozen unit beside their module's trainable one: gathered like
@@ -360,10 +368,21 @@ function Sharded:_build(groups)
       local list = p.frozen and frozen or trainable
       list[#list + 1] = p
     end
+    -- a table read by vocabulary chunks (GPT's head_chunk): a sliced unit of its own,
+    -- gathered and reduced a chunk at a time, never with the root
+    local sliced = {}
+    for i = #trainable, 1, -1 do
+      local p = trainable[i]
+      if p.module._slice_rows and p.name == "weight" and #p.shape == 2 and not self.offload then
+        table.remove(trainable, i)
+        sliced[#sliced + 1] = { params = { p }, frozen = false, sliced = true, name = p.path }
+      end
+    end
     local base = g.path == "" and "root" or g.path
     local parts = {}
     if k == 1 or #trainable > 0 then parts[#parts + 1] = { params = trainable, frozen = false, name = base } end
     if #frozen > 0 then parts[#parts + 1] = { params = frozen, frozen = true, name = base .. "[frozen]" } end
+    for _, u in ipairs(sliced) do parts[#parts + 1] = u end
     built.parts_of[g.module] = {}
     for pi, u in ipairs(parts) do
       u.path, u.module, u.numel = g.path, g.module, 0
@@ -372,7 +391,11 @@ function Sharded:_build(groups)
       local numels = ffi.new("int64_t[?]", math.max(n, 1))
       for i, p in ipairs(u.params) do numels[i - 1] = p.numel end
       local idx = ffi.new("int[1]")
-      if C.fsdp_sched_add_unit(sched, u.name, n, numels, (k == 1 or keep_all) and 1 or 0, idx) ~= 0 then raise() end
+      if u.sliced then
+        if C.fsdp_sched_add_sliced_unit(sched, u.name, u.numel, u.params[1].shape[2], idx) ~= 0 then raise() end
+      elseif C.fsdp_sched_add_unit(sched, u.name, n, numels, (k == 1 or keep_all) and 1 or 0, idx) ~= 0 then
+        raise()
+      end
       u.index = idx[0]
       if u.frozen and C.fsdp_unit_set_frozen(sched, u.index, pi > 1 and parts[1].index or -1) ~= 0 then raise() end
       if C.fsdp_unit_info(sched, u.index, i64s, i64s + 1, i64s + 2, i64s + 3) ~= 0 then raise() end
@@ -386,8 +409,10 @@ function Sharded:_build(groups)
       end
       self:_init_unit(u, built.segments)
       built.units[#built.units + 1] = u
-      local list = built.parts_of[g.module]
-      list[#list + 1] = u.index
+      if not u.sliced then   -- a sliced unit has no forward hooks: the chunked ops gather it
+        local list = built.parts_of[g.module]
+        list[#list + 1] = u.index
+      end
     end
   end
   for _, u in ipairs(built.units) do self:_bind_views(u, sched) end
@@ -476,6 +501,7 @@ function Sharded:_bind_views(u, sched)
 end
 
 local recompute = require "fsdp.nn.recompute"
+local function pack(...) return { n = select("#", ...), ... } end
 local recompute_modes = { none = 0, forward = 1, replay = 2 }
 
 -- A module unit's forward runs between the pre- and post-forward hooks of
@@ -490,12 +516,12 @@ function Sharded:_wrap_forward(m, is_root)
     for i = 1, #idx do
       if C.fsdp_unit_pre_forward(sched, idx[i]) ~= 0 then raise() end
     end
-    local res = { pcall(inner, mod, ...) }
+    local res = pack(pcall(inner, mod, ...))   -- (a forward may return nil, loss)
     if not res[1] then error(res[2], 0) end
     for i = #idx, 1, -1 do
       if C.fsdp_unit_post_forward(sched, idx[i]) ~= 0 then raise() end
     end
-    return unpack(res, 2)
+    return unpack(res, 2, res.n)
   end
 end
 

@@ -9,6 +9,8 @@
 -- added to every score of a row), so what it gets is rounding noise, which
 -- AdamW normalizes into full-size updates; any change of summation order,
 -- even the gradient norm's, moves that one tensor by a few 1e-5.
+-- --head-chunk=R: the sharded model's head and loss by vocabulary chunks of R
+-- rows (its tied embedding gathered and reduced by chunks).
 -- --offload keeps shards and optimizer state on the CPU (the model computes
 -- on the default device: the GPU where there is one).
 --   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_equiv.lua --strategy=full_shard --policy=block
@@ -46,8 +48,12 @@ local ref = nn.GPT(cfg):materialize { seed = SEED }
 local ref_opt = adamw(optim.decay_groups(ref:named_parameters(), 0.1))
 local ref_params = ref:parameters()
 
--- sharded: this rank's rows of each micro-batch
-local model = nn.GPT(cfg)
+-- sharded: this rank's rows of each micro-batch (--head-chunk=R: the head by
+-- vocabulary chunks, the tied embedding a sliced unit; the reference stays unchunked)
+local scfg = {}
+for k, v in pairs(cfg) do scfg[k] = v end
+scfg.head_chunk = opts.head_chunk
+local model = nn.GPT(scfg)
 if opts.recompute then nn.recompute(model, "Block") end   -- recomputed blocks regather in backward
 local sharded = fsdp.shard(model, {
   policy = policies[policy_name], strategy = strategy, group_size = opts.group_size, seed = SEED,

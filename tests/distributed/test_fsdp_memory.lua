@@ -13,6 +13,7 @@
 -- longer, and only the other tags are compared exactly.
 -- Options: --strategy= --group-size= --compute=bf16 --reduce= --limit= --prefetch= --forward-prefetch
 -- --offload (on a GPU: shards and optimizer state in host memory, compared as well)
+-- --head-chunk=R (the memory-first head: the tied embedding a sliced unit, read by chunks of R rows)
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
@@ -24,7 +25,7 @@ local dist = fsdp.distributed
 local opts = ... or {}
 local rank, world = dist.rank(), dist.world()
 local device = fsdp.default_device()
-local cfg = { vocab_size = 512, n_layer = 4, n_head = 4, n_embd = 128, block_size = 32 }
+local cfg = { vocab_size = 512, n_layer = 4, n_head = 4, n_embd = 128, block_size = 32, head_chunk = opts.head_chunk }
 local B, T, STEPS = 2, 32, 2
 local shard_opts = {
   policy = fsdp.policy.per_block(), strategy = opts.strategy or "full_shard", group_size = opts.group_size,

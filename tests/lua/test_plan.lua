@@ -105,6 +105,38 @@ do
   t.ok(planner.format(rec):find("backward ", 1, true), "format shows the backward's share")
 end
 
+-- ---- the memory-first head (head_chunk): speed-first against memory-first ----
+-- The tied embedding becomes a sliced unit: gathered a chunk at a time in
+-- the embedding's forward, the head's forward and its backward (3 x its
+-- bytes), and reduced twice (the head's and the embedding's share, each
+-- chunk as it is computed); it is never held through the blocks' backward.
+-- (CPU kernels only: on the CUDA kernel set the op refuses, naming the device.)
+if fsdp.default_device() == "cpu" then
+  local N, C = 4, cfg.n_embd
+  local speed = plan(N)
+  local mcfg = {}
+  for k, v in pairs(cfg) do mcfg[k] = v end
+  mcfg.head_chunk = 40
+  local mem = planner.plan(nn.GPT(mcfg), { policy = fsdp.policy.per_block() }, N)
+  local wte
+  for _, u in ipairs(mem.units) do if u.name == "wte.weight" then wte = u end end
+  t.ok(wte ~= nil, "head_chunk: wte.weight is a unit of its own")
+  t.eq(wte and wte.numel, cfg.vocab_size * C, "head_chunk: the sliced unit holds the table")
+  t.eq(wte and wte.padded % (N * C), 0, "head_chunk: every shard holds whole rows")
+  local root, blocks = mem.units[1].padded, 0
+  for _, u in ipairs(mem.units) do if u ~= mem.units[1] and u ~= wte then blocks = blocks + u.padded end end
+  t.eq(mem.traffic.gathered_bytes, 4 * (root + 2 * blocks + 3 * wte.padded), "head_chunk: bytes all-gathered per step")
+  t.eq(mem.traffic.reduced_bytes, 4 * (root + blocks + 2 * wte.padded), "head_chunk: bytes reduced per step")
+  t.ok(mem.traffic.gathered_bytes > speed.traffic.gathered_bytes, "head_chunk: more traffic than speed-first")
+  t.ok(mem.peak < speed.peak, string.format("head_chunk: param + grad + optimizer peak %d B < %d B (speed-first)",
+    mem.peak, speed.peak))
+  t.ok(mem.memory.activation.peak < speed.memory.activation.peak, string.format(
+    "head_chunk: activation peak %d B < %d B (no whole logits)", mem.memory.activation.peak,
+    speed.memory.activation.peak))
+  local ratio = mem.persistent / speed.persistent
+  t.ok(ratio > 0.98 and ratio < 1.02, string.format("head_chunk: the same persistent shards (ratio %.4f)", ratio))
+end
+
 -- ---- bad input ----
 t.raises(function() plan(2, { policy = function() return 1 end }) end,
   { "wrap policy returned 1", "expected true or false" }, "a policy returning a number")

@@ -39,7 +39,7 @@ local function padded(v, multiple)
 end
 
 local config_names = { "vocab_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "pad_to", "hidden",
-  "theta" }
+  "theta", "head_chunk" }
 
 local function check_config(name, cfg, keys)
   if type(cfg) ~= "table" then error(name .. ": expected a config table", 3) end
@@ -49,6 +49,9 @@ local function check_config(name, cfg, keys)
     if type(v) ~= "number" or v < 1 or v ~= math.floor(v) then
       error(string.format("%s: config.%s must be a positive integer, got %s", name, k, tostring(v)), 3)
     end
+  end
+  if cfg.head_chunk ~= nil then
+    require("fsdp.classifier").check_chunk(cfg.head_chunk, name .. ": config.head_chunk", 3)
   end
 end
 
@@ -60,14 +63,22 @@ local function common_init(self, name, cfg)
   self.vocab_size = cfg.vocab_size
   self.padded_vocab = padded(cfg.vocab_size, cfg.pad_to)
   self:add("wte", layers.Embedding(self.padded_vocab, cfg.n_embd))
+  self.head_chunk = cfg.head_chunk
   return cfg.n_embd, 0.02 / math.sqrt(2 * cfg.n_layer)
 end
 
 local GPT = Module:extend("GPT")
---- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128}
+--- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128, head_chunk=nil}
+-- head_chunk = R: the LM head and its loss go R vocabulary rows at a time
+-- (fsdp.chunked_cross_entropy): no (B, T, V) logits in memory, and under
+-- fsdp.shard the tied embedding becomes a sliced unit, gathered and reduced
+-- a chunk at a time, never whole (less memory, more traffic: forward() then
+-- returns no logits when given targets). nil: one matmul and the loss over
+-- whole logits, wte kept gathered with the root (faster where memory allows).
 function GPT:__init(cfg)
   local C, proj_std = common_init(self, "GPT", cfg)
   self.wte._used_outside_forward = true   -- the LM head reads wte.weight (sharding keeps it with the root)
+  if cfg.head_chunk then self.wte._slice_rows = cfg.head_chunk end   -- fsdp.shard: a sliced unit
   self:add("wpe", layers.Embedding(cfg.block_size, C))
   local h = self:add("h", tr.ModuleList())
   for _ = 1, cfg.n_layer do
@@ -86,7 +97,19 @@ local function check_ids(self, idx, what)
   return s[1], s[2]
 end
 
+-- The head by vocabulary chunks: the loss with targets (no logits), else
+-- the logits (without gradients: evaluation and sampling).
+local function chunked_head(self, x, head, targets, B, T)
+  local C = x:shape()[3]
+  if targets then
+    return nil, fsdp.chunked_cross_entropy(x:view(B * T, C), head, targets:view(B * T),
+      { chunk = self.head_chunk, ignore_index = -100, valid_vocab = self.vocab_size })
+  end
+  return fsdp.chunked_logits(x:view(B * T, C), head, { chunk = self.head_chunk }):view(B, T, self.padded_vocab)
+end
+
 --- model(idx (B, T) integer, targets (B, T) or nil) -> logits (B, T, padded V), loss or nil
+-- (with config.head_chunk and targets: nil, loss)
 function GPT:forward(idx, targets)
   local B, T = check_ids(self, idx, "idx")
   local pos = self.pos_cache and self.pos_cache[T]
@@ -95,11 +118,14 @@ function GPT:forward(idx, targets)
     pos = fsdp.arange(0, T, { dtype = "i64" })
     self.pos_cache[T] = pos
   end
-  local x = self.wte(idx) + self.wpe(pos)                      -- (B, T, C)
+  local chunk = self.head_chunk
+  local tok = chunk and fsdp.chunked_embedding(self.wte.weight, idx, { chunk = chunk }) or self.wte(idx)
+  local x = tok + self.wpe(pos)                                -- (B, T, C)
   if self.drop then x = self.drop(x) end
   for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
   x = self.ln_f(x)
   local head = self.lm_head and self.lm_head.weight or self.wte.weight
+  if chunk then return chunked_head(self, x, head, targets, B, T) end
   local logits = x:matmul(head, { tb = true })                 -- (B, T, Vp)
   local loss
   if targets then
@@ -242,6 +268,7 @@ function Llama:forward(idx, targets)
   local x = self.wte(idx)
   for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
   x = self.ln_f(x)
+  if self.head_chunk then return chunked_head(self, x, self.lm_head.weight, targets, B, T) end
   local logits = self.lm_head(x)
   local loss
   if targets then

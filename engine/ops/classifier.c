@@ -1,0 +1,410 @@
+/* classifier.c: the LM head with its loss, and the embedding, by
+ * vocabulary chunks (kernels in engine/cpu/classifier.c).
+ *
+ * A table (V, C) is read a slice at a time: chunk_rows consecutive rows of
+ * a plain tensor (a view, nothing copied for f32), or, for a parameter of a
+ * sliced unit (sched.c), the same rows of every rank's shard gathered on
+ * their own: blocks = N runs of ceil(chunk_rows / N) rows. Each slice's
+ * gradient is reduce-scattered as soon as it is computed, so a sliced table
+ * is never whole on a rank, nor its gradient. */
+#include "ops_util.h"
+#include "trace.h"
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    fsdp_tensor *w;                 /* (V, C) */
+    const fsdp_row_slicer *sl;      /* NULL: slices are views of w */
+    int64_t V, C;
+    int64_t blocks, block_stride;   /* runs per slice, table rows between runs */
+    int64_t rows, n_slices;         /* rows per run of a full slice */
+} table_slices;
+
+static fsdp_status fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                        const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static fsdp_status fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                        const char *fmt, ...) {
+    char sig[1024], msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return fsdp_set_error(st, "%s: %s", op_sig(sig, sizeof sig, op, n, names, ts), msg);
+}
+
+static float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
+
+/* The checks every chunked op makes: the table (n = 0) may be a sliced
+ * unit's resharded parameter, the other tensors must hold data. */
+static fsdp_status check_args(const char *op, void *out, int n, const char *const *names, fsdp_tensor *const *ts,
+                              int64_t chunk_rows) {
+    fsdp_tensor *rest[4];
+    for (int i = 1; i < n; i++) rest[i - 1] = ts[i];
+    if (!ts[0]) return fsdp_set_error(FSDP_ERR_INVALID, "%s: %s is NULL", op, names[0]);
+    FSDP_TRY(op_check(op, out, n - 1, names + 1, rest, NULL));
+    fsdp_tensor *w = ts[0];
+    if (!w->storage->data && w->storage->nbytes > 0 && !w->storage->slicer)
+        return fail(FSDP_ERR_STATE, op, n, names, ts, "%s is a parameter of a resharded unit; run it inside the "
+                    "unit's forward, or unshard the unit first", names[0]);
+    if (tensor_device(w) != fsdp_op_device())
+        return fail(FSDP_ERR_DEVICE, op, n, names, ts, "tensors on different devices");
+    if (!device_kernels(tensor_device(w)))
+        return fail(FSDP_ERR_UNSUPPORTED, op, n, names, ts, "no %s kernels in this build",
+                    fsdp_device_name(tensor_device(w)));
+    if (!KERNELS(w)->classifier_lse_f32 || !KERNELS(w)->embedding_slice_forward_f32)
+        return fail(FSDP_ERR_UNSUPPORTED, op, n, names, ts, "the %s device has no chunked-classifier kernels yet; "
+                    "use the unchunked head there", fsdp_device_name(tensor_device(w)));
+    if (!fsdp_dtype_is_float(w->dtype)) return fail(FSDP_ERR_DTYPE, op, n, names, ts, "%s must be f32 or bf16", names[0]);
+    if (w->ndim != 2) return fail(FSDP_ERR_SHAPE, op, n, names, ts, "%s must be 2-D (V, C)", names[0]);
+    if (chunk_rows < 1)
+        return fail(FSDP_ERR_INVALID, op, n, names, ts, "chunk_rows is %lld, expected a positive row count",
+                    (long long)chunk_rows);
+    return FSDP_OK;
+}
+
+static fsdp_status slices_init(table_slices *t, fsdp_tensor *w, int64_t chunk_rows, const char *op) {
+    t->w = w;
+    t->sl = w->storage->slicer;
+    t->V = w->shape[0];
+    t->C = w->shape[1];
+    if (t->sl) {
+        if (w->offset != 0 || !tensor_is_contiguous(w) || t->C < 1 || t->sl->shard_n % t->C != 0)
+            return fsdp_set_error(FSDP_ERR_INVALID, "%s: a sliced unit's table must be its only parameter, whole "
+                                  "rows per shard (shard of %lld elements, rows of %lld)", op,
+                                  (long long)t->sl->shard_n, (long long)t->C);
+        t->blocks = t->sl->blocks;
+        t->block_stride = t->sl->shard_n / t->C;
+        t->rows = (chunk_rows + t->blocks - 1) / t->blocks;
+    } else {
+        t->blocks = 1;
+        t->block_stride = t->V;
+        t->rows = chunk_rows;
+    }
+    if (t->rows > t->block_stride) t->rows = t->block_stride > 0 ? t->block_stride : 1;
+    t->n_slices = t->block_stride > 0 ? (t->block_stride + t->rows - 1) / t->rows : 0;
+    return FSDP_OK;
+}
+
+/* Slice j as f32 (blocks * *br, C) contiguous, its first run's table row *row0. */
+static fsdp_status slice_get(const table_slices *t, int64_t j, fsdp_tensor **rows, int64_t *br, int64_t *row0) {
+    *row0 = j * t->rows;
+    *br = t->block_stride - *row0 < t->rows ? t->block_stride - *row0 : t->rows;
+    int64_t shape[2] = {t->blocks * *br, t->C}, strides[2] = {t->C, 1};
+    fsdp_tensor *g = NULL;
+    if (t->sl) {
+        FSDP_TRY(t->sl->gather(t->sl, *row0 * t->C, *br * t->C, &g));
+        fsdp_tensor *v = tensor_view(g, 2, shape, strides, g->offset);
+        tensor_release(g);
+        if (!v) return fsdp_set_error(FSDP_ERR_OOM, "chunked classifier: out of host memory");
+        g = v;
+    } else {
+        g = tensor_view(t->w, 2, shape, t->w->strides, t->w->offset + *row0 * t->w->strides[0]);
+        if (!g) return fsdp_set_error(FSDP_ERR_OOM, "chunked classifier: out of host memory");
+    }
+    fsdp_status st = tensor_as_f32(rows, g);   /* f32 contiguous: g itself */
+    tensor_release(g);
+    return st;
+}
+
+/* Indices (what: "targets" or "ids") in [0, valid_v) or ignore_index; the first bad one named. */
+static fsdp_status check_targets(const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                                 const char *what, fsdp_tensor *t64, int64_t valid_v, int64_t ignore_index) {
+    int64_t N = tensor_numel(t64);
+    const int64_t *p = tensor_data(t64);
+    int64_t *host = NULL;
+    if (tensor_device(t64) != FSDP_DEVICE_CPU) {   /* (the counting device reads back zeros) */
+        host = malloc((size_t)(N ? N : 1) * sizeof *host);
+        if (!host) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", op);
+        KERNELS(t64)->copy_to_host(host, p, (size_t)N * sizeof *host);
+        p = host;
+    }
+    fsdp_status st = FSDP_OK;
+    for (int64_t i = 0; i < N && st == FSDP_OK; i++)
+        if ((p[i] < 0 || p[i] >= valid_v) && p[i] != ignore_index)
+            st = fail(FSDP_ERR_INDEX, op, n, names, ts,
+                      "%s[%lld] is %lld, expected 0 <= %s < %lld%s", what, (long long)i, (long long)p[i], what,
+                      (long long)valid_v, ignore_index == INT64_MIN ? " (the rows of the table)"
+                                                                    : " (valid_vocab) or ignore_index");
+    free(host);
+    return st;
+}
+
+/* ---- the head and its loss ---- */
+
+/* in: x, weight, targets; saved[0] lse (N); i[0] chunk_rows, i[1] ignore_index, i[2] valid_v, i[3] count */
+static fsdp_status chunked_ce_backward(fsdp_node *node) {
+    bool need_x = node_needs_grad(node, 0), need_w = node_needs_grad(node, 1);
+    if (!need_x && !need_w) return FSDP_OK;
+    fsdp_tensor *dloss = NULL, *x32 = NULL, *t64 = NULL, *dx = NULL, *dw = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dloss));
+    if (!dloss) return FSDP_OK;
+    table_slices t;
+    fsdp_status st = slices_init(&t, node->in[1], node->i[0], "fsdp_chunked_cross_entropy backward");
+    int64_t N = node->in[0]->shape[0], C = t.C;
+    if (st == FSDP_OK) st = tensor_as_f32(&x32, node->in[0]);
+    if (st == FSDP_OK) st = tensor_as_i64(&t64, node->in[2]);
+    if (st == FSDP_OK && need_x) st = tensor_new(&dx, FSDP_F32, 2, node->in[0]->shape, fsdp_op_device(),
+                                                 fsdp_default_tag(), true);
+    /* a plain table's gradient is whole (the unsharded model's), slices write their rows */
+    if (st == FSDP_OK && need_w && !t.sl)
+        st = tensor_new(&dw, FSDP_F32, 2, t.w->shape, fsdp_op_device(), FSDP_TAG_GRAD, false);
+    const fsdp_device_kernels *k = device_kernels(fsdp_op_device());
+    for (int64_t j = 0; st == FSDP_OK && j < t.n_slices; j++) {
+        fsdp_tensor *rows = NULL, *lg = NULL, *dws = NULL;
+        int64_t br, row0;
+        st = slice_get(&t, j, &rows, &br, &row0);
+        int64_t R = t.blocks * br, lshape[2] = {N, R}, wshape[2] = {R, C};
+        if (st == FSDP_OK) st = op_new_f32(&lg, 2, lshape);   // (N, R)
+        if (st == FSDP_OK) {
+            k->matmul_f32(f32p(lg), f32p(x32), f32p(rows), 1, N, R, C, 0, 1, 1.0f, 0.0f, 0, 0, 0);
+            k->classifier_dlogits_f32(f32p(lg), f32p(lg), f32p(node->saved[0]), tensor_data(t64), N, t.blocks, br,
+                                      t.block_stride, row0, node->i[2], node->i[1], f32p(dloss), node->i[3]);
+            if (need_x)   // dx += dlogits (N, R) @ rows (R, C)
+                k->matmul_f32(f32p(dx), f32p(lg), f32p(rows), 1, N, C, R, 0, 0, 1.0f, 1.0f, 0, 0, 0);
+        }
+        if (st == FSDP_OK && need_w) {   // dW_slice (R, C) = dlogits^T @ x
+            if (t.sl) st = tensor_new(&dws, FSDP_F32, 2, wshape, fsdp_op_device(), FSDP_TAG_GRAD, false);
+            float *dst = t.sl ? (st == FSDP_OK ? f32p(dws) : NULL) : f32p(dw) + row0 * C;
+            if (st == FSDP_OK) k->matmul_f32(dst, f32p(lg), f32p(x32), 1, R, C, N, 1, 0, 1.0f, 0.0f, 0, 0, 0);
+            tensor_release(lg);
+            lg = NULL;   /* the logits go before the reduction needs its buffers */
+            if (st == FSDP_OK && t.sl) st = t.sl->reduce(t.sl, row0 * C, br * C, dws);
+        }
+        tensor_release(dws);
+        tensor_release(lg);
+        tensor_release(rows);
+    }
+    tensor_release(dloss);
+    tensor_release(x32);
+    tensor_release(t64);
+    if (st != FSDP_OK) {
+        tensor_release(dx);
+        tensor_release(dw);
+        return st;
+    }
+    if (dx) st = op_give_grad(node, 0, dx);
+    if (dw) {
+        if (st == FSDP_OK) st = op_give_grad(node, 1, dw);
+        else tensor_release(dw);
+    }
+    return st;
+}
+
+fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *targets,
+                                       int64_t chunk_rows, int64_t ignore_index, int64_t valid_vocab) {
+    TRACE_OP("chunked_cross_entropy", out);
+    const char *op = "fsdp_chunked_cross_entropy", *names[] = {"weight", "x", "targets"};
+    fsdp_tensor *ts[] = {weight, x, targets};
+    FSDP_TRY(check_args(op, out, 3, names, ts, chunk_rows));
+    if (!fsdp_dtype_is_float(x->dtype) || x->dtype != weight->dtype)
+        return fail(FSDP_ERR_DTYPE, op, 3, names, ts, "x must be f32 or bf16, the dtype of weight");
+    if (!dtype_is_index(targets->dtype)) return fail(FSDP_ERR_DTYPE, op, 3, names, ts, "targets must be i32, i64 or u16");
+    if (x->ndim != 2 || x->shape[1] != weight->shape[1])
+        return fail(FSDP_ERR_SHAPE, op, 3, names, ts, "x must be 2-D (N, C) with C = %lld (the columns of weight)",
+                    (long long)weight->shape[1]);
+    int64_t N = x->shape[0], V = weight->shape[0];
+    if (targets->ndim != 1 || targets->shape[0] != N)
+        return fail(FSDP_ERR_SHAPE, op, 3, names, ts, "targets must be 1-D with %lld elements (the rows of x)",
+                    (long long)N);
+    if (valid_vocab < 0 || valid_vocab > V)
+        return fail(FSDP_ERR_INVALID, op, 3, names, ts, "valid_vocab is %lld, expected 0..%lld (0 = all rows)",
+                    (long long)valid_vocab, (long long)V);
+    int64_t valid_v = valid_vocab ? valid_vocab : V, nshape[1] = {N};
+    table_slices t;
+    FSDP_TRY(slices_init(&t, weight, chunk_rows, op));
+    fsdp_tensor *t64 = NULL, *x32 = NULL, *m = NULL, *s = NULL, *tl = NULL, *lse = NULL, *losses = NULL, *r = NULL;
+    FSDP_TRY(tensor_as_i64(&t64, targets));
+    fsdp_status st = check_targets(op, 3, names, ts, "targets", t64, valid_v, ignore_index);
+    if (st == FSDP_OK) st = tensor_as_f32(&x32, x);
+    if (st == FSDP_OK) st = op_new_f32(&m, 1, nshape);
+    if (st == FSDP_OK) st = tensor_new(&s, FSDP_F32, 1, nshape, fsdp_op_device(), fsdp_default_tag(), true);
+    if (st == FSDP_OK) st = tensor_new(&tl, FSDP_F32, 1, nshape, fsdp_op_device(), fsdp_default_tag(), true);
+    const fsdp_device_kernels *k = device_kernels(fsdp_op_device());
+    if (st == FSDP_OK) k->fill_f32(f32p(m), -INFINITY, N);
+    for (int64_t j = 0; st == FSDP_OK && j < t.n_slices; j++) {
+        fsdp_tensor *rows = NULL, *lg = NULL;
+        int64_t br, row0;
+        st = slice_get(&t, j, &rows, &br, &row0);
+        int64_t R = t.blocks * br, lshape[2] = {N, R};
+        if (st == FSDP_OK) st = op_new_f32(&lg, 2, lshape);   // (N, R)
+        if (st == FSDP_OK) {
+            k->matmul_f32(f32p(lg), f32p(x32), f32p(rows), 1, N, R, t.C, 0, 1, 1.0f, 0.0f, 0, 0, 0);
+            k->classifier_lse_f32(f32p(m), f32p(s), f32p(tl), f32p(lg), tensor_data(t64), N, t.blocks, br,
+                                  t.block_stride, row0, valid_v, ignore_index);
+        }
+        tensor_release(lg);
+        tensor_release(rows);
+    }
+    if (st == FSDP_OK) st = op_new_f32(&lse, 1, nshape);
+    if (st == FSDP_OK) st = op_new_f32(&losses, 1, nshape);
+    if (st == FSDP_OK) st = op_new_f32(&r, 0, NULL);
+    int64_t count = 0;
+    if (st == FSDP_OK) {
+        count = k->classifier_finish_f32(f32p(lse), f32p(losses), f32p(m), f32p(s), f32p(tl), tensor_data(t64), N,
+                                         ignore_index);
+        float mean = count ? (float)(k->sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
+        k->fill_f32(f32p(r), mean, 1);
+    }
+    tensor_release(t64);
+    tensor_release(x32);
+    tensor_release(m);
+    tensor_release(s);
+    tensor_release(tl);
+    tensor_release(losses);
+    if (st != FSDP_OK) {
+        tensor_release(lse);
+        tensor_release(r);
+        return st;
+    }
+    fsdp_tensor *res = NULL, *in[] = {x, weight, targets};
+    st = op_finish(&res, r, x->dtype);
+    fsdp_node *node = st == FSDP_OK ? op_record(&st, "chunked_cross_entropy", chunked_ce_backward, 3, in, 1, &res)
+                                    : NULL;
+    if (node) {
+        node->saved[0] = lse;
+        node->i[0] = chunk_rows;
+        node->i[1] = ignore_index;
+        node->i[2] = valid_v;
+        node->i[3] = count;
+    } else {
+        tensor_release(lse);
+    }
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    *out = res;
+    return FSDP_OK;
+}
+
+/* ---- the embedding ---- */
+
+/* in: table, ids; i[0] chunk_rows */
+static fsdp_status chunked_embedding_backward(fsdp_node *node) {
+    if (!node_needs_grad(node, 0)) return FSDP_OK;
+    fsdp_tensor *dout = NULL, *ids = NULL;
+    FSDP_TRY(op_grad_out_f32(node, 0, &dout));
+    if (!dout) return FSDP_OK;
+    table_slices t;
+    fsdp_status st = slices_init(&t, node->in[0], node->i[0], "fsdp_chunked_embedding backward");
+    if (st == FSDP_OK) st = tensor_as_i64(&ids, node->in[1]);
+    const fsdp_device_kernels *k = device_kernels(fsdp_op_device());
+    int64_t n = ids ? tensor_numel(ids) : 0;
+    /* no gather: the embedding's gradient needs only the ids and dout */
+    for (int64_t j = 0; st == FSDP_OK && j < t.n_slices; j++) {
+        int64_t row0 = j * t.rows, br = t.block_stride - row0 < t.rows ? t.block_stride - row0 : t.rows;
+        int64_t shape[2] = {t.blocks * br, t.C};
+        fsdp_tensor *drows = NULL;
+        st = tensor_new(&drows, FSDP_F32, 2, shape, fsdp_op_device(), FSDP_TAG_GRAD, false);
+        if (st == FSDP_OK) {
+            k->embedding_slice_backward_f32(f32p(drows), tensor_data(ids), n, f32p(dout), t.C, t.blocks, br,
+                                            t.block_stride, row0);
+            st = t.sl->reduce(t.sl, row0 * t.C, br * t.C, drows);
+        }
+        tensor_release(drows);
+    }
+    tensor_release(ids);
+    tensor_release(dout);
+    return st;
+}
+
+fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids, int64_t chunk_rows) {
+    const char *op = "fsdp_chunked_embedding", *names[] = {"table", "ids"};
+    fsdp_tensor *ts[] = {table, ids};
+    FSDP_TRY(check_args(op, out, 2, names, ts, chunk_rows));
+    if (!table->storage->slicer) return fsdp_embedding(out, table, ids);   /* a whole table: the plain op */
+    TRACE_OP("chunked_embedding", out);
+    if (!dtype_is_index(ids->dtype)) return fail(FSDP_ERR_DTYPE, op, 2, names, ts, "ids must be i32, i64 or u16");
+    if (ids->ndim + 1 > FSDP_MAX_DIMS)
+        return fail(FSDP_ERR_SHAPE, op, 2, names, ts, "ids has %d dims; the output would have more than %d",
+                    ids->ndim, FSDP_MAX_DIMS);
+    table_slices t;
+    FSDP_TRY(slices_init(&t, table, chunk_rows, op));
+    fsdp_tensor *ids64 = NULL, *res = NULL;
+    FSDP_TRY(tensor_as_i64(&ids64, ids));
+    fsdp_status st = check_targets(op, 2, names, ts, "ids", ids64, t.V, INT64_MIN);   /* (INT64_MIN: none skipped) */
+    if (st != FSDP_OK) {
+        tensor_release(ids64);
+        return st;
+    }
+    int64_t oshape[FSDP_MAX_DIMS], n = tensor_numel(ids64);
+    memcpy(oshape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
+    oshape[ids->ndim] = t.C;
+    st = op_new_f32(&res, ids->ndim + 1, oshape);
+    const fsdp_device_kernels *k = device_kernels(fsdp_op_device());
+    for (int64_t j = 0; st == FSDP_OK && j < t.n_slices; j++) {
+        fsdp_tensor *rows = NULL;
+        int64_t br, row0;
+        st = slice_get(&t, j, &rows, &br, &row0);
+        if (st == FSDP_OK)
+            k->embedding_slice_forward_f32(f32p(res), tensor_data(ids64), n, f32p(rows), t.C, t.blocks, br,
+                                           t.block_stride, row0);
+        tensor_release(rows);
+    }
+    tensor_release(ids64);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    fsdp_tensor *out_t = NULL;
+    st = op_finish(&out_t, res, table->dtype);
+    fsdp_node *node = st == FSDP_OK ? op_record(&st, "chunked_embedding", chunked_embedding_backward, 2, ts, 1, &out_t)
+                                    : NULL;
+    if (node) node->i[0] = chunk_rows;
+    if (st != FSDP_OK) {
+        tensor_release(out_t);
+        return st;
+    }
+    *out = out_t;
+    return FSDP_OK;
+}
+
+/* ---- logits without gradients ---- */
+
+fsdp_status fsdp_chunked_logits(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, int64_t chunk_rows) {
+    TRACE_OP("chunked_logits", out);
+    const char *op = "fsdp_chunked_logits", *names[] = {"weight", "x"};
+    fsdp_tensor *ts[] = {weight, x};
+    FSDP_TRY(check_args(op, out, 2, names, ts, chunk_rows));
+    if (!fsdp_dtype_is_float(x->dtype) || x->dtype != weight->dtype)
+        return fail(FSDP_ERR_DTYPE, op, 2, names, ts, "x must be f32 or bf16, the dtype of weight");
+    if (x->ndim != 2 || x->shape[1] != weight->shape[1])
+        return fail(FSDP_ERR_SHAPE, op, 2, names, ts, "x must be 2-D (N, C) with C = %lld (the columns of weight)",
+                    (long long)weight->shape[1]);
+    fsdp_tensor *in[] = {x, weight};
+    if (tape_wants(2, in))
+        return fail(FSDP_ERR_STATE, op, 2, names, ts, "has no gradient; train with fsdp_chunked_cross_entropy, or "
+                    "call it with gradients disabled (no_grad)");
+    table_slices t;
+    FSDP_TRY(slices_init(&t, weight, chunk_rows, op));
+    int64_t N = x->shape[0], V = t.V, oshape[2] = {N, V};
+    fsdp_tensor *x32 = NULL, *res = NULL;
+    FSDP_TRY(tensor_as_f32(&x32, x));
+    fsdp_status st = op_new_f32(&res, 2, oshape);
+    const fsdp_device_kernels *k = device_kernels(fsdp_op_device());
+    for (int64_t j = 0; st == FSDP_OK && j < t.n_slices; j++) {
+        fsdp_tensor *rows = NULL, *lg = NULL;
+        int64_t br, row0;
+        st = slice_get(&t, j, &rows, &br, &row0);
+        int64_t R = t.blocks * br, lshape[2] = {N, R};
+        if (st == FSDP_OK) st = op_new_f32(&lg, 2, lshape);
+        if (st == FSDP_OK) k->matmul_f32(f32p(lg), f32p(x32), f32p(rows), 1, N, R, t.C, 0, 1, 1.0f, 0.0f, 0, 0, 0);
+        /* run b of the slice holds table rows b * block_stride + row0 ..: those columns of out (none past V) */
+        for (int64_t b = 0; st == FSDP_OK && b < t.blocks; b++) {
+            int64_t col = b * t.block_stride + row0, w = col >= V ? 0 : (V - col < br ? V - col : br);
+            if (w <= 0) continue;
+            int64_t shape[2] = {N, w}, dst_strides[2] = {V, 1}, src_strides[2] = {R, 1};
+            k->copy_strided(f32p(res) + col, dst_strides, f32p(lg) + b * br, src_strides, 2, shape, sizeof(float));
+        }
+        tensor_release(lg);
+        tensor_release(rows);
+    }
+    tensor_release(x32);
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    return op_finish(out, res, x->dtype);
+}
