@@ -32,6 +32,52 @@ static const char *mpi_error_string(long code) {
 /* The one check for MPI calls: file:line, the call and MPI's message. */
 #define MPI_CHECK(call) FSDP_CHECK_CALL(call, rc_ == MPI_SUCCESS, mpi_error_string)
 
+/* ---- waiting for data ---- */
+
+static void sleep_s(double s);
+static void mpi_service(void);
+
+/* Open MPI progresses a transfer only inside MPI calls, and its blocking
+ * calls spin a core until they return. The comm thread shares the cores
+ * with the compute threads (on a small host, one core per rank), so the
+ * data collectives here are non-blocking, tested in a loop that spins for
+ * the first 20 us (a small collective is done by then) and then sleeps 10
+ * us, 20 us, ... at most 200 us between tests: a waiting comm thread costs
+ * a few percent of a core, and a transfer finishes at most 200 us late
+ * (it overlaps compute anyway). Other ranks' watchdog questions are
+ * answered meanwhile. */
+typedef struct { double t0, sleep, next_service; } poller;
+
+static poller poller_start(void) {
+    double now = comm_now();
+    return (poller){now, 10e-6, now + 0.01};
+}
+
+static void poller_idle(poller *p) {
+    double now = comm_now();
+    if (now - p->t0 < 20e-6) return;
+    if (now >= p->next_service) {
+        mpi_service();
+        p->next_service = now + 0.01;
+    }
+    sleep_s(p->sleep);
+    p->sleep = p->sleep * 2 < 200e-6 ? p->sleep * 2 : 200e-6;
+}
+
+static fsdp_status wait_all(int n, MPI_Request *reqs) {
+    poller p = poller_start();
+    for (;;) {
+        int done = 0;
+        MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+        if (done) return FSDP_OK;
+        poller_idle(&p);
+    }
+}
+
+static fsdp_status wait_one(MPI_Request *req) { return wait_all(1, req); }
+
+/* ---- data collectives ---- */
+
 static MPI_Datatype mpi_unit(size_t elem) {   /* moves bytes, elem at a time */
     return elem == 8 ? MPI_UINT64_T : elem == 4 ? MPI_UINT32_T : elem == 2 ? MPI_UINT16_T : MPI_BYTE;
 }
@@ -41,16 +87,95 @@ static fsdp_status mpi_all_gather(fsdp_comm *c, void *dst, const void *src, int6
      * bytes (the caller bounds elements per rank to INT_MAX). */
     MPI_Datatype t = block_bytes <= INT_MAX ? MPI_BYTE : mpi_unit(elem);
     int count = (int)(block_bytes <= INT_MAX ? block_bytes : block_bytes / (int64_t)elem);
+    MPI_Request req = MPI_REQUEST_NULL;
     if (src)
-        MPI_CHECK(MPI_Allgather(src, count, t, dst, count, t, c->mpi));
+        MPI_CHECK(MPI_Iallgather(src, count, t, dst, count, t, c->mpi, &req));
     else
-        MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, dst, count, t, c->mpi));
+        MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, dst, count, t, c->mpi, &req));
+    return wait_one(&req);
+}
+
+/* Reduce-scatter as a ring of point-to-point messages: P - 1 steps; at
+ * step s rank r sends its partial sum of block (r - s - 1) mod P to rank
+ * r + 1 and receives the partial sum of block (r - s - 2) mod P from rank
+ * r - 1, adding its own term; after the last step it holds the whole sum
+ * of block r. Each rank moves and adds (P - 1) blocks, the least there is
+ * (MPI's non-blocking reduce-scatter reduces everything at rank 0 and
+ * scatters from there). Blocks travel in chunks, up to RING_WINDOW chunks
+ * in flight into a small scratch window, each added as it arrives, while
+ * it is still in cache (receiving into dst and adding there would take the
+ * block through memory twice more). Every
+ * rank posts the same messages in the same order under one tag, and MPI
+ * matches messages between two ranks in order. */
+enum { TAG_RING = 0x6667, RING_WINDOW = 8 };
+#define RING_CHUNK ((int64_t)1 << 18)   /* floats, 1 MiB */
+
+static void add_f32(float *restrict acc, const float *restrict a, const float *restrict b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i] = a[i] + b[i];
+}
+
+/* One step over the whole block: send -> right; dst <- (from left) + mine. */
+static fsdp_status ring_step(fsdp_comm *c, const float *send, float *scratch, float *dst, const float *mine,
+                             int64_t block) {
+    int right = (c->rank + 1) % c->size, left = (c->rank + c->size - 1) % c->size;
+    MPI_Request reqs[2 * RING_WINDOW];
+    for (int64_t at = 0; at < block; at += RING_CHUNK * RING_WINDOW) {
+        int k = 0;
+        for (; k < RING_WINDOW && at + k * RING_CHUNK < block; k++) {
+            int64_t off = at + k * RING_CHUNK, len = block - off < RING_CHUNK ? block - off : RING_CHUNK;
+            MPI_CHECK(MPI_Irecv(scratch + (off - at), (int)len, MPI_FLOAT, left, TAG_RING, c->mpi, &reqs[k]));
+            MPI_CHECK(MPI_Isend(send + off, (int)len, MPI_FLOAT, right, TAG_RING, c->mpi, &reqs[RING_WINDOW + k]));
+        }
+        /* add each chunk as it arrives; when dst is what is sent (steps after
+         * the first), only once its chunk has gone */
+        bool added[RING_WINDOW] = {false};
+        poller p = poller_start();
+        for (int n_added = 0; n_added < k;) {
+            bool progress = false;
+            for (int j = 0; j < k; j++) {
+                if (added[j]) continue;
+                int got = 0, sent = 1;
+                MPI_CHECK(MPI_Test(&reqs[j], &got, MPI_STATUS_IGNORE));   /* done: the request is null, got = 1 */
+                if (got && send == dst) MPI_CHECK(MPI_Test(&reqs[RING_WINDOW + j], &sent, MPI_STATUS_IGNORE));
+                if (!got || !sent) continue;
+                int64_t off = at + j * RING_CHUNK, len = block - off < RING_CHUNK ? block - off : RING_CHUNK;
+                add_f32(dst + off, scratch + (off - at), mine + off, len);
+                added[j] = true;
+                n_added++;
+                progress = true;
+            }
+            if (!progress) poller_idle(&p);
+        }
+        /* dst may be the next window's send buffer: sends must be done */
+        FSDP_TRY(wait_all(k, reqs + RING_WINDOW));
+    }
     return FSDP_OK;
 }
 
 static fsdp_status mpi_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block) {
-    MPI_CHECK(MPI_Reduce_scatter_block(src, dst, (int)block, MPI_FLOAT, MPI_SUM, c->mpi));
-    return FSDP_OK;
+    int P = c->size, r = c->rank;
+    if (P == 1) {
+        memcpy(dst, src, (size_t)block * sizeof(float));
+        return FSDP_OK;
+    }
+    /* step 0 sends this rank's own term, later steps the partial sum in
+     * dst; what arrives lands in a window of scratch (8 MiB at most: not
+     * counted under the comm tag, like MPI's own buffers) */
+    int64_t n = block < RING_CHUNK * RING_WINDOW ? block : RING_CHUNK * RING_WINDOW;
+    float *scratch = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!scratch)
+        return fsdp_set_error(FSDP_ERR_OOM, "reduce_scatter on comm %s(%d): out of host memory for %lld floats",
+                              c->name, c->size, (long long)n);
+    fsdp_status st = FSDP_OK;
+    for (int s = 0; s < P - 1 && st == FSDP_OK; s++) {
+        int b_send = ((r - s - 1) % P + P) % P, b_recv = ((r - s - 2) % P + P) % P;
+        const float *send = s == 0 ? src + (int64_t)b_send * block : dst;
+        st = ring_step(c, send, scratch, dst, src + (int64_t)b_recv * block, block);
+    }
+    /* after an MPI error a receive may still be pending into scratch: the
+     * job is failing anyway, so scratch is left to it */
+    if (st == FSDP_OK) free(scratch);
+    return st;
 }
 
 static fsdp_status mpi_all_reduce(fsdp_comm *c, void *buf, int64_t n, comm_reduce_type rt, int op) {
@@ -61,7 +186,9 @@ static fsdp_status mpi_all_reduce(fsdp_comm *c, void *buf, int64_t n, comm_reduc
     const int64_t chunk = (int64_t)1 << 30;   /* int counts; every rank cuts the same chunks */
     for (int64_t at = 0; at < n; at += chunk) {
         int64_t len = n - at < chunk ? n - at : chunk;
-        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + at * (int64_t)esz, (int)len, t, mop, c->mpi));
+        MPI_Request req = MPI_REQUEST_NULL;
+        MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + at * (int64_t)esz, (int)len, t, mop, c->mpi, &req));
+        FSDP_TRY(wait_one(&req));
     }
     return FSDP_OK;
 }
@@ -70,14 +197,17 @@ static fsdp_status mpi_broadcast(fsdp_comm *c, void *buf, int64_t bytes, int roo
     const int64_t chunk = (int64_t)1 << 30;
     for (int64_t at = 0; at < bytes; at += chunk) {
         int64_t len = bytes - at < chunk ? bytes - at : chunk;
-        MPI_CHECK(MPI_Bcast((char *)buf + at, (int)len, MPI_BYTE, root, c->mpi));
+        MPI_Request req = MPI_REQUEST_NULL;
+        MPI_CHECK(MPI_Ibcast((char *)buf + at, (int)len, MPI_BYTE, root, c->mpi, &req));
+        FSDP_TRY(wait_one(&req));
     }
     return FSDP_OK;
 }
 
 static fsdp_status mpi_barrier(fsdp_comm *c) {
-    MPI_CHECK(MPI_Barrier(c->mpi));
-    return FSDP_OK;
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_CHECK(MPI_Ibarrier(c->mpi, &req));
+    return wait_one(&req);
 }
 
 static fsdp_status mpi_split(fsdp_comm *parent, int color, int key, fsdp_comm *child) {
