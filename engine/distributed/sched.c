@@ -480,6 +480,10 @@ static fsdp_status slice_gather(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     int64_t one = 1, total = n * s->shard_size;
     fsdp_tensor *src = tensor_view(u->master, 1, &n, &one, u->master->offset + lo), *dst = NULL;
     if (!src) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+    if (s->direct) {   /* a world of one: the slice is a view of the master, nothing copied */
+        *out = src;
+        return FSDP_OK;
+    }
     fsdp_status r = FSDP_OK;
     if (s->compute_dtype != FSDP_F32) r = convert_to(&src, s->compute_dtype, -1);
     if (r == FSDP_OK && s->shard_device != s->device) r = convert_to(&src, -1, s->device);
@@ -507,6 +511,12 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     int64_t one = 1, total = n * s->shard_size;
     fsdp_tensor *src = tensor_is_contiguous(g) ? tensor_view(g, 1, &total, &one, g->offset) : NULL, *dst = NULL;
     if (!src) return fsdp_set_error(FSDP_ERR_INVALID, "slice reduce(%s): the gradient must be contiguous", u->name);
+    if (s->direct) {   /* a world of one: straight into the gradient shard */
+        fsdp_status r = ensure_grad(s, u);
+        if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(src), 1.0f, n);
+        tensor_release(src);
+        return r;
+    }
     fsdp_status r = FSDP_OK;
     if (s->reduce_dtype != FSDP_F32) r = convert_to(&src, s->reduce_dtype, -1);
     if (r == FSDP_OK) r = tensor_new(&dst, s->reduce_dtype, 1, &n, s->device, FSDP_TAG_COMM, false);
