@@ -150,6 +150,14 @@ typedef struct fsdp_device_kernels {
     void (*embedding_slice_backward_f32)(float *drows, const int64_t *ids, int64_t n, const float *dout,
                                          int64_t dim, int64_t blocks, int64_t block_rows, int64_t block_stride,
                                          int64_t row0);
+    /* cross_entropy_forward_* for callers that know the count of rows not
+     * ignored (the op layer, from the targets' host range): the same losses
+     * and lse, and nothing comes back to the host (no sync). Optional (NULL:
+     * the op layer calls cross_entropy_forward_*). */
+    void (*cross_entropy_rows_f32)(float *losses, float *lse, const float *logits, const int64_t *targets, int64_t N,
+                                   int64_t V, int64_t valid_v, int64_t ignore_index);
+    void (*cross_entropy_rows_bf16)(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
+                                    int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);

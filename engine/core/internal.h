@@ -50,6 +50,12 @@ typedef struct fsdp_storage {
     int device;
     int tag;
     const struct fsdp_row_slicer *slicer;   /* a sliced unit's full buffer (sched.c), or NULL */
+    /* Integer contents that host code gave whole (fsdp_tensor_from_data, a
+     * copy from the host): their least and greatest value, so that index
+     * checks on a device need not read the values back (a host sync). Any
+     * later write into the storage clears it (storage_written). */
+    bool host_range;
+    int64_t range_lo, range_hi;
 } fsdp_storage;
 
 /* A sharded unit read and reduced by slices (the chunked classifier and
@@ -85,12 +91,26 @@ struct fsdp_tensor {
 };
 
 fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *shape, int device, int tag, bool zero);
+/* The host range of s: the n values of dtype at host (integer dtypes only;
+ * other dtypes leave it unknown). */
+void storage_set_host_range(fsdp_storage *s, int dtype, const void *host, int64_t n);
+/* s was (or is about to be) written: its host range is no longer known. */
+static inline void storage_written(fsdp_storage *s) { s->host_range = false; }
+/* Bounds of every value t can hold, when known without reading them (a
+ * view's values lie in its storage's range); false otherwise. */
+static inline bool tensor_host_range(const struct fsdp_tensor *t, int64_t *lo, int64_t *hi);
 /* A new tensor object over t's storage with the given geometry. */
 fsdp_tensor *tensor_view(fsdp_tensor *t, int ndim, const int64_t *shape, const int64_t *strides, int64_t offset);
 void tensor_retain(fsdp_tensor *t);
 void tensor_release(fsdp_tensor *t);
 int64_t tensor_numel(const fsdp_tensor *t);
 bool tensor_is_contiguous(const fsdp_tensor *t);
+static inline bool tensor_host_range(const fsdp_tensor *t, int64_t *lo, int64_t *hi) {
+    if (!t->storage->host_range) return false;
+    *lo = t->storage->range_lo;
+    *hi = t->storage->range_hi;
+    return true;
+}
 static inline void *tensor_data(const fsdp_tensor *t) {
     return (char *)t->storage->data + t->offset * (int64_t)fsdp_dtype_size(t->dtype);
 }

@@ -155,6 +155,34 @@ void tensor_release(fsdp_tensor *t) {
     }
 }
 
+/* ---- host ranges of integer storages ---- */
+
+void storage_set_host_range(fsdp_storage *s, int dtype, const void *host, int64_t n) {
+    s->host_range = false;
+    if (n <= 0 || (dtype != FSDP_I64 && dtype != FSDP_I32 && dtype != FSDP_U16)) return;
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = dtype == FSDP_I64 ? ((const int64_t *)host)[i]
+                    : dtype == FSDP_I32 ? ((const int32_t *)host)[i] : ((const uint16_t *)host)[i];
+        if (v < lo) lo = v;
+        if (v > hi) hi = v;
+    }
+    s->range_lo = lo;
+    s->range_hi = hi;
+    s->host_range = true;
+}
+
+/* A copy or widening of integers holds values of its source's range. */
+static void inherit_host_range(fsdp_tensor *to, const fsdp_tensor *from) {
+    int64_t lo, hi;
+    if (!tensor_host_range(from, &lo, &hi) || tensor_numel(to) == 0) return;
+    bool widening = to->dtype == from->dtype || to->dtype == FSDP_I64;
+    if (!widening || (to->dtype != FSDP_I64 && to->dtype != FSDP_I32 && to->dtype != FSDP_U16)) return;
+    to->storage->range_lo = lo;
+    to->storage->range_hi = hi;
+    to->storage->host_range = true;
+}
+
 /* ---- conversions used by the op layer ---- */
 
 fsdp_status tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t) {
@@ -167,6 +195,7 @@ fsdp_status tensor_contiguous(fsdp_tensor **out, fsdp_tensor *t) {
     FSDP_TRY(tensor_new(&c, t->dtype, t->ndim, t->shape, tensor_device(t), fsdp_default_tag(), false));
     KERNELS(c)->copy_strided(tensor_data(c), c->strides, tensor_data(t), t->strides, t->ndim, t->shape,
                      fsdp_dtype_size(t->dtype));
+    inherit_host_range(c, t);
     *out = c;
     return FSDP_OK;
 }
@@ -176,7 +205,10 @@ static fsdp_status tensor_convert(fsdp_tensor **out, fsdp_tensor *t, int dtype) 
     fsdp_tensor *c, *r;
     FSDP_TRY(tensor_contiguous(&c, t));
     fsdp_status st = tensor_new(&r, dtype, t->ndim, t->shape, tensor_device(t), fsdp_default_tag(), false);
-    if (st == FSDP_OK) KERNELS(r)->cast_any(tensor_data(r), dtype, tensor_data(c), c->dtype, tensor_numel(c));
+    if (st == FSDP_OK) {
+        KERNELS(r)->cast_any(tensor_data(r), dtype, tensor_data(c), c->dtype, tensor_numel(c));
+        inherit_host_range(r, c);
+    }
     tensor_release(c);
     if (st == FSDP_OK) *out = r;
     return st;
@@ -234,6 +266,7 @@ fsdp_status fsdp_tensor_from_data(fsdp_tensor **out, fsdp_dtype dtype, int ndim,
         return st;
     }
     if (nbytes) KERNELS(t)->copy_from_host(t->storage->data, data, (size_t)nbytes);
+    if (device != FSDP_DEVICE_CPU) storage_set_host_range(t->storage, dtype, data, tensor_numel(t));
     *out = t;
     return FSDP_OK;
 }
@@ -400,6 +433,7 @@ fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, fsdp_device
         /* nothing to move */
     } else if (from == FSDP_DEVICE_CPU) {
         dk->copy_from_host(tensor_data(r), tensor_data(c), nbytes);
+        storage_set_host_range(r->storage, r->dtype, tensor_data(c), tensor_numel(r));
     } else if (device == FSDP_DEVICE_CPU) {
         KERNELS(c)->copy_to_host(tensor_data(r), tensor_data(c), nbytes);
     } else {   /* device to device: through the host */
@@ -424,7 +458,10 @@ fsdp_status fsdp_tensor_to_device(fsdp_tensor **out, fsdp_tensor *t, fsdp_device
 
 /* Writing through a view whose elements alias each other (stride 0 over a
  * dim longer than 1) would race and is refused. */
+/* Every write into an existing tensor goes through here (fill, copy,
+ * random init): the values it held are no longer the host's. */
 static fsdp_status check_writable(const char *op, fsdp_tensor *t) {
+    storage_written(t->storage);
     if (tensor_numel(t) == 0) return FSDP_OK;
     for (int d = 0; d < t->ndim; d++)
         if (t->strides[d] == 0 && t->shape[d] > 1) {

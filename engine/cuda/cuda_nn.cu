@@ -416,7 +416,7 @@ void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *id
 /* ---- cross-entropy over logits (N, V), the first valid_v columns real ---- */
 
 /* lse_n = log sum_{j < valid_v} exp(x_nj); loss_n = (max - x_nt) + log sum
- * (0 when ignored); count += rows not ignored. */
+ * (0 when ignored); count += rows not ignored (count NULL: not counted). */
 template <class T>
 __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *count, const T *__restrict__ logits,
                               const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
@@ -435,7 +435,7 @@ __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *cou
             int64_t t = targets[n];
             lse[n] = m + logsum;
             losses[n] = t == ignore_index ? 0.0f : (m - ldf(xr[t])) + logsum;
-            if (t != ignore_index) atomicAdd(count, 1ull);   /* integer: exact in any order */
+            if (count && t != ignore_index) atomicAdd(count, 1ull);   /* integer: exact in any order */
         }
     }
 }
@@ -480,6 +480,17 @@ static int64_t cross_entropy_forward(float *losses, float *lse, const T *logits,
     return (int64_t)host;
 }
 
+/* the forward's rows without the count (the caller knows it) */
+template <class T>
+static void cross_entropy_rows(float *losses, float *lse, const T *logits, const int64_t *targets, int64_t N,
+                               int64_t V, int64_t valid_v, int64_t ignore_index) {
+    if (N <= 0) return;
+    LAUNCH(ce_fwd_kernel<T>, row_blocks(N), cuda_row_threads(valid_v), 0)(losses, lse, (unsigned long long *)NULL,
+                                                                          logits, targets, N, V, valid_v,
+                                                                          ignore_index);
+    CUDA_CHECK_LAUNCH();
+}
+
 template <class T>
 static void cross_entropy_backward(T *dlogits, const T *logits, const float *lse, const int64_t *targets, int64_t N,
                                    int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,
@@ -514,4 +525,16 @@ void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits,
                                       int64_t ignore_index, const float *dloss, int64_t count) {
     CUDA_ENTER();
     cross_entropy_backward(dlogits, logits, lse, targets, N, V, valid_v, ignore_index, dloss, count);
+}
+
+void cuda_cross_entropy_rows_f32(float *losses, float *lse, const float *logits, const int64_t *targets, int64_t N,
+                                 int64_t V, int64_t valid_v, int64_t ignore_index) {
+    CUDA_ENTER();
+    cross_entropy_rows(losses, lse, logits, targets, N, V, valid_v, ignore_index);
+}
+
+void cuda_cross_entropy_rows_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets, int64_t N,
+                                  int64_t V, int64_t valid_v, int64_t ignore_index) {
+    CUDA_ENTER();
+    cross_entropy_rows(losses, lse, logits, targets, N, V, valid_v, ignore_index);
 }

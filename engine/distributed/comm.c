@@ -429,6 +429,7 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
     FSDP_TRY(prepare(work, c, op));
     if (!label) label = "";
     FSDP_TRY(check_collective(op, label, c, dst, src, true, SAME_DTYPE, -1));
+    storage_written(dst->storage);
     int64_t n = tensor_numel(src);
     fsdp_work *w;
     FSDP_TRY(comm_work_new(&w, K_ALL_GATHER, c, label, n * c->size * (int64_t)fsdp_dtype_size(dst->dtype),
@@ -454,6 +455,7 @@ fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst
     FSDP_TRY(prepare(work, c, name));
     if (!label) label = "";
     FSDP_TRY(check_collective(name, label, c, dst, src, false, SAME_FLOAT_DTYPE, op));
+    storage_written(dst->storage);
     int64_t n = tensor_numel(dst);
     fsdp_work *w;
     FSDP_TRY(comm_work_new(&w, K_REDUCE_SCATTER, c, label, n * c->size * (int64_t)fsdp_dtype_size(src->dtype),
@@ -497,6 +499,7 @@ fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp
     FSDP_TRY(prepare(work, c, name));
     if (!label) label = "";
     FSDP_TRY(check_collective(name, label, c, t, NULL, false, REDUCIBLE_DTYPE, op));
+    storage_written(t->storage);
     return issue_in_place(work, K_ALL_REDUCE, c, label, t, op, name);
 }
 
@@ -509,6 +512,7 @@ fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int r
     if (root < 0 || root >= c->size)
         return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): t %s: root %d, expected 0..%d", name, label,
                               c->name, c->size, tensor_desc(t, a, sizeof a), root, c->size - 1);
+    storage_written(t->storage);
     return issue_in_place(work, K_BROADCAST, c, label, t, root, name);
 }
 

@@ -197,6 +197,12 @@ static int64_t nonempty(const int64_t *counts, int n) {
     X(void, cross_entropy_backward_bf16, "loss", (uint16_t *dlogits, const uint16_t *logits, const float *lse,    \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
       int64_t count), BF16 * N * V + F32 * N + 8 * N + F32, BF16 * N * V, 3 * N * valid_v, 1, 0, )                 \
+    X(void, cross_entropy_rows_f32, "loss", (float *losses, float *lse, const float *logits,                     \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
+      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0, )                                                   \
+    X(void, cross_entropy_rows_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,                  \
+      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
+      BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0, )                                                  \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
       const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
       3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \

@@ -402,7 +402,10 @@ static const char *index_str(int ndim, const int64_t *shape, int64_t pos, char *
  * its value in *value; with has_skip, the value skip (an ignore_index) is
  * allowed too. Ids in device memory are checked from a host copy. */
 static int64_t first_bad_index(const fsdp_tensor *ids, int64_t limit, bool has_skip, int64_t skip, int64_t *value) {
-    int64_t n = tensor_numel(ids);
+    int64_t n = tensor_numel(ids), lo, hi;
+    /* values host code gave (a batch, positions): their range decides
+     * without reading them back; otherwise, or when it does not, they are read */
+    if (tensor_device(ids) != FSDP_DEVICE_CPU && tensor_host_range(ids, &lo, &hi) && lo >= 0 && hi < limit) return -1;
     const int64_t *p = tensor_data(ids);
     int64_t *host = NULL;
     if (tensor_device(ids) != FSDP_DEVICE_CPU) {
@@ -560,17 +563,36 @@ fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tens
     if (st == FSDP_OK) st = op_new_f32(&losses, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&lse, 1, rshape);
     if (st == FSDP_OK) st = op_new_f32(&r, 0, NULL);
-    int64_t count = 0;
-    if (st == FSDP_OK) {
+    int64_t count = 0, lo, hi;
+    const fsdp_device_kernels *k = KERNELS(logits);
+    /* targets whose host range leaves out ignore_index: every row counts,
+     * and the mean stays on the device (no value comes back) */
+    bool all_rows = tensor_host_range(t64, &lo, &hi) && (ignore_index < lo || ignore_index > hi) &&
+                    (native ? k->cross_entropy_rows_bf16 != NULL : k->cross_entropy_rows_f32 != NULL);
+    if (st == FSDP_OK && all_rows) {
+        count = N;
         if (native)
-            count = KERNELS(losses)->cross_entropy_forward_bf16(f32p(losses), f32p(lse), tensor_data(x32),
-                                                                tensor_data(t64), N, V, valid_v, ignore_index);
+            k->cross_entropy_rows_bf16(f32p(losses), f32p(lse), tensor_data(x32), tensor_data(t64), N, V, valid_v,
+                                       ignore_index);
         else
-            count = KERNELS(losses)->cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N,
-                                                               V, valid_v, ignore_index);
+            k->cross_entropy_rows_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N, V, valid_v,
+                                      ignore_index);
+        if (N > 0) {   /* r = sum(losses) / N */
+            k->sum_dim_f32(f32p(r), f32p(losses), 1, N, 1);
+            k->scale_f32(f32p(r), f32p(r), (float)(1.0 / (double)N), 1);
+        } else {
+            k->fill_f32(f32p(r), 0.0f, 1);
+        }
+    } else if (st == FSDP_OK) {
+        if (native)
+            count = k->cross_entropy_forward_bf16(f32p(losses), f32p(lse), tensor_data(x32), tensor_data(t64), N, V,
+                                                  valid_v, ignore_index);
+        else
+            count = k->cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(x32), tensor_data(t64), N, V, valid_v,
+                                                 ignore_index);
         /* ignored rows hold 0, so the sum runs over all N; no rows: loss 0 */
-        float mean = count ? (float)(KERNELS(losses)->sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
-        KERNELS(r)->fill_f32(f32p(r), mean, 1);
+        float mean = count ? (float)(k->sum_all_f32(f32p(losses), N) / (double)count) : 0.0f;
+        k->fill_f32(f32p(r), mean, 1);
     }
     tensor_release(t64);
     tensor_release(x32);

@@ -726,6 +726,23 @@ static void test_cross_entropy(void) {
         check_f(name, back(gl, N), losses, N, 1e-5, 1e-6, -1);
         snprintf(name, sizeof name, "cross_entropy_forward_f32 lse (%lld, %lld)", (long long)N, (long long)V);
         check_f(name, back(glse, N), lse, N, 1e-5, 1e-6, -1);
+        /* the rows alone (the count known to the caller): the same losses and lse */
+        float *rl = dnan(N), *rlse = dnan(N);
+        G->cross_entropy_rows_f32(rl, rlse, dx, dt, N, V, valid, ignore);
+        snprintf(name, sizeof name, "cross_entropy_rows_f32 (%lld, %lld) valid %lld", (long long)N, (long long)V,
+                 (long long)valid);
+        check_f(name, back(rl, N), losses, N, 1e-5, 1e-6, -1);
+        check_f(name, back(rlse, N), lse, N, 1e-5, 1e-6, -1);
+        /* bf16 logits: against the CPU's bf16 forward on the same bits */
+        uint16_t *xb = halloc((size_t)(N * V) * sizeof(uint16_t));
+        for (int64_t k = 0; k < N * V; k++) xb[k] = f32_to_bf16(x[k]);
+        float *bl = hnan(N), *blse = hnan(N), *gbl = dnan(N), *gblse = dnan(N);
+        C->cross_entropy_forward_bf16(bl, blse, xb, t, N, V, valid, ignore);
+        G->cross_entropy_rows_bf16(gbl, gblse, dup(xb, (size_t)(N * V) * sizeof(uint16_t)), dt, N, V, valid, ignore);
+        snprintf(name, sizeof name, "cross_entropy_rows_bf16 (%lld, %lld) valid %lld", (long long)N, (long long)V,
+                 (long long)valid);
+        check_f(name, back(gbl, N), bl, N, 1e-5, 1e-6, -1);
+        check_f(name, back(gblse, N), blse, N, 1e-5, 1e-6, -1);
         /* the gradient of the mean loss (1), on each side's device; each row gets 1 / count */
         int64_t div = count ? count : 1;
         float dloss = 1.0f / (float)div, one = 1.0f, *gone = dupf(&one, 1);

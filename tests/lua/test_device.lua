@@ -183,6 +183,36 @@ local h = fsdp.zeros(3, 2, { device = "cpu", dtype = "bf16" })
 h:copy(d:t())                                        -- and back, transposed, converted
 t.all_near(h:tolist(), { { 1, 1 }, { 2, 2 }, { 3, 3 } }, 0, "copy cuda -> cpu, transposed, to bf16")
 
+-- indices on the GPU: checked from the range they had on the host, and from
+-- a host copy once anything wrote into them (the range no longer holds)
+do
+  local tbl = fsdp.randn(5, 3, { seed = 31, device = "cpu" })
+  local ids = fsdp.tensor({ 0, 4, 2, 1 }, { dtype = "i64", device = "cpu" })
+  local idc = ids:cuda()
+  same(fsdp.embedding(tbl, ids), fsdp.embedding(tbl:cuda(), idc), 0, "embedding of host-given indices")
+  t.raises(function() fsdp.embedding(tbl:cuda(), fsdp.tensor({ 0, 5, 1 }, { dtype = "i64", device = "cpu" }):cuda()) end,
+    { "fsdp_embedding", "ids[1] is 5" }, "embedding: an index out of range, from the host")
+  idc:copy(fsdp.tensor({ 1, 2, 7, 0 }, { dtype = "i64", device = "cpu" }))
+  t.raises(function() fsdp.embedding(tbl:cuda(), idc) end, { "fsdp_embedding", "ids[2] is 7" },
+    "embedding: an index written in after the host gave the tensor")
+  idc:fill(-1)
+  t.raises(function() fsdp.embedding(tbl:cuda(), idc) end, { "fsdp_embedding", "ids[0] is -1" },
+    "embedding: indices filled on the device")
+  -- cross-entropy with every row counted (the mean on the device) and with ignored rows
+  local logits = fsdp.randn(4, 6, { seed = 32, device = "cpu" })
+  for _, tg in ipairs({ { 1, 5, 0, 2 }, { 1, -100, 0, -100 } }) do
+    local y = fsdp.tensor(tg, { dtype = "i64", device = "cpu" })
+    same(fsdp.cross_entropy(logits, y), fsdp.cross_entropy(logits:cuda(), y:cuda()), 1e-6,
+      "cross_entropy, targets " .. table.concat(tg, " "))
+    same(fsdp.cross_entropy(logits:bf16(), y):float(), fsdp.cross_entropy(logits:bf16():cuda(), y:cuda()):float(),
+      1e-5, "cross_entropy on bf16 logits, targets " .. table.concat(tg, " "))
+  end
+  local yc = fsdp.tensor({ 1, 5, 0, 2 }, { dtype = "i64", device = "cpu" }):cuda()
+  yc:copy(fsdp.tensor({ 1, 6, 0, 2 }, { dtype = "i64", device = "cpu" }))
+  t.raises(function() fsdp.cross_entropy(logits:cuda(), yc) end, { "fsdp_cross_entropy", "targets[1] is 6" },
+    "cross_entropy: a target written in after the host gave the tensor")
+end
+
 -- ---- collectives on CUDA tensors (the world: one rank here, or mpirun -np 1) ----
 local function ok(st, what)
   if st ~= 0 then t.record(false, what, ffi.string(C.fsdp_last_error())) end

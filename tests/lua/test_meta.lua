@@ -146,6 +146,30 @@ if ok then
   t.eq(e.matmul_bf16.calls, 1, "bf16 matmul: the native entry")
   t.eq(e.matmul_bf16.bytes_read, 2 * (8 * 16 + 16 * 4), "bf16 matmul reads bf16")
   t.eq(e.cast_any.calls, 0, "bf16 matmul: no staging casts")
+  -- indices host code gave: checked from their host range, no value read
+  -- back; the loss mean and count stay on the device (no host sync at all)
+  local tbl = fsdp.randn(11, 4, { seed = 3, device = "meta" }):cast("bf16")
+  local ids = fsdp.tensor({ 0, 10, 3, 7, 2, 5 }, { 2, 3 }, { dtype = "i64", device = "meta" })
+  local logits = fsdp.randn(6, 11, { seed = 4, device = "meta" }):cast("bf16")
+  local targets = fsdp.tensor({ 1, 2, 3, 4, 5, 10 }, { dtype = "i64", device = "meta" })
+  e = counts_of(function()
+    fsdp.embedding(tbl, ids)
+    fsdp.cross_entropy(logits, targets)
+  end)
+  t.eq(e.copy_to_host.calls, 0, "embedding and cross-entropy on host-given indices: nothing read back")
+  t.eq(e.cross_entropy_rows_bf16.calls, 1, "cross-entropy: the rows entry (every row counts)")
+  t.eq(e.cross_entropy_forward_bf16.calls, 0, "cross-entropy: not the entry that reads the count back")
+  local syncs = 0
+  for _, x in pairs(e) do syncs = syncs + x.syncs end
+  t.eq(syncs, 0, "embedding + cross-entropy: no host sync")
+  -- a write into the indices (here a copy) makes their range unknown: read back again
+  ids:copy(fsdp.tensor({ 1, 1, 1, 1, 1, 1 }, { 2, 3 }, { dtype = "i64" }))
+  e = counts_of(function() fsdp.embedding(tbl, ids) end)
+  t.eq(e.copy_to_host.calls, 1, "indices written after they came from the host: checked from a host copy")
+  -- ignore_index inside the targets' range: the count comes back from the device
+  local with_ignored = fsdp.tensor({ 1, -100, 3, 4, 5, 10 }, { dtype = "i64", device = "meta" })
+  e = counts_of(function() fsdp.cross_entropy(logits, with_ignored) end)
+  t.eq(e.cross_entropy_forward_bf16.calls, 1, "targets that may hold ignore_index: the counting entry")
   -- the CPU set: natively where the CPU table has bf16 matmul, else staged
   meta.mimic("cpu")
   local native = meta.by_name().matmul_bf16.present
