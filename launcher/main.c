@@ -21,9 +21,17 @@
 #include <stdint.h>
 #include <unistd.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <sys/select.h>
+#include <time.h>
 
 void fsdp_repl_free(char *p) { free(p); }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* ---- Ctrl-C: the REPL interrupts the running chunk ----
  * While a chunk runs, SIGINT sets a Lua hook that raises "interrupted" at
@@ -183,14 +191,21 @@ int fsdp_repl_write_history(const char *path) { return write_history(path); }
  * at once (TAG_FAILED); a listener thread on each rank that is still running
  * that chunk then makes its collective waits give up (fsdp_comm_abandon):
  * they wait on collectives the failed rank will never join. After each
- * chunk all ranks exchange their outcome; when some rank gave up a wait,
- * its communicators are broken (a collective stays half-entered), and the
- * REPL ends the job with a message rather than hang or mix collectives. */
+ * chunk all ranks exchange their outcome; after one that failed somewhere,
+ * the ranks cancel the collectives some rank waits in and others never
+ * issued (fsdp_repl_rejoin), so that their communicators are in step again.
+ * Only when that cannot finish does the REPL end the job, with a message. */
 enum { TAG_FAILED = 7001, TAG_QUIT = 7002, NOTICE_MAX = 512 };
 static MPI_Comm g_ctl = MPI_COMM_NULL;
 static int g_ctl_rank, g_ctl_size;
 static pthread_t g_listener;
 static long long g_chunk = -1;           /* the chunk being run, or -1 between chunks */
+static long long g_begun = -1;           /* the last chunk begun */
+/* A notice for a chunk this rank has not begun yet: rank 0's broadcast of
+ * the chunk returns before the others receive it, so rank 0 (or a rank
+ * quicker than this one) may run it and fail before this rank begins it. */
+static long long g_early_chunk = -1;
+static char g_early_reason[NOTICE_MAX + 64];
 static pthread_mutex_t g_chunk_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void *listen_for_failures(void *arg) {
@@ -208,7 +223,12 @@ static void *listen_for_failures(void *arg) {
         snprintf(reason, sizeof reason, "rank %d failed this chunk and will not join it: %.*s", st.MPI_SOURCE,
                  n - (int)sizeof chunk, buf + sizeof chunk);
         pthread_mutex_lock(&g_chunk_mu);
-        if (chunk == g_chunk) fsdp_comm_abandon(reason, NULL);
+        if (chunk == g_chunk) {
+            fsdp_comm_abandon(reason, NULL);
+        } else if (chunk > g_begun) {
+            g_early_chunk = chunk;
+            snprintf(g_early_reason, sizeof g_early_reason, "%s", reason);
+        }
         pthread_mutex_unlock(&g_chunk_mu);
     }
     return NULL;
@@ -237,6 +257,10 @@ void fsdp_repl_ctl_stop(void) {
     g_ctl = MPI_COMM_NULL;
 }
 
+void fsdp_repl_ctl_barrier(void) {
+    if (g_ctl != MPI_COMM_NULL) MPI_Barrier(g_ctl);
+}
+
 /* Rank 0's input to every rank: n bytes (n < 0: end of input). *out is a
  * malloc'd copy (fsdp_repl_free), *out_n its length (-1 at the end). */
 int fsdp_repl_bcast(const char *in, int64_t n, char **out, int64_t *out_n) {
@@ -256,7 +280,8 @@ int fsdp_repl_bcast(const char *in, int64_t n, char **out, int64_t *out_n) {
 void fsdp_repl_chunk_begin(long long chunk) {
     pthread_mutex_lock(&g_chunk_mu);
     fsdp_comm_abandon(NULL, NULL);
-    g_chunk = chunk;
+    g_chunk = g_begun = chunk;
+    if (g_early_chunk == chunk) fsdp_comm_abandon(g_early_reason, NULL);
     pthread_mutex_unlock(&g_chunk_mu);
 }
 
@@ -324,6 +349,71 @@ int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, c
     free(lens);
     free(offs);
     return rc;
+}
+
+/* After a chunk that failed on some ranks: a comm thread may still wait in
+ * a collective that other ranks never issued (the caller's wait was given
+ * up, the collective was not). In rounds, every rank tells every other the
+ * oldest collective its comm thread has not finished; a member of that
+ * communicator that has not issued it issues a cancel in its place
+ * (fsdp_comm_cancel: the agreement fails on every rank, no data moves),
+ * and the waiting ranks go on to their next one. Every rank cancels the
+ * same collectives in the same order (by communicator id, then sequence
+ * number). It ends when every comm thread is idle: the ranks' sequence
+ * numbers agree again. Returns the collectives this rank cancelled, or -1
+ * when nothing moved for timeout_s (as rank 0 measures it, so that every
+ * rank stops in the same round) or MPI failed. */
+typedef struct { int64_t works; uint64_t comm_id, seq; int64_t moving; double still_s; } rejoin_state;
+
+static int cmp_pending(const void *a, const void *b) {
+    const rejoin_state *x = a, *y = b;
+    if (x->comm_id != y->comm_id) return x->comm_id < y->comm_id ? -1 : 1;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+int64_t fsdp_repl_rejoin(double timeout_s) {
+    int n = g_ctl_size;
+    rejoin_state *all = calloc((size_t)n, sizeof *all), *prev = calloc((size_t)n, sizeof *prev);
+    rejoin_state *order = calloc((size_t)n, sizeof *order);
+    int64_t cancelled = 0;
+    double still_since = now_s();
+    int rc = all && prev && order ? 0 : -1;
+    for (int round = 0; rc == 0; round++) {
+        rejoin_state mine = {0};
+        int moving = 0;
+        fsdp_comm_pending(&mine.works, &mine.comm_id, &mine.seq, &moving);
+        mine.moving = moving;
+        mine.still_s = now_s() - still_since;
+        if (MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, g_ctl) != MPI_SUCCESS) {
+            rc = -1;
+            break;
+        }
+        bool busy = false, changed = round == 0;
+        for (int r = 0; r < n; r++) {
+            busy = busy || all[r].works > 0;
+            changed = changed || all[r].works != prev[r].works || all[r].comm_id != prev[r].comm_id ||
+                      all[r].seq != prev[r].seq || all[r].moving;
+            prev[r] = all[r];
+        }
+        if (!busy) break;
+        if (changed) still_since = now_s();
+        else if (all[0].still_s > timeout_s) rc = -1;
+        if (rc != 0) break;
+        memcpy(order, all, (size_t)n * sizeof *all);
+        qsort(order, (size_t)n, sizeof *order, cmp_pending);
+        for (int r = 0; r < n; r++) {
+            if (order[r].works == 0 || order[r].seq == UINT64_MAX) continue;
+            if (r > 0 && order[r].comm_id == order[r - 1].comm_id && order[r].seq == order[r - 1].seq) continue;
+            int joined = 0;
+            if (fsdp_comm_cancel(order[r].comm_id, order[r].seq, &joined) == FSDP_OK) cancelled += joined;
+        }
+        struct timespec ts = {0, 10 * 1000 * 1000};   /* the comm threads' turn */
+        nanosleep(&ts, NULL);
+    }
+    free(all);
+    free(prev);
+    free(order);
+    return rc == 0 ? cancelled : -1;
 }
 
 /* Message handler: the error (or what its __tostring says) and a traceback. */

@@ -31,6 +31,41 @@ static comm_counts *counts_ref(comm_counts *k) {
     return k;
 }
 
+/* ---- live communicators, by id ---- */
+
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static fsdp_comm *live_head;
+
+void comm_live_add(fsdp_comm *c) {
+    pthread_mutex_lock(&live_mu);
+    c->next_live = live_head;
+    live_head = c;
+    pthread_mutex_unlock(&live_mu);
+}
+
+void comm_live_remove(fsdp_comm *c) {
+    pthread_mutex_lock(&live_mu);
+    for (fsdp_comm **p = &live_head; *p; p = &(*p)->next_live) {
+        if (*p == c) {
+            *p = c->next_live;
+            break;
+        }
+    }
+    c->next_live = NULL;
+    pthread_mutex_unlock(&live_mu);
+}
+
+void comm_live_lock(bool lock) {
+    if (lock) pthread_mutex_lock(&live_mu);
+    else pthread_mutex_unlock(&live_mu);
+}
+
+fsdp_comm *comm_live_find(uint64_t id) {
+    for (fsdp_comm *c = live_head; c; c = c->next_live)
+        if (c->id == id && c->magic == COMM_MAGIC) return c;
+    return NULL;
+}
+
 /* ---- communicators ---- */
 
 static fsdp_comm g_world_comm;
@@ -106,6 +141,7 @@ fsdp_status fsdp_comm_world(fsdp_comm **out) {
         snprintf(c->name, sizeof c->name, "world");
         atomic_init(&c->world_refs, 0);
         c->magic = COMM_MAGIC;
+        if (c->size > 1) comm_live_add(c);
     }
     atomic_fetch_add(&c->world_refs, 1);
     pthread_mutex_unlock(&world_mu);
@@ -170,9 +206,15 @@ static fsdp_status split(fsdp_comm **out, fsdp_comm *parent, int color, int key,
     w->split_out = child;            /* the comm thread completes it, or frees it on failure */
     atomic_fetch_add(&w->refs, 1);   /* keep it past comm_issue() to read the result */
     st = comm_issue(NULL, w, opname);
+    pthread_mutex_lock(&w->mu);
+    /* A wait given up (fsdp_comm_abandon) leaves the split to the queue,
+     * which disposes of the child when it is done with it. */
+    if (!w->done) w->orphaned = true;
+    bool mine = w->done;
+    pthread_mutex_unlock(&w->mu);
     if (st == FSDP_OK) {
         *out = w->split_out;
-    } else if (w->split_out) {   /* failed before the split ran (e.g. the ranks disagree) */
+    } else if (mine && w->split_out) {   /* failed before the split ran (e.g. the ranks disagree) */
         comm_counts_unref(w->split_out->counts);
         free(w->split_out);
     }
@@ -259,6 +301,7 @@ fsdp_status fsdp_comm_free(fsdp_comm *c) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) {   /* MPI is gone (handles freed at exit): nothing to tell it */
+        comm_live_remove(c);
         comm_counts_unref(c->counts);
         c->magic = 0;
         free(c);
@@ -533,8 +576,20 @@ fsdp_status fsdp_all_reduce_doubles(fsdp_comm *c, double *values, int n, fsdp_re
     FSDP_TRY(check_reduce_op(name, "", c, op, true));
     fsdp_work *w;
     FSDP_TRY(comm_work_new(&w, K_DOUBLES, c, "", (int64_t)n * 8, DT_F64, op, name));
-    w->doubles = values;
+    /* The work's own copy: a wait given up (fsdp_comm_abandon) returns
+     * while the comm thread may still write the result. */
+    w->doubles = malloc((size_t)(n > 0 ? n : 1) * sizeof *values);
+    if (!w->doubles) {
+        comm_work_unref(w);
+        return fsdp_set_error(FSDP_ERR_OOM, "%s on comm %s(%d): out of host memory for %d values", name, c->name,
+                              c->size, n);
+    }
+    if (n > 0) memcpy(w->doubles, values, (size_t)n * sizeof *values);
     w->n = n;
     w->op = op;
-    return comm_issue(NULL, w, name);
+    atomic_fetch_add(&w->refs, 1);   /* keep it past comm_issue() to read the result */
+    fsdp_status st = comm_issue(NULL, w, name);
+    if (st == FSDP_OK && n > 0) memcpy(values, w->doubles, (size_t)n * sizeof *values);
+    comm_work_unref(w);
+    return st;
 }

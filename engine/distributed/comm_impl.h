@@ -12,7 +12,8 @@
 /* ---- kinds and fingerprints (comm_debug.c) ---- */
 
 typedef enum {
-    K_ALL_GATHER, K_REDUCE_SCATTER, K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_DOUBLES, K_SPLIT, K_FREE
+    K_ALL_GATHER, K_REDUCE_SCATTER, K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_DOUBLES, K_SPLIT, K_FREE,
+    K_CANCEL   /* stands in for a collective this rank never issued: fails its agreement (fsdp_comm_cancel) */
 } work_kind;
 #define K_COUNTED (K_DOUBLES + 1)   /* kinds with traffic counts: fsdp_collective_kind's values */
 extern const char *const comm_kind_names[];
@@ -76,7 +77,17 @@ struct fsdp_comm {
     comm_counts *counts;
     int *members;                 /* world rank of each rank of c; NULL: c's ranks are world ranks */
     fingerprint last_done;        /* the last collective finished on c (seq UINT64_MAX: none; comm thread) */
+    struct fsdp_comm *next_live;  /* the list of live communicators (comm_live_*) */
 };
+
+/* Live communicators between ranks (not counting ones), found by id: the
+ * REPL's fsdp_comm_cancel names a communicator by its id, the same on every
+ * member. comm_live_find returns a communicator not being freed, or NULL;
+ * the caller holds the lock (comm_live_lock) while it uses it. */
+void comm_live_add(fsdp_comm *c);
+void comm_live_remove(fsdp_comm *c);
+void comm_live_lock(bool lock);
+fsdp_comm *comm_live_find(uint64_t id);
 
 comm_counts *comm_counts_new(void);
 void comm_counts_unref(comm_counts *k);   /* NULL: nothing */
@@ -105,6 +116,7 @@ struct fsdp_work {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool done, observed;
+    bool orphaned;                /* its caller gave up waiting (fsdp_comm_abandon): a split's child is the queue's */
     fsdp_status status;
     char msg[2048];
     /* CUDA collectives (the tensors' device; fingerprint too) */
@@ -153,6 +165,13 @@ int comm_last_error_len(const char **e);
 /* Queues w (its sequence number taken in queue order) and either hands it
  * to the caller (out) or waits for it (out NULL). On failure w is gone. */
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname);
+/* Queues w only when its communicator's next sequence number is seq
+ * (*issued), without waiting; the caller's reference is dropped either way. */
+fsdp_status comm_issue_if_next(fsdp_work *w, uint64_t seq, bool *issued, const char *opname);
+/* The works this rank's comm thread has not finished (*n, 0: idle), the
+ * oldest one's communicator id and sequence number (seq UINT64_MAX when it
+ * takes none), and whether data is moving now (*moving). */
+void comm_queue_pending(int64_t *n, uint64_t *comm_id, uint64_t *seq, bool *moving);
 bool comm_overlaps(const void *a, int64_t an, const void *b, int64_t bn);
 /* The last few collectives this rank finished, oldest first, one per line
  * (debug mode keeps them; "" otherwise). */

@@ -101,6 +101,7 @@ static pthread_cond_t q_idle = PTHREAD_COND_INITIALIZER;   /* queue drained */
 static fsdp_work *q_head, *q_tail;
 static bool q_running, q_stop, q_busy;
 static pthread_t q_thread;
+static fsdp_work *q_run;              /* the work the thread runs now, or NULL */
 static fingerprint q_current;         /* what the thread runs now, for the watchdog */
 static char q_current_comm[COMM_NAME];
 static int q_current_size;
@@ -337,7 +338,23 @@ static fsdp_status run_split(fsdp_work *w) {
     child->id = comm_hash_mix(comm_hash_mix(p->id, w->fp.seq), (uint64_t)(uint32_t)w->color);
     snprintf(child->name, sizeof child->name, "%.48s.split%llu.color%d", p->name, (unsigned long long)w->fp.seq,
              w->color);
+    if (!child->be->local) comm_live_add(child);
     return FSDP_OK;
+}
+
+/* A work whose caller gave up waiting for it (fsdp_comm_abandon), once it
+ * is done: a split's child nobody will receive goes. */
+static void drop_orphan(fsdp_work *w) {
+    fsdp_comm *child = w->kind == K_SPLIT ? w->split_out : NULL;
+    if (!child) return;
+    w->split_out = NULL;
+    if (w->status == FSDP_OK && child->magic == COMM_MAGIC) {
+        comm_live_remove(child);
+        (void)child->be->destroy(child);
+    }
+    comm_counts_unref(child->counts);
+    child->magic = 0;
+    free(child);
 }
 
 /* ---- CUDA collectives on the comm thread ---- */
@@ -416,6 +433,7 @@ static fsdp_status run_free(fsdp_work *w) {
         if (c->gpu) st = c->dev->gpu_destroy(c->gpu);
         c->gpu = NULL;
     }
+    comm_live_remove(c);
     fsdp_status bst = c->be->destroy(c);
     if (st == FSDP_OK) st = bst;
     comm_counts_unref(c->counts);
@@ -460,6 +478,9 @@ static void run_work(fsdp_work *w) {
     case K_DOUBLES: st = run_doubles(w); break;
     case K_SPLIT: st = run_split(w); break;
     case K_FREE: st = run_free(w); break;
+    case K_CANCEL:   /* only reached when every rank cancelled: nobody issued it */
+        st = fsdp_set_error(FSDP_ERR_COMM, "cancelled on every rank");
+        break;
     }
     if (st != FSDP_OK) {
         comm_work_take_error(w, st);
@@ -521,6 +542,7 @@ static void *comm_thread_main(void *arg) {
         q_head = w->next;
         if (!q_head) q_tail = NULL;
         q_busy = true;
+        q_run = w;
         q_current = w->fp;
         snprintf(q_current_comm, sizeof q_current_comm, "%s", w->comm_name);
         q_current_size = w->comm_size;
@@ -545,8 +567,13 @@ static void *comm_thread_main(void *arg) {
         else comm_work_drop_tensors(w);
         pthread_mutex_lock(&w->mu);
         w->done = true;
+        bool orphaned = w->orphaned;
         pthread_cond_broadcast(&w->cv);
         pthread_mutex_unlock(&w->mu);
+        if (orphaned) drop_orphan(w);
+        pthread_mutex_lock(&q_mu);
+        q_run = NULL;
+        pthread_mutex_unlock(&q_mu);
         comm_work_unref(w);
         if (g_inflight) poll_inflight();
 
@@ -558,18 +585,26 @@ static void *comm_thread_main(void *arg) {
     return NULL;
 }
 
-fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
+/* Puts w at the end of the queue, with the next sequence number of its
+ * communicator; with only_seq, only when that number is *only_seq (else
+ * *issued is false and w stays the caller's). */
+static fsdp_status enqueue(fsdp_work *w, const uint64_t *only_seq, bool *issued, const char *opname) {
     pthread_mutex_lock(&q_mu);
+    if (issued) *issued = false;
+    if (only_seq && (!w->counted || w->comm->next_seq != *only_seq)) {
+        pthread_mutex_unlock(&q_mu);
+        return FSDP_OK;
+    }
     if (!q_running) {
         q_stop = false;
         int rc = pthread_create(&q_thread, NULL, comm_thread_main, NULL);
         if (rc != 0) {
             pthread_mutex_unlock(&q_mu);
-            comm_work_unref(w);
             return fsdp_set_error(FSDP_ERR_COMM, "%s: cannot start the comm thread: %s", opname, strerror(rc));
         }
         q_running = true;
     }
+    if (issued) *issued = true;
     if (w->counted) w->fp.seq = w->comm->next_seq++;
     atomic_fetch_add(&w->refs, 1);   /* the queue's reference */
     w->next = NULL;
@@ -579,6 +614,33 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
     q_busy = true;
     pthread_cond_signal(&q_cv);
     pthread_mutex_unlock(&q_mu);
+    return FSDP_OK;
+}
+
+fsdp_status comm_issue_if_next(fsdp_work *w, uint64_t seq, bool *issued, const char *opname) {
+    fsdp_status st = enqueue(w, &seq, issued, opname);
+    comm_work_unref(w);
+    return st;
+}
+
+void comm_queue_pending(int64_t *n, uint64_t *comm_id, uint64_t *seq, bool *moving) {
+    pthread_mutex_lock(&q_mu);
+    int64_t count = q_run ? 1 : 0;
+    for (fsdp_work *w = q_head; w; w = w->next) count++;
+    fsdp_work *oldest = q_run ? q_run : q_head;
+    *n = count;
+    *comm_id = oldest ? oldest->fp.comm_id : 0;
+    *seq = oldest && oldest->counted ? oldest->fp.seq : UINT64_MAX;
+    *moving = q_run && q_state == RS_MOVING;
+    pthread_mutex_unlock(&q_mu);
+}
+
+fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
+    fsdp_status est = enqueue(w, NULL, NULL, opname);
+    if (est != FSDP_OK) {
+        comm_work_unref(w);
+        return est;
+    }
     if (out) {
         *out = w;
         /* A counting communicator's collectives complete before they

@@ -70,6 +70,7 @@ void comm_work_unref(fsdp_work *w) {
     tensor_release(w->t_dst);
     tensor_release(w->t_src);
     tensor_release(w->t_scratch);
+    free(w->doubles);
     if (w->gw) comm_device_backend()->work_free(w->gw);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
@@ -206,6 +207,41 @@ static fsdp_status abandon_wait(fsdp_work *w) {
     fsdp_status st = fsdp_set_error(FSDP_ERR_COMM, "%s (collective #%llu on comm %s(%d)) abandoned: %s", what,
                                     (unsigned long long)w->fp.seq, w->comm_name, w->comm_size, g_abandon_reason);
     pthread_mutex_unlock(&g_abandon_mu);
+    return st;
+}
+
+fsdp_status fsdp_comm_pending(int64_t *works, uint64_t *comm_id, uint64_t *seq, int *moving) {
+    if (!works || !comm_id || !seq)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_pending: %s is NULL",
+                              !works ? "works" : !comm_id ? "comm_id" : "seq");
+    bool m = false;
+    comm_queue_pending(works, comm_id, seq, &m);
+    if (moving) *moving = m;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_comm_cancel(uint64_t comm_id, uint64_t seq, int *joined) {
+    static const char *name = "fsdp_comm_cancel";
+    if (joined) *joined = 0;
+    if (seq == UINT64_MAX) return FSDP_OK;
+    /* held while the communicator is used: a queued free cannot take it away */
+    fsdp_comm *world = NULL;
+    if (comm_id == comm_hash_str("world")) {
+        /* the world may not be made yet on a rank that has not used it */
+        FSDP_TRY(fsdp_comm_world(&world));
+    }
+    comm_live_lock(true);
+    fsdp_comm *c = comm_live_find(comm_id);
+    fsdp_status st = FSDP_OK;
+    if (c) {
+        fsdp_work *w;
+        st = comm_work_new(&w, K_CANCEL, c, "", 0, DT_NONE, 0, name);
+        bool issued = false;
+        if (st == FSDP_OK) st = comm_issue_if_next(w, seq, &issued, name);
+        if (joined) *joined = issued;
+    }
+    comm_live_lock(false);
+    if (world) (void)fsdp_comm_free(world);   /* the world stays; only the handle goes */
     return st;
 }
 

@@ -462,10 +462,26 @@ fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, dou
 /* With a reason: every fsdp_work_wait of this process, now or later, fails
  * at once with that reason instead of waiting (the REPL, when a peer rank
  * failed a chunk this rank still runs). A collective given up this way may
- * still be running on the comm thread, so the communicators are not usable
- * afterwards. With reason NULL: waits wait again; *abandoned (optional)
- * says how many waits were given up since the reason was set. */
+ * still wait on the comm thread for ranks that never issue it: until every
+ * rank's comm thread is idle again (fsdp_comm_pending, fsdp_comm_cancel),
+ * the communicators are not usable. With reason NULL: waits wait again;
+ * *abandoned (optional) says how many waits were given up since the reason
+ * was set. */
 fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
+/* What this rank's comm thread has not finished: *works queued or running
+ * (0: idle), the oldest one's communicator id and sequence number (*seq
+ * UINT64_MAX when it takes none), and *moving (optional) = 1 while its data
+ * moves (every rank has arrived). */
+fsdp_status fsdp_comm_pending(int64_t *works, uint64_t *comm_id, uint64_t *seq, int *moving);
+/* When this rank is a member of communicator comm_id and has not issued its
+ * collective seq yet (it issued seq - 1 and no more), issues in its place
+ * one that fails the agreement on every rank, with no data moved, so that
+ * ranks waiting in that collective go on and every rank's sequence numbers
+ * agree again; *joined (optional) = 1 then. Otherwise nothing (0). The
+ * REPL, after a chunk that failed on some ranks only: each rank reports
+ * fsdp_comm_pending, and each cancels what the others wait for, until all
+ * are idle. */
+fsdp_status fsdp_comm_cancel(uint64_t comm_id, uint64_t seq, int *joined);
 fsdp_status fsdp_comm_reset_stats(void);
 
 /* ---- the timeline (Chrome / Perfetto trace JSON) ----

@@ -15,9 +15,13 @@
 -- carries this on a communicator of its own (launcher/main.c). A chunk that
 -- fails on some ranks only may leave the others waiting in a collective the
 -- failed ranks never join: those waits give up at once (fsdp_comm_abandon)
--- and the chunk fails there too. A collective given up is half-entered and
--- cannot be taken back, so then the REPL ends the job with a message saying
--- which rank failed and why, instead of hanging or mixing collectives up.
+-- and the chunk fails there too. The collective itself still waits on the
+-- comm thread, so after such a chunk the ranks bring their collectives back
+-- in step (fsdp_repl_rejoin): each cancels, with no data moved, what the
+-- others wait for and it never issued, until every comm thread is idle and
+-- the sequence numbers agree. Should that not finish within
+-- $FSDP_REPL_REJOIN_SECONDS (default 10; 0: do not try), the REPL ends the
+-- job with a message saying which rank failed and why, rather than hang.
 
 local ffi = require "ffi"
 
@@ -49,10 +53,23 @@ local launcher = pcall(function()
     int fsdp_repl_bcast(const char *in, int64_t n, char **out, int64_t *out_n);
     void fsdp_repl_chunk_begin(long long chunk);
     int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, char **out, int64_t *out_n);
+    int64_t fsdp_repl_rejoin(double timeout_s);
+    void fsdp_repl_ctl_barrier(void);
   ]]
   return ffi.C.fsdp_repl_ctl_start
 end) and ffi.C or nil
 local SIGINT_DEFAULT, SIGINT_CHUNK, SIGINT_READING = 0, 1, 2
+
+-- How long the ranks may take to bring their collectives back in step
+-- after a chunk that failed on some of them.
+local function rejoin_seconds()
+  local v = os.getenv("FSDP_REPL_REJOIN_SECONDS")
+  local n = tonumber(v)
+  if v and v ~= "" and not (n and n >= 0) then
+    error("fsdp.repl: FSDP_REPL_REJOIN_SECONDS=" .. v .. ": expected a number of seconds >= 0", 0)
+  end
+  return n or 10
+end
 
 M.PROMPT, M.CONTINUE = "fsdp> ", ">> "
 local MAX_ITEMS = 40
@@ -395,6 +412,27 @@ local function report_errors(list)
   io.stdout:flush()
 end
 
+-- The ranks could not bring their collectives back in step: rank 0 says
+-- why, and every rank leaves without MPI_Finalize (its comm thread may be
+-- stuck in a collective). Not MPI_Abort: that can tear the job down before
+-- mpirun has forwarded rank 0's last output; a rank that exits is drained
+-- first. Rank 0 leaves first, once its message is out.
+pcall(ffi.cdef, [[ void _exit(int code); ]])
+pcall(ffi.cdef, [[ unsigned int sleep(unsigned int s); ]])
+local function end_job(rank, failed, gave_up)
+  if rank == 0 then
+    io.stdout:write(string.format(
+      "fsdp-lua: the chunk failed on rank(s) %s while rank %s waited in a collective; the ranks could not bring "
+      .. "their collectives back in step (FSDP_REPL_REJOIN_SECONDS), so they cannot go on together: ending the job\n",
+      #failed > 0 and table.concat(failed, ",") or "?", gave_up or "?"))
+    io.stdout:flush()
+    io.stderr:flush()
+  end
+  launcher.fsdp_repl_ctl_barrier()
+  if rank ~= 0 then ffi.C.sleep(5) end
+  ffi.C._exit(1)
+end
+
 --- Runs the loop until EOF (Ctrl-D) or exit()/quit(). opts.tty forces the
 -- terminal behaviour (prompts, readline) on or off.
 function M.run(opts)
@@ -403,6 +441,7 @@ function M.run(opts)
   _G.help = M.help
   local world = launcher and launcher.fsdp_repl_ctl_start() or 1
   if world < 0 then error("fsdp.repl: cannot open the channel between ranks", 0) end
+  local rejoin_limit = world > 1 and rejoin_seconds()
   local rank = world > 1 and fsdp.rank() or 0
   local tty = opts and opts.tty
   if tty == nil then
@@ -494,30 +533,31 @@ function M.run(opts)
       local list = chunk_end((not ok and e ~= EXIT) and tostring(e):match("^[^\n]*") or nil, record)
       if rank == 0 and ok then report(unpack(res, 1, res.n)) end
       if rank == 0 then report_errors(list) end
-      local gave_up
+      local failed, gave_up = {}, nil
       for r, x in ipairs(list) do
         if x.abandoned > 0 then gave_up = gave_up or r - 1 end
+        if x.record:sub(1, 1) == "E" and x.abandoned == 0 then failed[#failed + 1] = r - 1 end
         if x.record:sub(1, 1) == "X" then
           done = true
           exit_code = exit_code or tonumber(x.record:sub(2)) or 0
         end
       end
-      if gave_up then
-        local failed = {}
-        for r, x in ipairs(list) do
-          if x.record:sub(1, 1) == "E" and x.abandoned == 0 then failed[#failed + 1] = r - 1 end
+      -- a chunk that failed somewhere may leave collectives waiting for it
+      if rejoin_limit == 0 then
+        if gave_up then end_job(rank, failed, gave_up) end
+      elseif gave_up or #failed > 0 then
+        if launcher.fsdp_repl_rejoin(rejoin_limit) < 0 then end_job(rank, failed, gave_up) end
+        -- The ranks' autograd tapes now differ (a forward ran on some ranks
+        -- only, or a backward stopped halfway), and the collectives of a
+        -- later backward would not match: every rank starts afresh.
+        local n = fsdp.autograd.tape_size()
+        if n > 0 then fsdp.tape_clear() end
+        n = fsdp.distributed.max(n)
+        if rank == 0 and n > 0 then
+          io.stdout:write("[all ranks] the autograd tape was cleared: after a chunk that failed on some ranks the "
+                          .. "ranks' tapes differ\n")
+          io.stdout:flush()
         end
-        -- rank 0 ends the job, once its messages are out; the others wait
-        -- for that (and end it themselves should it not come)
-        if rank ~= 0 then
-          ffi.cdef [[ unsigned int sleep(unsigned int s); ]]
-          ffi.C.sleep(30)
-        end
-        io.stdout:flush()
-        require("fsdp.core").C.fsdp_runtime_abort(rank == 0 and string.format(
-          "fsdp-lua: the chunk failed on rank(s) %s while rank %d waited in a collective they will never join; "
-          .. "a collective cannot be taken back once entered, so the ranks cannot go on together: ending the job",
-          #failed > 0 and table.concat(failed, ",") or "?", gave_up) or nil, 1)
       end
     end
   end

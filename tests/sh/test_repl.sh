@@ -236,17 +236,58 @@ expect fsdp>
 send x + 0\n
 expect 1
 expect fsdp> 
-send s:forward(fsdp.ones(2, 4)):sum():backward()\n
+send s(fsdp.ones(2, 4)):sum():backward() print("backward" .. "_ok")\n
+expect backward_ok
 expect fsdp> 
-# (A rank that fails while another waits in a collective ends the job
-# instead of hanging, but its closing message is lost about one run in
-# ten; that case is left out here until the message is made reliable.)
+# a rank that fails while another waits in a collective: both are told,
+# the collective nobody will join is cancelled, and every rank goes on in
+# step: a forward and backward afterwards give what they gave before
+send m = nn.MLP(4) s2 = fsdp.shard(m)\n
+expect fsdp> 
+send s2:zero_grad() y0 = m(fsdp.ones(2, 4)):sum() y0:backward() g0 = s2:grad_norm()\n
+expect fsdp> 
+send if fsdp.rank() == 1 then error("left early") end s3 = fsdp.shard(nn.Linear(4, 4))\n
+expect [rank 0]
+expect will not join it: stdin:1: left early
+expect [rank 1] stdin:1: left early
+expect fsdp> 
+send y = m(fsdp.ones(2, 4)):sum() if fsdp.rank() == 0 then error("no backward") end y:backward()\n
+expect [rank 0] stdin:1: no backward
+expect [rank 1]
+expect will not join it
+expect tape was cleared
+expect fsdp> 
+send if fsdp.rank() == 0 then error("r0") end fsdp.distributed.barrier()\n
+expect [rank 0] stdin:1: r0
+expect fsdp> 
+send s2:zero_grad() y1 = m(fsdp.ones(2, 4)):sum() y1:backward() g1 = s2:grad_norm()\n
+expect fsdp> 
+send print(y1:item() == y0:item() and g1 == g0 and g0 > 0 and "same" .. "_after")\n
+expect same_after
+expect fsdp> 
+send fsdp.distributed.sum(fsdp.rank() + 1)\n
+expect 3
+expect fsdp> 
 send \x04
 wait 0
 EOF
   out=$(FSDP_NUM_THREADS=1 timeout 200 "$PY" tests/sh/repl_pty.py "$TMP/two.steps" -- \
         "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
   has "pty, 2 ranks: chunks on every rank, errors by rank, no hang" "$out" "ALL_OK"
+
+  # when the ranks are not to bring their collectives back in step
+  # (FSDP_REPL_REJOIN_SECONDS=0), the job ends with rank 0's message
+  out=$(printf 'if fsdp.rank() == 1 then error("left early") end fsdp.distributed.barrier()\nprint("not reached")\n' |
+        FSDP_REPL_REJOIN_SECONDS=0 FSDP_NUM_THREADS=1 timeout 120 "$MPIRUN" --allow-run-as-root --oversubscribe \
+        --mca btl self,vader -np 2 "$L" 2>&1)
+  rc=$?
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && ok || bad "a job the REPL ends exits non-zero, without hanging (got $rc)" "$out"
+  has "the REPL ends the job: the failure" "$out" "[rank 1] stdin:1: left early"
+  has "the REPL ends the job: its message" "$out" "could not bring their collectives back in step"
+  hasnt "the REPL ends the job: no later chunk" "$out" "not reached"
+  out=$(printf 'x = =\n' | FSDP_REPL_REJOIN_SECONDS=soon FSDP_NUM_THREADS=1 timeout 120 "$MPIRUN" \
+        --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  has "FSDP_REPL_REJOIN_SECONDS checked" "$out" "FSDP_REPL_REJOIN_SECONDS=soon: expected a number of seconds >= 0"
 
   # through a pipe: the example that used to hang
   out=$(printf 'nn = require "fsdp.nn"\nm = nn.Linear(4,4)\ns = fsdp.shard(m)\nprint("sharded")\n' |
