@@ -13,7 +13,10 @@
 --
 -- opts: steps (2), mimic ("cpu" or "cuda": whose kernel set the meta
 -- device offers), world and rank (the communicator the recipe sees:
--- fsdp.distributed answers them; the default is a world of one).
+-- fsdp.distributed answers them; the default is a world of one), progress
+-- (a function(done, total) told the steps done, in halves: forward, then
+-- backward and optimizer step; done nil when the run stops early, e.g. a
+-- fsdp.progress bar).
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -144,6 +147,8 @@ function M.run(fn, opts, ...)
   fsdp.memory.reset_peak("cpu")
   local base, base_host = memory_now("meta"), memory_now("cpu")
   local result = { steps = {}, mimic = mimic, steps_run = 0 }
+  local progress = opts.progress or function() end
+  progress(0, steps)
   local in_backward = { flops = 0, launches = 0, bytes = 0 }   -- this step's backward walks
   local t0 = traffic_now(world_group.comm)
   meta.reset()
@@ -161,6 +166,7 @@ function M.run(fn, opts, ...)
     result.steps_run = k
     t0 = t1
     meta.reset()
+    progress(math.min(k, steps), steps)
     return k
   end
   -- the work of backward walks, apart: activation recomputation shows as
@@ -170,6 +176,7 @@ function M.run(fn, opts, ...)
   local depth = 0   -- (recomputation runs nested backward walks: the outermost one counts)
   autograd.backward = function(...)
     if depth > 0 then return real_backward(...) end
+    progress(result.steps_run + 0.5, steps)   -- this step's forward is done
     depth = depth + 1
     local a = meta.totals()
     local res = { pcall(real_backward, ...) }
@@ -209,7 +216,11 @@ function M.run(fn, opts, ...)
   result.memory = result.steps[result.steps_run].memory
   result.host = result.steps[result.steps_run].host
   leave_world()
-  if not ok and err ~= M.STOP then error(err, 0) end
+  if not ok and err ~= M.STOP then
+    progress(nil, steps)
+    error(err, 0)
+  end
+  if result.whole_run then progress(steps, steps) end
   return result
 end
 

@@ -69,14 +69,21 @@ end
 -- model, calls fsdp.shard and steps an fsdp.optim optimizer) as rank `rank`
 -- of `world` on the counting device, for opts.steps (2) training steps.
 -- opts.mimic: "cpu" or "cuda", the kernel set the op layer sees (default:
--- the default device's).
+-- the default device's). opts.progress: a function(done, total) told the
+-- steps done (fsdp.dryrun); by default a bar on a terminal (fsdp.progress),
+-- drawn by rank 0 of the real job; false: none.
 function M.run(fn, opts, ...)
   opts = opts or {}
   local world = opts.world or 1
   local rank = check_world(world, opts.rank)
   -- the kernel set of the device the job would compute on
   local mimic = opts.mimic or (fsdp.default_device() == "cuda" and "cuda" or "cpu")
-  local r = dryrun.run(fn, { steps = opts.steps or 2, world = world, rank = rank, mimic = mimic }, ...)
+  local progress = opts.progress
+  if progress == nil and fsdp.distributed.rank() == 0 then
+    progress = require("fsdp.progress").bar("plan", { unit = "steps" })
+  end
+  local r = dryrun.run(fn, { steps = opts.steps or 2, world = world, rank = rank, mimic = mimic,
+                             progress = progress or nil }, ...)
   return from_result(r, world, rank)
 end
 
@@ -108,7 +115,7 @@ function M.plan(model, shard_opts, world, opts)
     end
     return n, vocab
   end
-  return M.run(loop, { world = world, rank = rank, steps = opts.steps, mimic = opts.mimic })
+  return M.run(loop, { world = world, rank = rank, steps = opts.steps, mimic = opts.mimic, progress = opts.progress })
 end
 
 -- ---- the report ----

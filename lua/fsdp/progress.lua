@@ -1,5 +1,6 @@
 -- fsdp.progress: a one-line progress bar for long work (checkpoint save,
--- load, export, import; shard conversion), with bytes and rate, drawn on
+-- load, export, import; shard conversion; the planner's steps), with bytes
+-- (or a count of steps) and rate, drawn on
 -- stderr when it is a terminal; nothing at all otherwise (logs and pipes
 -- stay clean).
 --
@@ -39,31 +40,48 @@ local function size(b)
 end
 M.size = size
 
---- progress.line(label, done, total, seconds) -> the bar's text, e.g.
--- "export [#########.....]  45% 1.2 GiB / 2.6 GiB 310.4 MiB/s".
-function M.line(label, done, total, seconds)
+-- a count with at most two decimals: 2, 0.5, 1.25
+local function count(x) return (string.format("%.2f", x):gsub("%.?0+$", "")) end
+
+--- progress.line(label, done, total, seconds[, unit]) -> the bar's text, e.g.
+-- "export [#########.....]  45% 1.2 GiB / 2.6 GiB 310.4 MiB/s"; with unit
+-- (a plural noun) done and total are counts of it, not bytes:
+-- "plan [####..........]  25% 0.5 / 2 steps 1.25 steps/s".
+function M.line(label, done, total, seconds, unit)
   local frac = total > 0 and math.min(1, done / total) or 1
   local cells = math.floor(frac * M.WIDTH + 0.5)
   local rate = seconds > 0 and done / seconds or 0
-  return string.format("%s [%s%s] %3d%% %s / %s %s/s", label, string.rep("#", cells),
-                       string.rep(".", M.WIDTH - cells), math.floor(frac * 100), size(done), size(total), size(rate))
+  local head = string.format("%s [%s%s] %3d%% ", label, string.rep("#", cells), string.rep(".", M.WIDTH - cells),
+                             math.floor(frac * 100))
+  if unit then
+    return string.format("%s%s / %s %s %s %s/s", head, count(done), count(total), unit, count(rate), unit)
+  end
+  return string.format("%s%s / %s %s/s", head, size(done), size(total), size(rate))
 end
 
---- progress.bar(label) -> function(done, total), or nil when not enabled.
+--- progress.bar(label[, opts]) -> function(done, total), or nil when not
+-- enabled. opts.unit: counts of that (e.g. "steps") instead of bytes.
 -- Redraws at most every INTERVAL seconds; done == total draws the final
--- state and ends the line.
-function M.bar(label)
+-- state and ends the line; done nil ends the line where it stands (the
+-- work stopped early, e.g. on an error).
+function M.bar(label, opts)
   if not M.enabled() then return nil end
-  local t0, last, finished = timer.now(), -math.huge, false
+  local unit = opts and opts.unit
+  local t0, last, finished, drawn = timer.now(), -math.huge, false, false
   return function(done, total)
     if finished then return end
+    if done == nil then
+      if drawn then io.stderr:write("\n") end
+      finished = true
+      return
+    end
     local now = timer.now()
     local over = done >= total
     if not over and now - last < M.INTERVAL then return end
     last = now
-    io.stderr:write("\r", M.line(label, done, total, now - t0), over and "\n" or "")
+    io.stderr:write("\r", M.line(label, done, total, now - t0, unit), over and "\n" or "")
     io.stderr:flush()
-    finished = over
+    drawn, finished = true, over
   end
 end
 

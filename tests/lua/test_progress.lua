@@ -10,6 +10,10 @@ t.eq(progress.line("load", 3 * 2 ^ 30, 3 * 2 ^ 30, 1.5),
      "load [##############################] 100% 3.00 GiB / 3.00 GiB 2.00 GiB/s", "done")
 t.eq(progress.line("x", 0, 0, 0), "x [##############################] 100% 0 B / 0 B 0 B/s", "nothing to do")
 t.eq(progress.size(1536), "1.5 KiB", "sizes")
+t.eq(progress.line("plan", 0.5, 2, 0.4, "steps"), "plan [########......................]  25% 0.5 / 2 steps 1.25 steps/s",
+     "counts of steps")
+t.eq(progress.line("plan", 2, 2, 4, "steps"), "plan [##############################] 100% 2 / 2 steps 0.5 steps/s",
+     "counts of steps, done")
 
 local launcher = os.getenv("FSDP_TEST_LAUNCHER") or (arg and arg[-1])
 local tmp = os.tmpname()
@@ -34,5 +38,17 @@ t.ok(forced:find("save [", 1, true) ~= nil, "a bar when forced: " .. forced)
 t.ok(forced:find("100%", 1, true) ~= nil and forced:find("/s\n", 1, true) ~= nil, "the bar ends at 100% with a rate")
 local off = run("FSDP_PROGRESS=0")
 t.ok(not off:find("save [", 1, true), "FSDP_PROGRESS=0 turns bars off")
+-- the planner: a bar over its steps on a terminal, nothing otherwise
+local function plan(env)
+  local p = io.popen(string.format("%s '%s' --plan --world=2 recipes/gpt2.lua --preset=tiny 2>&1 >/dev/null", env,
+                                   launcher))
+  local out = p:read("*a")
+  p:close()
+  return out
+end
+local bar = plan("FSDP_PROGRESS=1")
+t.ok(bar:find("\rplan [", 1, true) and bar:find("100% 2 / 2 steps", 1, true) and bar:sub(-1) == "\n",
+     "--plan draws its steps when forced: " .. bar)
+t.ok(not plan("FSDP_PROGRESS="):find("plan [", 1, true), "--plan draws nothing when stderr is not a terminal")
 os.execute("rm -rf '" .. tmp .. "'")
 t.done()
