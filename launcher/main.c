@@ -195,7 +195,10 @@ int fsdp_repl_write_history(const char *path) { return write_history(path); }
  * the ranks cancel the collectives some rank waits in and others never
  * issued (fsdp_repl_rejoin), so that their communicators are in step again.
  * Only when that cannot finish does the REPL end the job, with a message. */
-enum { TAG_FAILED = 7001, TAG_QUIT = 7002, NOTICE_MAX = 512 };
+/* TAG_FAILED: "my chunk failed: <message>"; TAG_RELAYED: "my waits were
+ * given up because <reason>" (the reason it was told, passed on as is, so
+ * that every rank names the rank that failed first). */
+enum { TAG_FAILED = 7001, TAG_QUIT = 7002, TAG_RELAYED = 7003, NOTICE_MAX = 512 };
 static MPI_Comm g_ctl = MPI_COMM_NULL;
 static int g_ctl_rank, g_ctl_size;
 static pthread_t g_listener;
@@ -206,6 +209,7 @@ static long long g_begun = -1;           /* the last chunk begun */
  * quicker than this one) may run it and fail before this rank begins it. */
 static long long g_early_chunk = -1;
 static char g_early_reason[NOTICE_MAX + 64];
+static char g_reason[NOTICE_MAX + 64];    /* why this chunk's waits were given up, if they were */
 static pthread_mutex_t g_chunk_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void *listen_for_failures(void *arg) {
@@ -220,11 +224,15 @@ static void *listen_for_failures(void *arg) {
         int n = 0;
         MPI_Get_count(&st, MPI_BYTE, &n);
         char reason[NOTICE_MAX + 64];
-        snprintf(reason, sizeof reason, "rank %d failed this chunk and will not join it: %.*s", st.MPI_SOURCE,
-                 n - (int)sizeof chunk, buf + sizeof chunk);
+        if (st.MPI_TAG == TAG_RELAYED)
+            snprintf(reason, sizeof reason, "%.*s", n - (int)sizeof chunk, buf + sizeof chunk);
+        else
+            snprintf(reason, sizeof reason, "rank %d failed this chunk and will not join it: %.*s", st.MPI_SOURCE,
+                     n - (int)sizeof chunk, buf + sizeof chunk);
         pthread_mutex_lock(&g_chunk_mu);
         if (chunk == g_chunk) {
-            fsdp_comm_abandon(reason, NULL);
+            if (!g_reason[0]) snprintf(g_reason, sizeof g_reason, "%s", reason);
+            fsdp_comm_abandon(g_reason, NULL);
         } else if (chunk > g_begun) {
             g_early_chunk = chunk;
             snprintf(g_early_reason, sizeof g_early_reason, "%s", reason);
@@ -281,11 +289,16 @@ void fsdp_repl_chunk_begin(long long chunk) {
     pthread_mutex_lock(&g_chunk_mu);
     fsdp_comm_abandon(NULL, NULL);
     g_chunk = g_begun = chunk;
-    if (g_early_chunk == chunk) fsdp_comm_abandon(g_early_reason, NULL);
+    g_reason[0] = '\0';
+    if (g_early_chunk == chunk) {
+        snprintf(g_reason, sizeof g_reason, "%s", g_early_reason);
+        fsdp_comm_abandon(g_reason, NULL);
+    }
     pthread_mutex_unlock(&g_chunk_mu);
 }
 
-/* Ends a chunk: a failed rank (err != NULL) tells the others first. Then
+/* Ends a chunk: a failed rank (err != NULL) tells the others first (a
+ * rank whose waits were given up passes on why instead). Then
  * every rank's record reaches every rank: *out holds, per rank, an int64
  * length n, then n bytes: an int64 count of the collective waits that rank
  * gave up, then its record (the outcome, as the REPL writes it). */
@@ -293,6 +306,18 @@ int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, c
     long long chunk = g_chunk;
     MPI_Request *reqs = NULL;
     char notice[NOTICE_MAX + 16];
+    /* This rank is done with the chunk: later notices are ignored, and no
+     * wait of the chunk is left to give up. */
+    int64_t abandoned = 0;
+    char relayed[sizeof g_reason] = "";
+    pthread_mutex_lock(&g_chunk_mu);
+    g_chunk = -1;
+    fsdp_comm_abandon(NULL, &abandoned);
+    if (abandoned > 0 && err && g_reason[0]) {
+        snprintf(relayed, sizeof relayed, "%s", g_reason);
+        err = relayed;
+    }
+    pthread_mutex_unlock(&g_chunk_mu);
     if (err) {
         size_t n = strlen(err);
         if (n > NOTICE_MAX) n = NOTICE_MAX;
@@ -303,16 +328,10 @@ int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, c
         for (int r = 0; r < g_ctl_size; r++) {
             reqs[r] = MPI_REQUEST_NULL;
             if (r != g_ctl_rank)
-                MPI_Isend(notice, (int)(sizeof chunk + n), MPI_BYTE, r, TAG_FAILED, g_ctl, &reqs[r]);
+                MPI_Isend(notice, (int)(sizeof chunk + n), MPI_BYTE, r, relayed[0] ? TAG_RELAYED : TAG_FAILED, g_ctl,
+                          &reqs[r]);
         }
     }
-    /* This rank is done with the chunk: later notices are ignored, and no
-     * wait of the chunk is left to give up. */
-    int64_t abandoned = 0;
-    pthread_mutex_lock(&g_chunk_mu);
-    g_chunk = -1;
-    fsdp_comm_abandon(NULL, &abandoned);
-    pthread_mutex_unlock(&g_chunk_mu);
 
     int len = (int)record_n + 8;
     char *mine = malloc((size_t)len);
