@@ -22,6 +22,11 @@
  * adds them into the gradient shards. Every rank records the same markers
  * in the same order, so collectives match across ranks.
  *
+ * Direct mode (a shard group of one, f32): parameters are views of the
+ * masters and gradients accumulate in the gradient shards; with replicas
+ * (no_shard) each unit's gradient shard is all-reduced in place when its
+ * backward ends, in flight like a reduce-scatter.
+ *
  * Offload (fsdp_sched_set_shard_device with the CPU): the master and
  * gradient shards, and so the optimizer state and its step, stay in host
  * memory; each gather copies this rank's shard (cast to the compute dtype
@@ -55,7 +60,7 @@ typedef struct unit {
 typedef struct pending {
     int unit;
     fsdp_work *work;
-    fsdp_tensor *reduced;          /* (shard_n) reduce dtype */
+    fsdp_tensor *reduced;          /* (shard_n) reduce dtype; NULL for an all-reduce in place (direct) */
 } pending;
 
 struct fsdp_sched {
@@ -69,7 +74,9 @@ struct fsdp_sched {
     int backward_prefetch, forward_prefetch, limit;
     bool sync;
     int recompute;                 /* FSDP_RECOMPUTE_*: the forward hooks' context */
-    bool direct;                   /* a world of one: views of the masters, no gathers (fsdp_sched_set_direct) */
+    bool direct;                   /* a shard group of one: views of the masters, no gathers, gradients
+                                      straight into the gradient shard, all-reduced there across replicas
+                                      (fsdp_sched_set_direct) */
     unit *units;
     int n_units, cap_units;
     int *order;                    /* units in the order of their last post_forward */
@@ -281,7 +288,12 @@ static int order_index(const int *order, int n, int k) {
  * (hybrid), add it into the unit's gradient shard and free its output. */
 static fsdp_status add_reduced(fsdp_sched *s, int k) {
     pending *q = &s->pend[k];
-    if (!q->reduced) return FSDP_OK;   /* added already */
+    if (!q->reduced) {   /* added already, or an all-reduce of the gradient shard in place (direct) */
+        fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
+        if (q->work) fsdp_work_free(q->work);
+        q->work = NULL;
+        return r;
+    }
     unit *u = &s->units[q->unit];
     fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
     if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
@@ -332,6 +344,17 @@ static fsdp_status before_backward(void *p) {
     return FSDP_OK;
 }
 
+/* Room for one more pending reduction. */
+static fsdp_status grow_pending(fsdp_sched *s, const unit *u) {
+    if (s->n_pend < s->cap_pend) return FSDP_OK;
+    int cap = s->cap_pend ? 2 * s->cap_pend : 16;
+    pending *np = realloc(s->pend, (size_t)cap * sizeof *np);
+    if (!np) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+    s->pend = np;
+    s->cap_pend = cap;
+    return FSDP_OK;
+}
+
 /* The walk reached the start of unit k's forward: its gradients are complete. */
 static fsdp_status after_backward(void *p) {
     marker_ctx *m = p;
@@ -342,6 +365,15 @@ static fsdp_status after_backward(void *p) {
         unlink_grads(u);
         tensor_release(u->flat_grad);
         u->flat_grad = NULL;
+        if (s->replica_comm && s->replica_size > 1) {
+            /* replicas (no_shard): average the gradient shard in place, in flight while the walk goes on.
+             * Micro-batches without sync accumulated into it too, and an earlier step's gradient that was
+             * not zeroed is equal on every replica, so the average is the one of this step's gradients. */
+            FSDP_TRY(grow_pending(s, u));
+            fsdp_work *w = NULL;
+            FSDP_TRY(fsdp_all_reduce(&w, s->replica_comm, u->grad, FSDP_REDUCE_AVG, u->name));
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL};
+        }
     } else if (s->sync && u->flat_grad) {
         fsdp_tensor *src = u->flat_grad, *dst;
         tensor_retain(src);
@@ -363,16 +395,11 @@ static fsdp_status after_backward(void *p) {
             tensor_release(src);
             return r;
         }
-        if (s->n_pend == s->cap_pend) {
-            int cap = s->cap_pend ? 2 * s->cap_pend : 16;
-            pending *np = realloc(s->pend, (size_t)cap * sizeof *np);
-            if (!np) {
-                tensor_release(src);
-                tensor_release(dst);
-                return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
-            }
-            s->pend = np;
-            s->cap_pend = cap;
+        r = grow_pending(s, u);
+        if (r != FSDP_OK) {
+            tensor_release(src);
+            tensor_release(dst);
+            return r;
         }
         fsdp_work *w = NULL;
         /* a group of one: the average over one rank is the gradient itself */
@@ -590,13 +617,13 @@ fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on) {
     if (s->n_units > 0)
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_direct: the schedule has %d units already; choose "
                               "before adding units", s->n_units);
-    if (on && (s->shard_size != 1 || s->replica_size != 1 || s->compute_dtype != FSDP_F32 ||
-               s->reduce_dtype != FSDP_F32 || s->shard_device != s->device))
-        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_direct: needs a shard group of one without replicas "
-                              "(here %d ranks, %d replicas), f32 compute and reduction (here %s, %s) and shards on "
-                              "the compute device (here %s, compute %s)", s->shard_size, s->replica_size,
-                              fsdp_dtype_name(s->compute_dtype), fsdp_dtype_name(s->reduce_dtype),
-                              fsdp_device_name(s->shard_device), fsdp_device_name(s->device));
+    if (on && (s->shard_size != 1 || s->compute_dtype != FSDP_F32 || s->reduce_dtype != FSDP_F32 ||
+               s->shard_device != s->device))
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_direct: needs a shard group of one (here %d ranks), "
+                              "f32 compute and reduction (here %s, %s) and shards on the compute device (here %s, "
+                              "compute %s)", s->shard_size, fsdp_dtype_name(s->compute_dtype),
+                              fsdp_dtype_name(s->reduce_dtype), fsdp_device_name(s->shard_device),
+                              fsdp_device_name(s->device));
     s->direct = on != 0;
     return FSDP_OK;
 }

@@ -514,11 +514,13 @@ fsdp_status fsdp_sched_free(fsdp_sched *s);
  * memory. Only before the first unit is added. */
 fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device);
 /* A world of one (DESIGN.md, decision 10): on a shard group of one rank,
- * without replicas, with f32 compute and reduction and shards on the
- * compute device, on = 1 makes each unit's parameters views of its master
- * shard and points their gradients straight into the gradient shard:
- * nothing is gathered, copied, reduced or freed around a unit, and the
- * memory is that of the unsharded model. (A backward abandoned halfway then
+ * with f32 compute and reduction and shards on the compute device, on = 1
+ * makes each unit's parameters views of its master shard and points their
+ * gradients straight into the gradient shard: nothing is gathered, copied
+ * or freed around a unit, and the memory is that of the unsharded model.
+ * With replicas (no_shard, hybrid_shard of groups of one) each unit's
+ * gradient shard is then all-reduced (averaged) in place once its backward
+ * is done: 16 bytes per parameter, as DDP. (A backward abandoned halfway
  * leaves its partial gradients, as on an unsharded model.) Only before the
  * first unit is added; refused where the conditions do not hold.
  * Without direct mode a shard group of one copies locally rather than

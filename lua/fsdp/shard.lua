@@ -325,8 +325,9 @@ function M.shard(model, opts)
     not (device == "meta" and require("fsdp.meta").mimicked() == "cpu")
   -- a world of one is not a special case for the caller, only for the
   -- engine: parameters become views of the master, nothing is gathered
-  local direct = shard_group:size() == 1 and (replica_comm == nil or dist._borrow(replica_comm):size() == 1) and
-      compute == "f32" and reduce == "f32" and not offload and
+  -- (so is a shard group of one with replicas, no_shard: the gradient
+  -- shards are then all-reduced in place, 16 bytes per parameter as DDP)
+  local direct = shard_group:size() == 1 and compute == "f32" and reduce == "f32" and not offload and
       os.getenv("FSDP_FORCE_COLLECTIVES") ~= "1"   -- the engine's switch to exercise the communicator on one rank
   local self = setmetatable({
     model = model, strategy = strategy, compute = compute, reduce = reduce,

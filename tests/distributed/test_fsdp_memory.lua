@@ -133,6 +133,21 @@ if not offloaded then
     ratio))
 end
 
+-- no_shard (f32) costs what DDP does: parameters, their gradients and the
+-- two AdamW moments, 16 bytes per parameter, within 5% (no gathered copy
+-- of the parameters, no flat gradient beside the gradient shard, no
+-- reduction buffer); the planner agrees (the tags above)
+if shard_opts.strategy == "no_shard" and (opts.compute or "f32") == "f32" and not offloaded then
+  local psi = model:num_parameters()
+  local pgo = measured.param.peak + measured.grad.peak + measured.optimizer.peak
+  lines[#lines + 1] = string.format("  no_shard: param + grad + optimizer peak %.3f MiB, 16 x %d parameters = %.3f MiB "
+    .. "(%.3f x)", mib(pgo), psi, mib(16 * psi), pgo / (16 * psi))
+  t.ok(pgo <= 1.05 * 16 * psi, string.format("rank %d: no_shard param + grad + optimizer peak %d B is within 5%% of "
+    .. "16 bytes x %d parameters (%.3f x)", rank, pgo, psi, pgo / (16 * psi)))
+  t.eq(measured.comm.peak, 0, string.format("rank %d: no_shard all-reduces the gradient shards in place (no "
+    .. "reduction buffer)", rank))
+end
+
 -- the caching allocator reuses its blocks: once the first steps have run,
 -- later steps reserve next to nothing (a leak of per-step buffers grows
 -- past a few units' worth in four steps)
