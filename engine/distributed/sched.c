@@ -538,7 +538,9 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     int64_t one = 1, total = n * s->shard_size;
     fsdp_tensor *src = tensor_is_contiguous(g) ? tensor_view(g, 1, &total, &one, g->offset) : NULL, *dst = NULL;
     if (!src) return fsdp_set_error(FSDP_ERR_INVALID, "slice reduce(%s): the gradient must be contiguous", u->name);
-    if (s->direct) {   /* a world of one: straight into the gradient shard */
+    /* a world of one: straight into the gradient shard (with replicas, no_shard, the slice is averaged
+     * across them first, below: a sliced unit has no backward end of its own to all-reduce its shard at) */
+    if (s->direct && !(s->replica_comm && s->replica_size > 1)) {
         fsdp_status r = ensure_grad(s, u);
         if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(src), 1.0f, n);
         tensor_release(src);
