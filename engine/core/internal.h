@@ -190,6 +190,12 @@ bool node_needs_grad(fsdp_node *node, int i);
 /* Adds g (shape of input i, any float dtype) into input i's gradient; takes
  * ownership of g. */
 fsdp_status node_add_grad(fsdp_node *node, int i, fsdp_tensor *g);
+/* Where input i's gradient may be added in place by the op itself (a GEMM
+ * with beta = 1 instead of a product and an add): the .grad a leaf input
+ * already has, when it has the input's shape and dtype, is contiguous and
+ * is not an expanded view; NULL otherwise. An op that writes into it gives
+ * no gradient for i (node_add_grad would add it twice). */
+fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype);
 /* Adds g into t's gradient accumulator (bgrad, or .grad for a leaf); takes g. */
 fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g);
 

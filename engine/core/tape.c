@@ -267,6 +267,17 @@ fsdp_status node_add_grad(fsdp_node *node, int i, fsdp_tensor *g) {
     return tensor_accumulate_grad(node->in[i], g);
 }
 
+fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
+    if (!node_needs_grad(node, i)) return NULL;
+    fsdp_tensor *t = node->in[i], *g = t->grad;
+    /* a leaf's .grad is its own (add_into writes it in place too); a
+     * non-leaf's may be shared, so those go through node_add_grad */
+    if (!t->is_leaf || !g || g->dtype != dtype || t->dtype != dtype || !tensor_is_contiguous(g)) return NULL;
+    if (g->ndim != t->ndim || memcmp(g->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) != 0) return NULL;
+    if (tensor_device(g) != tensor_device(t)) return NULL;
+    return g;
+}
+
 /* ---- public ---- */
 
 fsdp_status fsdp_set_grad_enabled(int on, int *previous) {

@@ -389,12 +389,23 @@ static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int t
         if (st != FSDP_OK) goto out;
     }
     if (node_needs_grad(node, 1)) {   /* (shared b: batch is 1 here) */
-        if ((st = tensor_new(&gb, FSDP_BF16, b->ndim, b->shape, fsdp_op_device(), fsdp_default_tag(), false)))
+        /* a weight whose .grad exists (an FSDP unit's gradient slice, a
+         * second micro-batch): the GEMM adds into it, beta = 1 */
+        fsdp_tensor *acc = node_grad_accumulator(node, 1, FSDP_BF16);
+        if (acc) {
+            tensor_retain(acc);
+            gb = acc;
+        } else if ((st = tensor_new(&gb, FSDP_BF16, b->ndim, b->shape, fsdp_op_device(), fsdp_default_tag(), false))) {
             goto out;
+        }
+        float beta = acc ? 1.0f : 0.0f;
         int64_t per = m->shared_b ? 1 : m->batch;
-        if (!tb) KERNELS(gb)->matmul_bf16(tensor_data(gb), A, G, per, m->K, m->N, m->M, !ta, 0, 1, 0, sa, sc, m->K * m->N);
-        else KERNELS(gb)->matmul_bf16(tensor_data(gb), G, A, per, m->N, m->K, m->M, 1, ta, 1, 0, sc, sa, m->K * m->N);
-        st = op_give_grad(node, 1, gb);
+        if (!tb)
+            KERNELS(gb)->matmul_bf16(tensor_data(gb), A, G, per, m->K, m->N, m->M, !ta, 0, 1, beta, sa, sc, m->K * m->N);
+        else
+            KERNELS(gb)->matmul_bf16(tensor_data(gb), G, A, per, m->N, m->K, m->M, 1, ta, 1, beta, sc, sa, m->K * m->N);
+        if (!acc) st = op_give_grad(node, 1, gb);
+        else tensor_release(gb);
         gb = NULL;
     }
 out:

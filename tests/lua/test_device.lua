@@ -170,6 +170,15 @@ do
     same(gac:float(), gag:float(), 0.5, "matmul grad a" .. tag)
     same(gbc:float(), gbg:float(), 0.5, "matmul grad b" .. tag)
   end
+  -- a weight gradient accumulated over two backwards (on CUDA the second
+  -- GEMM adds into the existing .grad, beta = 1): equal to the CPU's
+  local function twice(dev)
+    local a = x:bf16():to(dev)
+    local b = w:bf16():to(dev):detach():requires_grad(true)
+    for _ = 1, 2 do a:matmul(b):float():sum():backward() end
+    return b:get_grad()
+  end
+  same(twice("cpu"):float(), twice("cuda"):float(), 0.5, "matmul weight gradient accumulated twice (bf16)")
   local xb = fsdp.randn(3, 5, 7, { seed = 21, device = "cpu" }):bf16()
   local wb = fsdp.randn(3, 7, 4, { seed = 22, device = "cpu" }):bf16()
   same(xb:matmul(wb):float(), xb:cuda():matmul(wb:cuda()):float(), 0.0625, "batched matmul (bf16)")

@@ -146,6 +146,14 @@ if ok then
   t.eq(e.matmul_bf16.calls, 1, "bf16 matmul: the native entry")
   t.eq(e.matmul_bf16.bytes_read, 2 * (8 * 16 + 16 * 4), "bf16 matmul reads bf16")
   t.eq(e.cast_any.calls, 0, "bf16 matmul: no staging casts")
+  -- a bf16 weight whose .grad exists: the weight-gradient GEMM adds into it
+  -- (beta = 1), no separate add
+  local wgt = fsdp.randn(16, 4, { seed = 5, device = "meta" }):cast("bf16"):requires_grad(true)
+  local function fwd_bwd() a:matmul(wgt):sum():backward() end
+  fwd_bwd()
+  e = counts_of(fwd_bwd)
+  t.eq(e.axpy_bf16.calls, 0, "weight gradient accumulated by the GEMM: no add")
+  t.eq(e.matmul_bf16.calls, 2, "bf16 matmul forward and the weight-gradient GEMM")
   -- indices host code gave: checked from their host range, no value read
   -- back; the loss mean and count stay on the device (no host sync at all)
   local tbl = fsdp.randn(11, 4, { seed = 3, device = "meta" }):cast("bf16")
