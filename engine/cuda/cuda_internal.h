@@ -393,6 +393,19 @@ int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *l
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
                                      int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
                                      const float *dloss, int64_t count);
+/* cuda_classifier.cu */
+void cuda_classifier_lse_f32(float *m, float *s, float *tlogit, const float *logits, const int64_t *targets,
+                             int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,
+                             int64_t valid_v, int64_t ignore_index);
+int64_t cuda_classifier_finish_f32(float *lse, float *losses, const float *m, const float *s, const float *tlogit,
+                                   const int64_t *targets, int64_t N, int64_t ignore_index);
+void cuda_classifier_dlogits_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
+                                 int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,
+                                 int64_t valid_v, int64_t ignore_index, const float *dloss, int64_t count);
+void cuda_embedding_slice_forward_f32(float *out, const int64_t *ids, int64_t n, const float *rows, int64_t dim,
+                                      int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0);
+void cuda_embedding_slice_backward_f32(float *drows, const int64_t *ids, int64_t n, const float *dout, int64_t dim,
+                                       int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0);
 /* cuda_attention.cu */
 void cuda_attention_forward_f32(float *out, float *lse, const float *q, const float *k, const float *v, int64_t B,
                                 int64_t H, int64_t T, int64_t D, int causal, float scale);

@@ -756,6 +756,69 @@ static void test_cross_entropy(void) {
     }
 }
 
+/* ---- the vocabulary-chunked classifier and embedding (slice geometry: engine/cpu/classifier.c) ---- */
+
+static void test_classifier(void) {
+    /* N, blocks, rows per run, table rows between runs, valid rows */
+    int64_t cs[][5] = {{1, 1, 1, 1, 1}, {5, 1, 10, 97, 97}, {7, 1, 7, 96, 89}, {5, 3, 4, 33, 97}, {9, 7, 1, 2, 11},
+                       {3, 8, 517, 6288, 50257}};
+    const int64_t ignore = -100;
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
+        int64_t N = cs[c][0], blocks = cs[c][1], br = cs[c][2], stride = cs[c][3], valid = cs[c][4];
+        int64_t R = blocks * br, row0 = stride > br ? stride - br : 0;   /* the last slice of each run */
+        int64_t *t = halloc((size_t)N * sizeof(int64_t));
+        for (int64_t k = 0; k < N; k++)
+            t[k] = k % 4 == 3 ? ignore : (int64_t)(test_rng_uniform(&rng) * (double)valid) % valid;
+        float *x = hrand(N * R, 8), *m = halloc((size_t)N * sizeof(float)), *s = hrand(N, 1), *tl = hrand(N, 1);
+        for (int64_t k = 0; k < N; k++) {   /* a first slice (where it has real rows), and one after others */
+            bool first = k % 2 && row0 < valid;
+            m[k] = first ? -INFINITY : 1.5f;
+            s[k] = first ? 0.0f : fabsf(s[k]);
+        }
+        int64_t *dt = dup(t, (size_t)N * sizeof(int64_t));
+        float *dx = dupf(x, N * R), *gm = dupf(m, N), *gs = dupf(s, N), *gtl = dupf(tl, N);
+        C->classifier_lse_f32(m, s, tl, x, t, N, blocks, br, stride, row0, valid, ignore);
+        G->classifier_lse_f32(gm, gs, gtl, dx, dt, N, blocks, br, stride, row0, valid, ignore);
+        char name[128];
+        snprintf(name, sizeof name, "classifier_lse_f32 N %lld, %lld runs of %lld (stride %lld, valid %lld)",
+                 (long long)N, (long long)blocks, (long long)br, (long long)stride, (long long)valid);
+        check_f(name, back(gm, N), m, N, 0, 0, 0);
+        check_f(name, back(gs, N), s, N, 1e-5, 0, 0);
+        check_f(name, back(gtl, N), tl, N, 0, 0, 0);
+        float *lse = hnan(N), *losses = hnan(N), *glse = dnan(N), *gl = dnan(N);
+        int64_t count = C->classifier_finish_f32(lse, losses, m, s, tl, t, N, ignore);
+        float *cm = dupf(m, N), *cs_ = dupf(s, N), *ctl = dupf(tl, N);
+        int64_t gcount = G->classifier_finish_f32(glse, gl, cm, cs_, ctl, dt, N, ignore);
+        test_check(gcount == count, "%s: count %lld, want %lld", name, (long long)gcount, (long long)count);
+        check_f(name, back(glse, N), lse, N, 1e-6, 1e-6, -1);
+        check_f(name, back(gl, N), losses, N, 1e-6, 1e-6, -1);
+        float one = 1.0f, *gone = dupf(&one, 1), *want = hnan(N * R), *clse = dupf(lse, N), *gdx = dnan(N * R);
+        C->classifier_dlogits_f32(want, x, lse, t, N, blocks, br, stride, row0, valid, ignore, &one, count);
+        G->classifier_dlogits_f32(gdx, dx, clse, dt, N, blocks, br, stride, row0, valid, ignore, gone, count);
+        snprintf(name, sizeof name, "classifier_dlogits_f32 N %lld, %lld runs of %lld", (long long)N,
+                 (long long)blocks, (long long)br);
+        check_f(name, back(gdx, N * R), want, N * R, 1e-5, 1e-6, count ? 1.0 / (double)count : 1.0);
+        /* the embedding: rows of the slice picked and scattered back */
+        int64_t dim = c % 2 ? 3 : 40, n = N * 3 + 1;
+        int64_t *ids = halloc((size_t)n * sizeof(int64_t));
+        for (int64_t k = 0; k < n; k++) ids[k] = (int64_t)(test_rng_uniform(&rng) * (double)(blocks * stride));
+        ids[0] = row0;   /* one in the slice for sure */
+        float *rows = hrand(R * dim, 1), *dout = hrand(n * dim, 1), *out = hrand(n * dim, 1);
+        int64_t *dids = dup(ids, (size_t)n * sizeof(int64_t));
+        float *grows = dupf(rows, R * dim), *gdout = dupf(dout, n * dim), *gout = dupf(out, n * dim);
+        float *dr = hnan(R * dim), *gdr = dnan(R * dim);
+        C->embedding_slice_forward_f32(out, ids, n, rows, dim, blocks, br, stride, row0);
+        G->embedding_slice_forward_f32(gout, dids, n, grows, dim, blocks, br, stride, row0);
+        C->embedding_slice_backward_f32(dr, ids, n, dout, dim, blocks, br, stride, row0);
+        G->embedding_slice_backward_f32(gdr, dids, n, gdout, dim, blocks, br, stride, row0);
+        snprintf(name, sizeof name, "embedding_slice_forward_f32 n %lld dim %lld", (long long)n, (long long)dim);
+        check_bits(name, back(gout, n * dim), out, (size_t)(n * dim) * sizeof(float));
+        snprintf(name, sizeof name, "embedding_slice_backward_f32 n %lld dim %lld", (long long)n, (long long)dim);
+        check_bits(name, back(gdr, R * dim), dr, (size_t)(R * dim) * sizeof(float));
+        free_case();
+    }
+}
+
 /* ---- attention ---- */
 
 static void test_attention(void) {
@@ -1469,6 +1532,7 @@ int main(int argc, char **argv) {
     test_norms();
     test_embedding();
     test_cross_entropy();
+    test_classifier();
     test_attention();
     test_attention_qkv();
     test_bf16_elementwise();

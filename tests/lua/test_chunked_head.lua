@@ -4,24 +4,13 @@
 -- divide V, a chunk of one row, one larger than V, padded vocabulary rows,
 -- one token), a GPT with config.head_chunk against the same GPT without
 -- (loss, every gradient, sampling), and bad input. (Sharded: the
--- distributed equiv.head_chunk and memory.head_chunk tests.)
+-- distributed equiv.head_chunk and memory.head_chunk tests. Under fsdp-lua-emu: the CUDA kernels.)
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"
 
 local TOL = 1e-5
-
-if fsdp.default_device() ~= "cpu" then
-  -- no CUDA kernels for it yet: a clear error naming the device
-  local x, w = fsdp.randn(2, 4, { seed = 1 }), fsdp.randn(5, 4, { seed = 2 })
-  local y = fsdp.tensor({ 1, 2 }, { dtype = "i64" })
-  t.raises(function() fsdp.chunked_cross_entropy(x, w, y, { chunk = 2 }) end,
-    { "fsdp_chunked_cross_entropy", "no chunked-classifier kernels", fsdp.default_device() },
-    "another device: a clear error naming it")
-  t.done()
-  return
-end
 
 local function targets_for(N, valid, seed)
   local list, s = {}, seed

@@ -110,8 +110,7 @@ end
 -- the embedding's forward, the head's forward and its backward (3 x its
 -- bytes), and reduced twice (the head's and the embedding's share, each
 -- chunk as it is computed); it is never held through the blocks' backward.
--- (CPU kernels only: on the CUDA kernel set the op refuses, naming the device.)
-if fsdp.default_device() == "cpu" then
+do
   local N, C = 4, cfg.n_embd
   local speed = plan(N)
   local mcfg = {}
