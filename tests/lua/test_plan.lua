@@ -57,9 +57,10 @@ for _, N in ipairs({ 1, 2, 3, 4 }) do
     local ratio = p.persistent * G / base.persistent
     t.ok(ratio >= 0.95 and ratio <= 1.3, string.format("%s: persistent %d B x %d / %d B = %.3f", tag, p.persistent, G,
       base.persistent, ratio))
-    -- (a world of one gathers nothing: its parameters are views of the masters)
-    t.ok(p.memory.activation.peak > 0 and (p.memory.param.peak > p.memory.param.current) == (N > 1),
-      tag .. (N > 1 and ": activations, and gathered buffers above the shards" or ": activations, no gathered buffers"))
+    -- (a shard group of one gathers nothing: a world of one, and no_shard, whose parameters are views of
+    -- the masters)
+    t.ok(p.memory.activation.peak > 0 and (p.memory.param.peak > p.memory.param.current) == (G > 1),
+      tag .. (G > 1 and ": activations, and gathered buffers above the shards" or ": activations, no gathered buffers"))
   end
 end
 
