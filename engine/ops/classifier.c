@@ -111,7 +111,10 @@ static fsdp_status slice_get(const table_slices *t, int64_t j, fsdp_tensor **row
 /* Indices (what: "targets" or "ids") in [0, valid_v) or ignore_index; the first bad one named. */
 static fsdp_status check_targets(const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
                                  const char *what, fsdp_tensor *t64, int64_t valid_v, int64_t ignore_index) {
-    int64_t N = tensor_numel(t64);
+    int64_t N = tensor_numel(t64), lo, hi;
+    /* values host code gave: their known range decides without a read-back (no host sync on a GPU) */
+    if (tensor_device(t64) != FSDP_DEVICE_CPU && tensor_host_range(t64, &lo, &hi) && lo >= 0 && hi < valid_v)
+        return FSDP_OK;
     const int64_t *p = tensor_data(t64);
     int64_t *host = NULL;
     if (tensor_device(t64) != FSDP_DEVICE_CPU) {   /* (the counting device reads back zeros) */
