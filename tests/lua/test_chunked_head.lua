@@ -2,7 +2,7 @@
 -- embedding against the unchunked ops, on one rank: loss and the gradients
 -- of x and of the table at awkward sizes (V prime, chunks that do not
 -- divide V, a chunk of one row, one larger than V, padded vocabulary rows,
--- one token), a GPT with config.head_chunk against the same GPT without
+-- one token), a GPT (and a Llama) with config.head_chunk against the same model without
 -- (loss, every gradient, sampling), and bad input. (Sharded: the
 -- distributed equiv.head_chunk and memory.head_chunk tests. Under fsdp-lua-emu: the CUDA kernels.)
 package.path = "tests/lua/?.lua;" .. package.path
@@ -93,6 +93,23 @@ for _, T in ipairs({ 8, 1 }) do
     local prompt = fsdp.tensor({ { 1, 2, 3 } }, { dtype = "i64" })
     t.eq(t.show(m1:generate(prompt, 4)), t.show(m0:generate(prompt, 4)), "GPT head_chunk: the same greedy samples")
   end
+end
+
+-- the Llama variant (an untied head): the same loss and gradients with head_chunk
+do
+  local function llama(chunk)
+    local m = nn.Llama { vocab_size = 45, n_layer = 1, n_head = 2, n_embd = 16, block_size = 8, pad_to = 16,
+      head_chunk = chunk }
+    m:materialize { seed = 9 }
+    local x, y = t.token_batch(5, 2, 6, 45)
+    local _, loss = m(x, y)
+    loss:backward()
+    return loss:item(), m.lm_head.weight.grad, m.wte.weight.grad
+  end
+  local l0, h0, e0 = llama(nil)
+  local l1, h1, e1 = llama(11)
+  t.near(l1, l0, TOL, "Llama head_chunk: loss")
+  t.ok(t.rel_err(h1, h0) <= TOL and t.rel_err(e1, e0) <= TOL, "Llama head_chunk: head and embedding gradients")
 end
 
 -- ---- bad input ----
