@@ -544,6 +544,21 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
                          fsdp_dtype_size(dst->dtype));
         return FSDP_OK;
     }
+    /* both contiguous, the same shape and apart: one pass, converting as it
+     * copies (an FSDP unit's bf16 compute copy of its f32 master, its f32
+     * gradient of the bf16 one) */
+    bool same_shape = src->ndim == dst->ndim;
+    for (int i = 0; same_shape && i < dst->ndim; i++) same_shape = src->shape[i] == dst->shape[i];
+    if (same_shape && tensor_is_contiguous(src) && tensor_is_contiguous(dst)) {
+        const char *d0 = tensor_data(dst), *s0 = tensor_data(src);
+        int64_t n = tensor_numel(dst);
+        size_t dn = (size_t)n * fsdp_dtype_size(dst->dtype), sn = (size_t)n * fsdp_dtype_size(src->dtype);
+        if (n == 0) return FSDP_OK;
+        if (d0 + dn <= s0 || s0 + sn <= d0) {
+            KERNELS(dst)->cast_any(tensor_data(dst), dst->dtype, tensor_data(src), src->dtype, n);
+            return FSDP_OK;
+        }
+    }
     /* convert first (src may alias dst only when dtypes match) */
     fsdp_tensor *c;
     FSDP_TRY(tensor_convert(&c, src, dst->dtype));

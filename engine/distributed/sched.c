@@ -377,7 +377,8 @@ static fsdp_status after_backward(void *p) {
     } else if (s->sync && u->flat_grad) {
         fsdp_tensor *src = u->flat_grad, *dst;
         tensor_retain(src);
-        if (s->reduce_dtype != s->compute_dtype) {
+        /* a group of one: fsdp_copy below converts as it copies */
+        if (s->reduce_dtype != s->compute_dtype && !s->local_one) {
             fsdp_tensor *c;
             fsdp_status r = tensor_as_f32(&c, u->flat_grad);
             tensor_release(src);

@@ -2,6 +2,7 @@
  * through the public API. */
 #include "fsdp.h"
 #include "testutil.h"
+#include <math.h>
 #include <string.h>
 
 #define CPU FSDP_DEVICE_CPU
@@ -181,10 +182,48 @@ static void check_threads_and_version(void) {
     test_check(rank == 0 && world == 1, "single process: rank 0 of 1");
 }
 
+/* fsdp_copy between contiguous tensors of one shape and different dtypes
+ * converts in one pass: f32 -> bf16 rounds to nearest even (reference:
+ * frexp and nearbyint on 8 significant bits), bf16 -> f32 is exact. */
+static void check_copy_convert(void) {
+    enum { N = 1001 };   /* odd: not a multiple of any vector width */
+    float v[N];
+    for (int i = 0; i < N; i++) v[i] = (float)((i * 37 % 1000) - 500) * 0.0137f * (i % 3 ? 1.0f : 1e-3f);
+    v[1] = 1.0f + 1.0f / 256;   /* a tie, rounds down to even: 1 */
+    v[2] = 1.0f + 3.0f / 256;   /* a tie, rounds up to even: 1 + 4/256 */
+    v[3] = NAN;
+    int64_t shape[2] = {7, 143};
+    fsdp_tensor *f, *h, *back;
+    fsdp_tensor_from_data(&f, FSDP_F32, 2, shape, v, sizeof v, CPU, FSDP_TAG_OTHER);
+    fsdp_tensor_zeros(&h, FSDP_BF16, 2, shape, CPU, FSDP_TAG_OTHER);
+    fsdp_tensor_zeros(&back, FSDP_F32, 2, shape, CPU, FSDP_TAG_OTHER);
+    test_check(fsdp_copy(h, f) == FSDP_OK, "copy f32 -> bf16");
+    test_check(fsdp_copy(back, h) == FSDP_OK, "copy bf16 -> f32");
+    float got[N];
+    fsdp_tensor_to_data(back, got, sizeof got);
+    int bad = 0;
+    for (int i = 0; i < N; i++) {
+        if (isnan(v[i])) {
+            bad += !isnan(got[i]);
+            continue;
+        }
+        int e;
+        double m = frexp((double)v[i], &e);
+        double want = ldexp(nearbyint(m * 256.0) / 256.0, e);
+        bad += (double)got[i] != want;
+    }
+    test_check(bad == 0, "f32 -> bf16 -> f32 through fsdp_copy rounds to nearest even (%d of %d wrong)", bad, N);
+    test_check(got[1] == 1.0f && got[2] == 1.0f + 4.0f / 256, "ties to even: %g %g", got[1], got[2]);
+    fsdp_tensor_release(f);
+    fsdp_tensor_release(h);
+    fsdp_tensor_release(back);
+}
+
 int main(void) {
     check_allocator();
     check_rounding();
     check_views();
+    check_copy_convert();
     check_threads_and_version();
     return test_summary();
 }
