@@ -22,6 +22,11 @@
 -- the sequence numbers agree. Should that not finish within
 -- $FSDP_REPL_REJOIN_SECONDS (default 10; 0: do not try), the REPL ends the
 -- job with a message saying which rank failed and why, rather than hang.
+-- Ctrl-C at mpirun's terminal reaches rank 0 as input (it turns the
+-- terminal's signal keys off while the REPL runs, and a guard process turns
+-- them back on should rank 0 die), which interrupts the chunk on every rank
+-- or drops the line being typed; Ctrl-\ ends the job. No line editing or
+-- Tab there: mpirun, not rank 0, reads the terminal.
 
 local ffi = require "ffi"
 
@@ -54,6 +59,9 @@ local launcher = pcall(function()
     void fsdp_repl_chunk_begin(long long chunk);
     int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, char **out, int64_t *out_n);
     int64_t fsdp_repl_rejoin(double timeout_s);
+    int fsdp_repl_tty_begin(void);
+    void fsdp_repl_tty_end(void);
+    char *fsdp_repl_tty_readline(const char *prompt, int *interrupted);
     void fsdp_repl_ctl_barrier(void);
   ]]
   return ffi.C.fsdp_repl_ctl_start
@@ -427,6 +435,7 @@ local function end_job(rank, failed, gave_up)
       #failed > 0 and table.concat(failed, ",") or "?", gave_up or "?"))
     io.stdout:flush()
     io.stderr:flush()
+    launcher.fsdp_repl_tty_end()   -- the terminal as it was (else the guard does it)
   end
   launcher.fsdp_repl_ctl_barrier()
   if rank ~= 0 then ffi.C.sleep(5) end
@@ -456,7 +465,22 @@ function M.run(opts)
 
   local read, remember, close = make_reader(tty and (world == 1))
   local prompt_only = tty and world > 1   -- prompts, but no readline: mpirun owns the terminal
-  if prompt_only then
+  -- Ctrl-C across ranks: rank 0 takes it from the terminal (launcher/main.c)
+  local tty_keys = prompt_only and launcher.fsdp_repl_tty_begin() == 1
+  if tty_keys then
+    local flag = ffi.new("int[1]")
+    read = function(prompt)
+      local p = launcher.fsdp_repl_tty_readline(prompt, flag)
+      if p == nil then return nil end
+      local s = ffi.string(p)
+      launcher.fsdp_repl_free(p)
+      if flag[0] ~= 0 then
+        io.stdout:write("\n")   -- the terminal echoed ^C
+        return s, "interrupted"
+      end
+      return s
+    end
+  elseif prompt_only then
     read = function(prompt)
       io.stdout:write(prompt)
       io.stdout:flush()
@@ -466,13 +490,17 @@ function M.run(opts)
   local use_rl = tty and world == 1 and rl ~= nil
   if use_rl then install_completer() end
   if tty then
-    print(string.format("fsdp-lua %s on %s%s; `fsdp` is loaded. help(f), Tab, Ctrl-C; exit() or Ctrl-D leaves.",
+    print(string.format("fsdp-lua %s on %s%s; `fsdp` is loaded. help(f), %sCtrl-C; exit() or Ctrl-D leaves.",
                         fsdp.version(), jit and jit.version or _VERSION,
-                        world > 1 and string.format(", %d ranks", world) or ""))
+                        world > 1 and string.format(", %d ranks", world) or "", use_rl and "Tab, " or ""))
   end
   local sigint = launcher and launcher.fsdp_repl_sigint or function() return 0 end
   -- while reading: readline clears the line; plain reads just go on
   local reading_mode = use_rl and SIGINT_READING or (tty and 3 or SIGINT_DEFAULT)
+  -- Across ranks a SIGINT may come from the listener (rank 0's Ctrl-C) just
+  -- after a chunk ended: between chunks it must not end the process.
+  local idle_mode = world > 1 and 3 or SIGINT_DEFAULT
+  if world > 1 then reading_mode = 3 end
 
   -- Rank 0: the next complete chunk, or nil at the end of input.
   local function read_chunk()
@@ -523,7 +551,8 @@ function M.run(opts)
     local res
     if f then res = pack_results(xpcall(f, handler, pack_results))
     else res = pack_results(false, err) end
-    sigint(SIGINT_DEFAULT)
+    -- the terminal echoed the ^C that stopped the chunk: a line of its own
+    if sigint(idle_mode) == 1 and tty_keys then io.stdout:write("\n") end
     if world == 1 then
       done = report(unpack(res, 1, res.n))
     else
@@ -561,9 +590,10 @@ function M.run(opts)
       end
     end
   end
-  sigint(SIGINT_DEFAULT)
   close()
+  if tty_keys then launcher.fsdp_repl_tty_end() end
   if world > 1 then launcher.fsdp_repl_ctl_stop() end
+  sigint(SIGINT_DEFAULT)
   if exit_code and exit_code ~= 0 and exit_code ~= true then os.exit(exit_code) end
 end
 

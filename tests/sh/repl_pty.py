@@ -4,13 +4,16 @@
 
 SCRIPT holds one step a line: `send TEXT` (Python escapes: \\n, \\t, \\x03),
 `expect TEXT` (waits for TEXT in the output since the last expect), `sleep S`,
-`wait RC` (the command ends with exit status RC). Prints STEP_OK n for each
+`wait RC` (the command ends with exit status RC; `wait nonzero`: any but 0),
+`isig on|off` (the terminal's signal keys are on or off: within 5 s, since
+a guard process may restore them just after the command). Prints STEP_OK n for each
 step that passed and stops at the first that fails, printing what came.
 """
 import os
 import pty
 import select
 import sys
+import termios
 import time
 
 args = sys.argv[1:]
@@ -71,8 +74,17 @@ for n, step in enumerate(steps, 1):
                 fail("step %d (%s): still running" % (n, step))
             pump(0.2)
         rc = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-        if rc != int(arg):
+        if (rc == 0) if arg == "nonzero" else (rc != int(arg)):
             fail("step %d (%s): exit status %d" % (n, step, rc))
+    elif op == "isig":
+        end = time.time() + 5
+        while True:
+            on = bool(termios.tcgetattr(master)[3] & termios.ISIG)
+            if on == (arg == "on"):
+                break
+            if time.time() > end:
+                fail("step %d (%s): ISIG is %s" % (n, step, "on" if on else "off"))
+            pump(0.1)
     else:
         fail("step %d: unknown op %r" % (n, op))
     print("STEP_OK %d %s" % (n, step))

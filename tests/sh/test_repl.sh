@@ -268,8 +268,33 @@ expect fsdp>
 send fsdp.distributed.sum(fsdp.rank() + 1)\n
 expect 3
 expect fsdp> 
+# Ctrl-C: mpirun would end the job on SIGINT, so rank 0 takes the key from
+# the terminal while the REPL runs; it stops a chunk on every rank, even
+# one where the other rank waits in a collective, and drops a typed line
+isig off
+send io.write("loop", "ing", fsdp.rank(), "\\n") io.flush() while true do end\n
+expect looping1
+sleep 0.3
+send \x03
+expect [all ranks] interrupted
+expect fsdp> 
+send if fsdp.rank() == 0 then io.write("spin", "ning\\n") io.flush() while true do end end fsdp.distributed.barrier()\n
+expect spinning
+sleep 0.3
+send \x03
+expect [rank 0] interrupted
+expect fsdp> 
+send abc def
+expect abc def
+sleep 0.2
+send \x03
+expect fsdp> 
+send fsdp.distributed.sum(fsdp.rank() + 20)\n
+expect 41
+expect fsdp> 
 send \x04
 wait 0
+isig on
 EOF
   out=$(FSDP_NUM_THREADS=1 timeout 200 "$PY" tests/sh/repl_pty.py "$TMP/two.steps" -- \
         "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
@@ -288,6 +313,28 @@ EOF
   out=$(printf 'x = =\n' | FSDP_REPL_REJOIN_SECONDS=soon FSDP_NUM_THREADS=1 timeout 120 "$MPIRUN" \
         --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
   has "FSDP_REPL_REJOIN_SECONDS checked" "$out" "FSDP_REPL_REJOIN_SECONDS=soon: expected a number of seconds >= 0"
+
+  # the terminal comes back as it was when rank 0 dies, and Ctrl-\ ends the job
+  cat > "$TMP/kill.steps" <<'EOF'
+expect fsdp> 
+isig off
+send if fsdp.rank() == 0 then os.execute("kill -9 $PPID") end\n
+wait nonzero
+isig on
+EOF
+  out=$(FSDP_NUM_THREADS=1 timeout 120 "$PY" tests/sh/repl_pty.py "$TMP/kill.steps" -- \
+        "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  has "pty, 2 ranks: rank 0 killed, the terminal restored" "$out" "ALL_OK"
+  cat > "$TMP/quit.steps" <<'EOF'
+expect fsdp> 
+send \x1c
+expect ending the job
+wait nonzero
+isig on
+EOF
+  out=$(FSDP_NUM_THREADS=1 timeout 120 "$PY" tests/sh/repl_pty.py "$TMP/quit.steps" -- \
+        "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  has "pty, 2 ranks: Ctrl-\\ ends the job" "$out" "ALL_OK"
 
   # through a pipe: the example that used to hang
   out=$(printf 'nn = require "fsdp.nn"\nm = nn.Linear(4,4)\ns = fsdp.shard(m)\nprint("sharded")\n' |
