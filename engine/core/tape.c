@@ -183,6 +183,9 @@ fsdp_tensor *node_grad_out(fsdp_node *node, int i) { return node->out[i]->bgrad;
 
 bool node_needs_grad(fsdp_node *node, int i) { return node->in[i] && node->in[i]->requires_grad; }
 
+/* Elements per f32 staging chunk of a gradient accumulation (4 MiB). */
+#define ADD_STAGE_ELEMS ((int64_t)1 << 20)
+
 /* acc += g, where acc is contiguous and g has acc's shape. */
 static fsdp_status add_into(fsdp_tensor *acc, fsdp_tensor *g) {
     int64_t n = tensor_numel(acc);
@@ -197,15 +200,30 @@ static fsdp_status add_into(fsdp_tensor *acc, fsdp_tensor *g) {
         tensor_release(gc);
         return FSDP_OK;
     }
-    fsdp_tensor *a32, *g32;
-    FSDP_TRY(tensor_as_f32(&a32, acc));
-    fsdp_status st = tensor_as_f32(&g32, g);
-    if (st == FSDP_OK) {
-        KERNELS(a32)->axpy_f32(tensor_data(a32), tensor_data(g32), 1.0f, n);
-        st = fsdp_copy(acc, a32);
+    /* Staged through f32 a chunk at a time: widening the whole of both (a bf16
+     * embedding's gradient, say) would hold three copies of it at once. */
+    fsdp_tensor *gc;
+    FSDP_TRY(tensor_contiguous(&gc, g));
+    fsdp_status st = FSDP_OK;
+    const int64_t one = 1;
+    for (int64_t at = 0; at < n && st == FSDP_OK; at += ADD_STAGE_ELEMS) {
+        int64_t len = n - at < ADD_STAGE_ELEMS ? n - at : ADD_STAGE_ELEMS;
+        fsdp_tensor *av = tensor_view(acc, 1, &len, &one, acc->offset + at);
+        fsdp_tensor *gv = tensor_view(gc, 1, &len, &one, gc->offset + at);
+        fsdp_tensor *a32 = NULL, *g32 = NULL;
+        st = av && gv ? FSDP_OK : fsdp_set_error(FSDP_ERR_OOM, "backward: out of host memory for a view");
+        if (st == FSDP_OK) st = tensor_as_f32(&a32, av);
+        if (st == FSDP_OK) st = tensor_as_f32(&g32, gv);
+        if (st == FSDP_OK) {
+            KERNELS(a32)->axpy_f32(tensor_data(a32), tensor_data(g32), 1.0f, len);
+            st = fsdp_copy(av, a32);
+        }
+        tensor_release(a32);
         tensor_release(g32);
+        tensor_release(av);
+        tensor_release(gv);
     }
-    tensor_release(a32);
+    tensor_release(gc);
     return st;
 }
 
