@@ -178,6 +178,15 @@ typedef struct fsdp_device_kernels {
     void (*adamw_many_f32)(float *const *p, const float *const *g, float *const *m, float *const *v,
                            const int64_t *counts, const float *decay, const float *step_size,
                            const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps);
+    /* Gradients added where they are kept (a .grad that exists: an FSDP
+     * unit's gradient slice) instead of made and then added: sum_dim_bf16 and
+     * layernorm_backward_bf16 with out, dweight and dbias (either may be
+     * NULL) receiving old + sum, one rounding each. Optional (NULL: the op
+     * layer computes the gradient and adds it). */
+    void (*sum_dim_acc_bf16)(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+    void (*layernorm_backward_acc_bf16)(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                        const uint16_t *x, const uint16_t *weight, const float *mean,
+                                        const float *rstd, int64_t rows, int64_t cols);
 } fsdp_device_kernels;
 
 /* The table of a device, or NULL when it is not built or has no hardware. */

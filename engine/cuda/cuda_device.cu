@@ -210,6 +210,8 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .adamw_f32 = cuda_adamw_f32,
     .sgd_f32 = cuda_sgd_f32,
     .adamw_many_f32 = cuda_adamw_many_f32,
+    .sum_dim_acc_bf16 = cuda_sum_dim_acc_bf16,
+    .layernorm_backward_acc_bf16 = cuda_layernorm_backward_acc_bf16,
 };
 
 /* ---- start-up ---- */

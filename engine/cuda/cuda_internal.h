@@ -229,9 +229,9 @@ void *cuda_tmp_alloc(size_t nbytes);
 void cuda_tmp_free(void *ptr);
 
 /* out[i] = (float) sum_s partial[s * n + i], s in order (cuda_reduce.cu);
- * bf16: rounded once more, to bf16. */
-void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n);
-void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64_t n);
+ * bf16: rounded once more, to bf16; acc: out[i] += that sum instead. */
+void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n, int acc = 0);
+void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64_t n, int acc = 0);
 
 #define CUDA_THREADS 256
 
@@ -344,6 +344,7 @@ void cuda_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, i
 double cuda_sum_all_f32(const float *in, int64_t n);
 double cuda_sumsq_f32(const float *in, int64_t n);
 void cuda_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+void cuda_sum_dim_acc_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
 double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n);
 /* cuda_nn.cu */
 void cuda_gelu_forward_f32(float *out, const float *x, int64_t n);
@@ -373,6 +374,9 @@ void cuda_log_softmax_forward_bf16(uint16_t *out, const uint16_t *x, int64_t row
 void cuda_log_softmax_backward_bf16(uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, int64_t cols);
 void cuda_layernorm_forward_bf16(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
                                  const uint16_t *bias, int64_t rows, int64_t cols, float eps);
+void cuda_layernorm_backward_acc_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                      const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
+                                      int64_t rows, int64_t cols);
 void cuda_layernorm_backward_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
                                   const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
                                   int64_t rows, int64_t cols);

@@ -276,11 +276,31 @@ __global__ void norm_wgrad_kernel(double *pw, double *pb, const T *__restrict__ 
     }
 }
 
+/* dweight and dbias from their partials in one launch (either may be NULL):
+ * slices added in order, stored or (acc) added to what they hold */
+template <class T>
+__global__ void norm_wgrad_finish_kernel(T *dweight, T *dbias, const double *pw, const double *pb, int64_t slices,
+                                         int64_t cols, int acc) {
+    GRID_STRIDE(j, cols) {
+        if (dweight) {
+            double s = 0.0;
+            for (int64_t k = 0; k < slices; k++) s += pw[k * cols + j];
+            stf(dweight + j, acc ? (float)((double)ldf(dweight[j]) + s) : (float)s);
+        }
+        if (dbias) {
+            double s = 0.0;
+            for (int64_t k = 0; k < slices; k++) s += pb[k * cols + j];
+            stf(dbias + j, acc ? (float)((double)ldf(dbias[j]) + s) : (float)s);
+        }
+    }
+}
+
 template <class T>
 static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, const float *mean, const float *rstd,
-                              int64_t rows, int64_t cols) {
+                              int64_t rows, int64_t cols, int acc = 0) {
     if (!dweight && !dbias) return;
-    if (rows <= 0) {   /* empty sums */
+    if (rows <= 0) {   /* empty sums: 0, or nothing to add */
+        if (acc) return;
         if (dweight) CUDA_CHECK(cudaMemsetAsync(dweight, 0, (size_t)cols * sizeof(T), cuda_stream()));
         if (dbias) CUDA_CHECK(cudaMemsetAsync(dbias, 0, (size_t)cols * sizeof(T), cuda_stream()));
         return;
@@ -296,8 +316,9 @@ static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, c
                                                                                             rstd, rows, cols, tiles,
                                                                                             slice_len);
     CUDA_CHECK_LAUNCH();
-    if (dweight) cuda_sum_slices(dweight, pw, slices, cols);
-    if (dbias) cuda_sum_slices(dbias, pb, slices, cols);
+    LAUNCH(norm_wgrad_finish_kernel<T>, cuda_blocks(cols, CUDA_THREADS), CUDA_THREADS, 0)(dweight, dbias, pw, pb,
+                                                                                         slices, cols, acc);
+    CUDA_CHECK_LAUNCH();
     cuda_tmp_free(pw);
     cuda_tmp_free(pb);
 }
@@ -343,6 +364,20 @@ static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, c
     }
 NORM_ENTRIES(float, f32)
 NORM_ENTRIES(uint16_t, bf16)
+
+/* layernorm_backward_bf16 adding dweight and dbias into what they hold */
+void cuda_layernorm_backward_acc_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                      const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
+                                      int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    if (cols <= 0) return;
+    if (rows > 0) {
+        LAUNCH(norm_bwd_dx_kernel<uint16_t>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean,
+                                                                                          rstd, rows, cols, 0);
+        CUDA_CHECK_LAUNCH();
+    }
+    norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols, 1);
+}
 
 /* ---- embedding ---- */
 

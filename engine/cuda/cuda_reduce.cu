@@ -132,22 +132,30 @@ double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int 
 
 /* ---- partial sums over slices, added in slice order ---- */
 
-template <class T> __global__ void sum_slices_kernel(T *out, const double *partial, int64_t slices, int64_t n) {
+/* Stores a sum, or with acc adds it to what out holds (one rounding). */
+template <class T> __device__ __forceinline__ void put_sum(T *out, double s, int acc) {
+    stf(out, acc ? (float)((double)ldf(*out) + s) : (float)s);
+}
+
+template <class T>
+__global__ void sum_slices_kernel(T *out, const double *partial, int64_t slices, int64_t n, int acc) {
     GRID_STRIDE(i, n) {
         double s = 0.0;
         for (int64_t k = 0; k < slices; k++) s += partial[k * n + i];
-        stf(out + i, (float)s);
+        put_sum(out + i, s, acc);
     }
 }
 
-template <class T> static void sum_slices(T *out, const double *partial, int64_t slices, int64_t n) {
+template <class T> static void sum_slices(T *out, const double *partial, int64_t slices, int64_t n, int acc) {
     if (n <= 0) return;
-    LAUNCH(sum_slices_kernel<T>, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, partial, slices, n);
+    LAUNCH(sum_slices_kernel<T>, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(out, partial, slices, n, acc);
     CUDA_CHECK_LAUNCH();
 }
-void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n) { sum_slices(out, partial, slices, n); }
-void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64_t n) {
-    sum_slices(out, partial, slices, n);
+void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n, int acc) {
+    sum_slices(out, partial, slices, n, acc);
+}
+void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64_t n, int acc) {
+    sum_slices(out, partial, slices, n, acc);
 }
 
 /* ---- sum_dim: in (outer, red, inner) -> out (outer, inner) ----
@@ -157,29 +165,29 @@ void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64
  * bf16 in and out: the same sums in double, one rounding at the end. */
 
 /* inner == 1, short rows: a thread per output. */
-template <class T> __global__ void rowsum_thread_kernel(T *out, const T *in, int64_t outer, int64_t red) {
+template <class T> __global__ void rowsum_thread_kernel(T *out, const T *in, int64_t outer, int64_t red, int acc) {
     GRID_STRIDE(o, outer) {
         const T *row = in + o * red;   // (red)
         double s = 0.0;
         for (int64_t r = 0; r < red; r++) s += ldf(row[r]);
-        stf(out + o, (float)s);
+        put_sum(out + o, s, acc);
     }
 }
 
 /* inner == 1: a block per (slice, output row); grid = slices * outer. */
 template <class T>
 __global__ void rowsum_block_kernel(T *out, double *partial, const T *in, int64_t outer, int64_t red,
-                                    int64_t slice_len) {
+                                    int64_t slice_len, int acc) {
     __shared__ double scratch[32];
     int64_t o = blockIdx.x % outer, s = blockIdx.x / outer;
     int64_t r0 = s * slice_len, r1 = cuda_min64(r0 + slice_len, red);
     const T *row = in + o * red;   // (red)
-    double acc = 0.0;
-    for (int64_t r = r0 + threadIdx.x; r < r1; r += blockDim.x) acc += ldf(row[r]);
-    acc = block_sum_d(acc, scratch);
+    double acc_sum = 0.0;
+    for (int64_t r = r0 + threadIdx.x; r < r1; r += blockDim.x) acc_sum += ldf(row[r]);
+    acc_sum = block_sum_d(acc_sum, scratch);
     if (threadIdx.x == 0) {
-        if (partial) partial[s * outer + o] = acc;
-        else stf(out + o, (float)acc);
+        if (partial) partial[s * outer + o] = acc_sum;
+        else put_sum(out + o, acc_sum, acc);
     }
 }
 
@@ -191,34 +199,35 @@ __global__ void rowsum_block_kernel(T *out, double *partial, const T *in, int64_
 
 template <class T>
 __global__ void colsum_kernel(T *out, double *partial, const T *in, int64_t outer, int64_t red, int64_t inner,
-                              int64_t tiles, int64_t slice_len) {
+                              int64_t tiles, int64_t slice_len, int acc) {
     __shared__ double part[COL_LANES][COL_TILE];
     int64_t t = blockIdx.x % tiles, rest = blockIdx.x / tiles;
     int64_t o = rest % outer, s = rest / outer;
     int64_t j = t * COL_TILE + threadIdx.x;
     int64_t r0 = s * slice_len, r1 = cuda_min64(r0 + slice_len, red);
     const T *slab = in + o * red * inner;   // (red, inner)
-    double acc = 0.0;
+    double col = 0.0;
     if (j < inner)
-        for (int64_t r = r0 + threadIdx.y; r < r1; r += COL_LANES) acc += ldf(slab[r * inner + j]);
-    part[threadIdx.y][threadIdx.x] = acc;
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += COL_LANES) col += ldf(slab[r * inner + j]);
+    part[threadIdx.y][threadIdx.x] = col;
     __syncthreads();
     if (threadIdx.y == 0 && j < inner) {
         double sum = 0.0;
         for (int k = 0; k < COL_LANES; k++) sum += part[k][threadIdx.x];
         if (partial) partial[(s * outer + o) * inner + j] = sum;
-        else stf(out + o * inner + j, (float)sum);
+        else put_sum(out + o * inner + j, sum, acc);
     }
 }
 
-template <class T> static void sum_dim(T *out, const T *in, int64_t outer, int64_t red, int64_t inner) {
+/* acc: out += the sums (one rounding each) instead of out = the sums */
+template <class T> static void sum_dim(T *out, const T *in, int64_t outer, int64_t red, int64_t inner, int acc) {
     if (outer <= 0 || inner <= 0) return;
-    if (red <= 0) {
-        CUDA_CHECK(cudaMemsetAsync(out, 0, (size_t)(outer * inner) * sizeof(T), cuda_stream()));
+    if (red <= 0) {   /* empty sums: 0, or nothing to add */
+        if (!acc) CUDA_CHECK(cudaMemsetAsync(out, 0, (size_t)(outer * inner) * sizeof(T), cuda_stream()));
         return;
     }
     if (inner == 1 && red <= 64) {
-        LAUNCH(rowsum_thread_kernel<T>, cuda_blocks(outer, CUDA_THREADS), CUDA_THREADS, 0)(out, in, outer, red);
+        LAUNCH(rowsum_thread_kernel<T>, cuda_blocks(outer, CUDA_THREADS), CUDA_THREADS, 0)(out, in, outer, red, acc);
         CUDA_CHECK_LAUNCH();
         return;
     }
@@ -233,23 +242,29 @@ template <class T> static void sum_dim(T *out, const T *in, int64_t outer, int64
     int64_t blocks = slices * items;
     if (blocks >= ((int64_t)1 << 31)) cuda_fail(__func__, __FILE__, __LINE__, "sum_dim", "more than 2^31 blocks");
     if (inner == 1)
-        LAUNCH(rowsum_block_kernel<T>, (unsigned)blocks, CUDA_THREADS, 0)(out, partial, in, outer, red, slice_len);
+        LAUNCH(rowsum_block_kernel<T>, (unsigned)blocks, CUDA_THREADS, 0)(out, partial, in, outer, red, slice_len,
+                                                                          acc);
     else
         LAUNCH(colsum_kernel<T>, (unsigned)blocks, dim3(COL_TILE, COL_LANES), 0)(out, partial, in, outer, red, inner,
-                                                                                tiles, slice_len);
+                                                                                tiles, slice_len, acc);
     CUDA_CHECK_LAUNCH();
     if (partial) {
-        sum_slices(out, partial, slices, outer * inner);
+        sum_slices(out, partial, slices, outer * inner, acc);
         cuda_tmp_free(partial);
     }
 }
 
 void cuda_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner) {
     CUDA_ENTER();
-    sum_dim(out, in, outer, red, inner);
+    sum_dim(out, in, outer, red, inner, 0);
 }
 
 void cuda_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner) {
     CUDA_ENTER();
-    sum_dim(out, in, outer, red, inner);
+    sum_dim(out, in, outer, red, inner, 0);
+}
+
+void cuda_sum_dim_acc_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner) {
+    CUDA_ENTER();
+    sum_dim(out, in, outer, red, inner, 1);
 }

@@ -60,6 +60,35 @@ static int64_t nonempty(const int64_t *counts, int n) {
     return k;
 }
 
+/* GPU operations of engine/cuda's sum_dim (cuda_reduce.cu): one kernel, and
+ * a second that adds the slices when few outputs make it cut the reduced
+ * dim; a memset for an empty reduction (nothing when it accumulates). */
+static int64_t sum_dim_launches(int64_t outer, int64_t red, int64_t inner, int acc) {
+    if (outer <= 0 || inner <= 0) return 0;
+    if (red <= 0) return acc ? 0 : 1;
+    if (inner == 1 && red <= 64) return 1;
+    int64_t tiles = inner == 1 ? 1 : (inner + 31) / 32, items = outer * tiles, slices = 1;
+    if (items < 512 && red >= 512) {
+        slices = (512 + items - 1) / items;
+        if (slices > red / 256) slices = red / 256;
+    }
+    int64_t len = (red + slices - 1) / slices;
+    slices = (red + len - 1) / len;
+    return slices > 1 ? 2 : 1;
+}
+
+/* ... and of its norm backward (cuda_nn.cu): the dx kernel, then for the
+ * weight and bias gradients one partial-sums kernel (reading dout and x
+ * once more) and one that adds the slices of both. */
+static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight, const void *dbias, int acc) {
+    if (cols <= 0) return 0;
+    int64_t n = rows > 0;
+    int64_t grads = (dweight != NULL) + (dbias != NULL);
+    if (grads == 0) return n;
+    if (rows <= 0) return n + (acc ? 0 : grads);
+    return n + 2;
+}
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -104,7 +133,8 @@ static int64_t nonempty(const int64_t *counts, int n) {
     X(void, axpy_f32, "elementwise", (float *y, const float *x, float alpha, int64_t n), 2 * F32 * n, F32 * n,     \
       2 * n, 1, 0, )                                                                                               \
     X(void, sum_dim_f32, "reduce", (float *out, const float *in, int64_t outer, int64_t red, int64_t inner),       \
-      F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, 1, 0, )                                 \
+      F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, sum_dim_launches(outer, red, inner, 0),  \
+      0, )                                                                                                         \
     X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 3, 1, 0)                         \
     X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 3, 1, 0)                       \
     X(void, binary_bf16, "elementwise", (int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides,      \
@@ -118,7 +148,8 @@ static int64_t nonempty(const int64_t *counts, int n) {
     X(void, axpy_bf16, "elementwise", (uint16_t *y, const uint16_t *x, float alpha, int64_t n), 2 * BF16 * n,      \
       BF16 * n, 2 * n, 1, 0, )                                                                                     \
     X(void, sum_dim_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,               \
-      int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner, 1, 0, )               \
+      int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner,                       \
+      sum_dim_launches(outer, red, inner, 0), 0, )                                                                 \
     X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
       F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 2, 1, 0)                          \
     X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
@@ -157,30 +188,35 @@ static int64_t nonempty(const int64_t *counts, int n) {
       8 * rows * cols, 1, 0, )                                                                                     \
     X(void, layernorm_backward_f32, "norm", (float *dx, float *dweight, float *dbias, const float *dout,          \
       const float *x, const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t cols),     \
-      F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows),                                                \
-      F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols, 1, 0, )           \
+      F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows) + (dweight || dbias) * F32 * 2 * rows * cols,    \
+      F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                   \
+      norm_bwd_launches(rows, cols, dweight, dbias, 0), 0, )                                                       \
     X(void, rmsnorm_forward_f32, "norm", (float *out, float *rstd, const float *x, const float *weight,           \
       int64_t rows, int64_t cols, float eps), F32 * (rows * cols + (weight != NULL) * cols),                       \
       F32 * (rows * cols + rows), 5 * rows * cols, 1, 0, )                                                         \
     X(void, rmsnorm_backward_f32, "norm", (float *dx, float *dweight, const float *dout, const float *x,          \
       const float *weight, const float *rstd, int64_t rows, int64_t cols),                                         \
-      F32 * (2 * rows * cols + (weight != NULL) * cols + rows), F32 * (rows * cols + (dweight != NULL) * cols),    \
-      8 * rows * cols, 1, 0, )                                                                                     \
+      F32 * (2 * rows * cols + (weight != NULL) * cols + rows) + (dweight != NULL) * F32 * 2 * rows * cols,        \
+      F32 * (rows * cols + (dweight != NULL) * cols), 8 * rows * cols,                                             \
+      norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
     X(void, layernorm_forward_bf16, "norm", (uint16_t *out, float *mean, float *rstd, const uint16_t *x,         \
       const uint16_t *weight, const uint16_t *bias, int64_t rows, int64_t cols, float eps),                        \
       BF16 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), BF16 * rows * cols + F32 * 2 * rows, \
       8 * rows * cols, 1, 0, )                                                                                     \
     X(void, layernorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,                 \
       const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
-      int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows,            \
-      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols, 1, 0, )          \
+      int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
+      (dweight || dbias) * BF16 * 2 * rows * cols,                                                                 \
+      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                  \
+      norm_bwd_launches(rows, cols, dweight, dbias, 0), 0, )                                                       \
     X(void, rmsnorm_forward_bf16, "norm", (uint16_t *out, float *rstd, const uint16_t *x, const uint16_t *weight, \
       int64_t rows, int64_t cols, float eps), BF16 * (rows * cols + (weight != NULL) * cols),                      \
       BF16 * rows * cols + F32 * rows, 5 * rows * cols, 1, 0, )                                                    \
     X(void, rmsnorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, const uint16_t *dout,              \
       const uint16_t *x, const uint16_t *weight, const float *rstd, int64_t rows, int64_t cols),                  \
-      BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows,                                             \
-      BF16 * (rows * cols + (dweight != NULL) * cols), 8 * rows * cols, 1, 0, )                                    \
+      BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows + (dweight != NULL) * BF16 * 2 * rows * cols, \
+      BF16 * (rows * cols + (dweight != NULL) * cols), 8 * rows * cols,                                            \
+      norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
     X(void, embedding_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n, const float *table,   \
       int64_t dim), 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                               \
     X(void, embedding_backward_f32, "embedding", (float *dtable, int64_t vocab, const int64_t *ids, int64_t n,    \
@@ -257,7 +293,16 @@ static int64_t nonempty(const int64_t *counts, int n) {
     X(void, adamw_many_f32, "optimizer", (float *const *p, const float *const *g, float *const *m,               \
       float *const *v, const int64_t *counts, const float *decay, const float *step_size,                         \
       const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps), 4 * F32 * sum_counts(counts, n),    \
-      3 * F32 * sum_counts(counts, n), 12 * sum_counts(counts, n), (nonempty(counts, n) + 63) / 64, 0, )
+      3 * F32 * sum_counts(counts, n), 12 * sum_counts(counts, n), (nonempty(counts, n) + 63) / 64, 0, )            \
+    X(void, sum_dim_acc_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,           \
+      int64_t inner), BF16 * (outer * red * inner + outer * inner), BF16 * outer * inner, outer * red * inner,     \
+      sum_dim_launches(outer, red, inner, 1), 0, )                                                                 \
+    X(void, layernorm_backward_acc_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,             \
+      const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
+      int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
+      (dweight || dbias) * BF16 * 2 * rows * cols + BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,           \
+      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                  \
+      norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )
 
 /* ---- counters ---- */
 

@@ -57,6 +57,41 @@ fsdp_status sum_to_shape(fsdp_tensor **out, fsdp_tensor *g, int ndim, const int6
     return FSDP_OK;
 }
 
+/* Adds the sum of t (bf16, contiguous) onto the shape of node input i
+ * straight into the .grad input i has, in one pass of the device's
+ * sum_dim_acc_bf16, when that .grad exists and the summed dims are one run
+ * (a bias gradient: (B, T, C) onto (C)). Sets *done when it did; otherwise
+ * the caller sums and gives the gradient as usual. */
+static fsdp_status sum_into_grad(fsdp_node *node, int i, fsdp_tensor *t, bool *done) {
+    *done = false;
+    const fsdp_tensor *in = node->in[i];
+    fsdp_tensor *acc = node_grad_accumulator(node, i, FSDP_BF16);
+    if (!acc || t->dtype != FSDP_BF16 || !tensor_is_contiguous(t) || !KERNELS(acc)->sum_dim_acc_bf16) return FSDP_OK;
+    int nd = t->ndim, lead = nd - in->ndim, first = -1, last = -1;
+    for (int k = 0; k < nd; k++) {
+        bool r = k < lead || (in->shape[k - lead] == 1 && t->shape[k] != 1);
+        if (!r || t->shape[k] == 1) continue;
+        if (first >= 0 && last != k - 1) {   /* a second run: not one pass */
+            bool gap_of_ones = true;
+            for (int j = last + 1; j < k; j++) gap_of_ones &= t->shape[j] == 1;
+            if (!gap_of_ones) return FSDP_OK;
+        }
+        if (first < 0) first = k;
+        last = k;
+    }
+    if (first < 0) return FSDP_OK;   /* nothing summed: an add of the same shape */
+    int64_t outer = 1, red = 1, inner = 1;
+    for (int k = 0; k < nd; k++) {
+        if (k < first) outer *= t->shape[k];
+        else if (k <= last) red *= t->shape[k];
+        else inner *= t->shape[k];
+    }
+    if (outer * inner != tensor_numel(acc)) return FSDP_OK;
+    KERNELS(acc)->sum_dim_acc_bf16(tensor_data(acc), tensor_data(t), outer, red, inner);
+    *done = true;
+    return FSDP_OK;
+}
+
 /* ---- broadcasting binary ops ---- */
 
 static const char *const binary_names[] = {"fsdp_add", "fsdp_sub", "fsdp_mul", "fsdp_div"};
@@ -148,7 +183,9 @@ static fsdp_status binary_backward(fsdp_node *node) {
             t1 = t2;
             t2 = NULL;
         }
-        st = sum_to_shape(&gb, t1, node->in[1]->ndim, node->in[1]->shape);
+        bool added = false;
+        if (native) st = sum_into_grad(node, 1, t1, &added);   /* a bias: summed into its .grad */
+        if (st == FSDP_OK && !added) st = sum_to_shape(&gb, t1, node->in[1]->ndim, node->in[1]->shape);
         tensor_release(t1);
         t1 = NULL;
         if (st != FSDP_OK) goto done;

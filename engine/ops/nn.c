@@ -264,10 +264,20 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
     fsdp_status st = stage(&x, node->in[0], native);
     if (st == FSDP_OK) st = stage(&w, node->in[1], native);
     if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
-    if (st == FSDP_OK) st = param_grad_buf(node, 1, dt, &dw);
-    if (st == FSDP_OK) st = param_grad_buf(node, 2, dt, &db);
+    /* weight and bias whose .grad exists (an FSDP unit's gradient slices):
+     * the kernel adds their gradients there, none is made and added */
+    fsdp_tensor *acc_w = native ? node_grad_accumulator(node, 1, FSDP_BF16) : NULL;
+    fsdp_tensor *acc_b = native ? node_grad_accumulator(node, 2, FSDP_BF16) : NULL;
+    bool in_place = native && KERNELS(node->in[0])->layernorm_backward_acc_bf16 &&
+                    (acc_w || !node_needs_grad(node, 1)) && (acc_b || !node_needs_grad(node, 2)) && (acc_w || acc_b);
+    if (st == FSDP_OK && !in_place) st = param_grad_buf(node, 1, dt, &dw);
+    if (st == FSDP_OK && !in_place) st = param_grad_buf(node, 2, dt, &db);
     void *w_ = w ? tensor_data(w) : NULL, *dw_ = dw ? tensor_data(dw) : NULL, *db_ = db ? tensor_data(db) : NULL;
-    if (st == FSDP_OK && native)
+    if (st == FSDP_OK && in_place)
+        KERNELS(dx)->layernorm_backward_acc_bf16(tensor_data(dx), acc_w ? tensor_data(acc_w) : NULL,
+                                                 acc_b ? tensor_data(acc_b) : NULL, tensor_data(dout), tensor_data(x),
+                                                 w_, f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);
+    else if (st == FSDP_OK && native)
         KERNELS(dx)->layernorm_backward_bf16(tensor_data(dx), dw_, db_, tensor_data(dout), tensor_data(x), w_,
                                              f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);
     else if (st == FSDP_OK)

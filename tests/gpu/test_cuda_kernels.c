@@ -622,7 +622,7 @@ static void test_norms(void) {
             float *dout = hrand(n, 1);
             float *dx_ = dupf(x, n), *dw = w ? dupf(w, cols) : NULL, *db = b ? dupf(b, cols) : NULL;
             float *ddout = dupf(dout, n);
-            char name[96], tag[64];
+            char name[160], tag[64];
             snprintf(tag, sizeof tag, "(%lld, %lld) %s", (long long)rows, (long long)cols,
                      affine == 0 ? "no affine" : affine == 1 ? "weight" : "weight+bias");
             /* layernorm */
@@ -941,6 +941,20 @@ static void test_bf16_elementwise(void) {
         snprintf(name, sizeof name, "sum_dim_bf16 (%lld, %lld, %lld)", (long long)outer, (long long)red,
                  (long long)inner);
         check_bound(name, back_bf16(dout, no), want, bound, no, ULP16);   /* |want| <= sum |x| */
+        /* accumulating: out holds a bf16 value first, gets old + sum (one rounding) */
+        test_check(G->sum_dim_acc_bf16 != NULL, "CUDA has sum_dim_acc_bf16");
+        if (G->sum_dim_acc_bf16) {
+            float *old = hrand16(no, 4), *want_acc = hnan(no);
+            for (int64_t k = 0; k < no; k++) {
+                want_acc[k] = old[k] + want[k];
+                bound[k] = abs_sum[k] + fabsf(old[k]) + 1e-30;
+            }
+            uint16_t *dacc = dup16(old, no);
+            G->sum_dim_acc_bf16(dacc, dx, outer, red, inner);
+            snprintf(name, sizeof name, "sum_dim_acc_bf16 (%lld, %lld, %lld)", (long long)outer, (long long)red,
+                     (long long)inner);
+            check_bound(name, back_bf16(dacc, no), want_acc, bound, no, ULP16);
+        }
         free_case();
     }
 }
@@ -1012,7 +1026,7 @@ static void test_bf16_nn(void) {
             uint16_t *gx = dup16(x, n), *gw = w ? dup16(w, cols) : NULL, *gb = b ? dup16(b, cols) : NULL;
             uint16_t *gd = dup16(dout, n);
             int want_w = affine >= 1, want_b = affine == 2;
-            char name[96], tag[64];
+            char name[160], tag[64];
             snprintf(tag, sizeof tag, "(%lld, %lld) %s", (long long)rows, (long long)cols,
                      affine == 0 ? "no affine" : affine == 1 ? "weight" : "weight+bias");
             float *y = hnan(n), *mean = hnan(rows), *rstd = hnan(rows);
@@ -1041,6 +1055,27 @@ static void test_bf16_nn(void) {
             if (want_b) {
                 snprintf(name, sizeof name, "layernorm_backward_bf16 dbias %s", tag);
                 check_f(name, back_bf16(gdb, cols), wdb, cols, ULP16, 1e-5, -1);
+            }
+            /* accumulating into gradients that hold bf16 values: old + the CPU's sums */
+            if (G->layernorm_backward_acc_bf16 && (want_w || want_b)) {
+                float *ow = hrand16(cols, 1), *ob = hrand16(cols, 1), *ww = hnan(cols), *wb = hnan(cols);
+                for (int64_t k = 0; k < cols; k++) {
+                    if (want_w) ww[k] = ow[k] + wdw[k];
+                    if (want_b) wb[k] = ob[k] + wdb[k];
+                }
+                uint16_t *adw = dup16(ow, cols), *adb = dup16(ob, cols), *adx = dnan16(n);
+                G->layernorm_backward_acc_bf16(adx, want_w ? adw : NULL, want_b ? adb : NULL, gd, gx, gw, cmean, crstd,
+                                               rows, cols);
+                snprintf(name, sizeof name, "layernorm_backward_acc_bf16 dx %s", tag);
+                check_f(name, back_bf16(adx, n), wdx, n, ULP16, 1e-5, sc);
+                if (want_w) {
+                    snprintf(name, sizeof name, "layernorm_backward_acc_bf16 dweight %s", tag);
+                    check_f(name, back_bf16(adw, cols), ww, cols, ULP16, 1e-5, -1);
+                }
+                if (want_b) {
+                    snprintf(name, sizeof name, "layernorm_backward_acc_bf16 dbias %s", tag);
+                    check_f(name, back_bf16(adb, cols), wb, cols, ULP16, 1e-5, -1);
+                }
             }
             if (affine < 2) {
                 float *ry = hnan(n), *rr = hnan(rows);

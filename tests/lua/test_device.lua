@@ -179,6 +179,21 @@ do
     return b:get_grad()
   end
   same(twice("cpu"):float(), twice("cuda"):float(), 0.5, "matmul weight gradient accumulated twice (bf16)")
+  -- a bias and a LayerNorm's weight and bias the same way (on CUDA summed
+  -- straight into the .grad they have from the first backward)
+  local function twice_bias_norm(dev)
+    local a = x:bf16():to(dev)
+    local bias = fsdp.randn(16, { seed = 23, device = "cpu" }):bf16():to(dev):detach():requires_grad(true)
+    local lw = fsdp.randn(16, { seed = 24, device = "cpu" }):bf16():to(dev):detach():requires_grad(true)
+    local lb = fsdp.randn(16, { seed = 25, device = "cpu" }):bf16():to(dev):detach():requires_grad(true)
+    for _ = 1, 2 do ((a + bias):layernorm(lw, lb, 1e-5):float() * a:float()):sum():backward() end
+    return bias:get_grad(), lw:get_grad(), lb:get_grad()
+  end
+  local cb, cw, cn = twice_bias_norm("cpu")
+  local gb_, gw_, gn_ = twice_bias_norm("cuda")
+  same(cb:float(), gb_:float(), 0.25, "bias gradient accumulated twice (bf16)")
+  same(cw:float(), gw_:float(), 0.25, "layernorm weight gradient accumulated twice (bf16)")
+  same(cn:float(), gn_:float(), 0.25, "layernorm bias gradient accumulated twice (bf16)")
   local xb = fsdp.randn(3, 5, 7, { seed = 21, device = "cpu" }):bf16()
   local wb = fsdp.randn(3, 7, 4, { seed = 22, device = "cpu" }):bf16()
   same(xb:matmul(wb):float(), xb:cuda():matmul(wb:cuda()):float(), 0.0625, "batched matmul (bf16)")

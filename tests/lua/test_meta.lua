@@ -154,6 +154,17 @@ if ok then
   e = counts_of(fwd_bwd)
   t.eq(e.axpy_bf16.calls, 0, "weight gradient accumulated by the GEMM: no add")
   t.eq(e.matmul_bf16.calls, 2, "bf16 matmul forward and the weight-gradient GEMM")
+  -- a bias and a LayerNorm's weight and bias: summed into their .grad
+  local bias = fsdp.randn(4, { seed = 6, device = "meta" }):cast("bf16"):requires_grad(true)
+  local lw = fsdp.randn(4, { seed = 7, device = "meta" }):cast("bf16"):requires_grad(true)
+  local lb = fsdp.randn(4, { seed = 8, device = "meta" }):cast("bf16"):requires_grad(true)
+  local h8 = fsdp.randn(8, 4, { seed = 9, device = "meta" }):cast("bf16")
+  local function fb2() (h8 + bias):layernorm(lw, lb, 1e-5):sum():backward() end
+  fb2()
+  e = counts_of(fb2)
+  t.eq(e.axpy_bf16.calls, 0, "bias and norm gradients added where they are kept: no add")
+  t.eq(e.sum_dim_acc_bf16.calls, 1, "the bias gradient summed into its .grad")
+  t.eq(e.layernorm_backward_acc_bf16.calls, 1, "the norm's gradients added into their .grad")
   -- indices host code gave: checked from their host range, no value read
   -- back; the loss mean and count stay on the device (no host sync at all)
   local tbl = fsdp.randn(11, 4, { seed = 3, device = "meta" }):cast("bf16")
