@@ -559,6 +559,14 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
             return FSDP_OK;
         }
     }
+    /* both contiguous, the same shape, different storages: one cast straight
+     * into dst (a shard of one cast into its unit's buffer, say) */
+    if (tensor_is_contiguous(dst) && tensor_is_contiguous(src) && src->storage != dst->storage &&
+        src->ndim == dst->ndim && memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim) == 0) {
+        if (tensor_numel(dst) > 0)
+            KERNELS(dst)->cast_any(tensor_data(dst), dst->dtype, tensor_data(src), src->dtype, tensor_numel(dst));
+        return FSDP_OK;
+    }
     /* convert first (src may alias dst only when dtypes match) */
     fsdp_tensor *c;
     FSDP_TRY(tensor_convert(&c, src, dst->dtype));

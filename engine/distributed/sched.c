@@ -183,8 +183,11 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
     fsdp_tensor *src = u->master;
     tensor_retain(src);
     fsdp_status r = FSDP_OK;
-    /* cast where the master is: half the bytes to move when offloaded */
-    if (s->compute_dtype != FSDP_F32) r = convert_to(&src, s->compute_dtype, -1);
+    /* cast where the master is: half the bytes to move when offloaded; a
+     * shard group of one beside its master casts straight into the full
+     * buffer below (fsdp_copy: one kernel, no staged copy) */
+    bool cast_in_copy = s->local_one && s->shard_device == s->device;
+    if (s->compute_dtype != FSDP_F32 && !cast_in_copy) r = convert_to(&src, s->compute_dtype, -1);
     if (r == FSDP_OK && s->shard_device != s->device) r = convert_to(&src, -1, s->device);
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
