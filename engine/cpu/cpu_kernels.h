@@ -30,6 +30,25 @@ void cpu_cast_bf16_to_f32(float *out, const uint16_t *in, int64_t n);
 /* Any dtype to any dtype (fsdp_dtype codes), element by element. */
 void cpu_cast_any(void *out, int out_dtype, const void *in, int in_dtype, int64_t n);
 
+/* One kernel body for f32 and bf16 buffers: element j of p, widened to f32
+ * as it is loaded (cpu_ld) or rounded once as it is stored (cpu_st), and p
+ * advanced by off elements (cpu_at). A body written with these and inlined
+ * with bf16 a constant compiles to a plain loop for each type. */
+#define CPU_INLINE static inline __attribute__((always_inline))
+CPU_INLINE float cpu_ld(const void *p, int64_t j, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[j]) : ((const float *)p)[j];
+}
+CPU_INLINE void cpu_st(void *p, int64_t j, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[j] = f32_to_bf16(v);
+    else ((float *)p)[j] = v;
+}
+CPU_INLINE const void *cpu_at(const void *p, int64_t off, int bf16) {
+    return bf16 ? (const void *)((const uint16_t *)p + off) : (const void *)((const float *)p + off);
+}
+CPU_INLINE void *cpu_at_w(void *p, int64_t off, int bf16) {
+    return bf16 ? (void *)((uint16_t *)p + off) : (void *)((float *)p + off);
+}
+
 /* ---- copy and fill (copy.c) ---- */
 /* dst[i] = src[i] over shape, both strided (elements), elem_size bytes each.
  * Fast path when both are contiguous. */

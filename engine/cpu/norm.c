@@ -1,41 +1,54 @@
-/* norm.c: layernorm and RMSNorm over the last dim of (rows, cols).
+/* norm.c: layernorm and RMSNorm over the last dim of (rows, cols), on f32 or
+ * bf16 tensors.
  *
  * Row statistics accumulate in double. The weight and bias gradients are sums
  * over rows; rather than per-thread partials, threads split the columns, so
  * each column is summed by one thread in row order: the result is the same
- * for any thread count. */
+ * for any thread count.
+ *
+ * Each kernel has one body over the element type: cpu_ld() widens an element to
+ * f32 as it is loaded, cpu_st() rounds it once as it is stored (bf16: round to
+ * nearest even), and mean and rstd stay f32 for both (cpu_kernels.h). The
+ * bodies are inlined into an f32 and a bf16 entry with the type a constant,
+ * so each compiles to its own loop with no per-element test. */
 #include "cpu_kernels.h"
 #include <math.h>
 
 typedef struct {
-    float *out, *mean, *rstd;          /* forward outputs; backward: out = dx */
-    float *dweight, *dbias;
-    const float *x, *dout, *weight, *bias;
-    const float *mean_in, *rstd_in;    /* saved by forward */
-    int64_t cols;
+    void *out, *dweight, *dbias;         /* forward: out; backward: out = dx */
+    float *mean, *rstd;                  /* forward outputs */
+    const void *x, *dout, *weight, *bias;
+    const float *mean_in, *rstd_in;      /* saved by forward */
+    int64_t rows, cols;
     float eps;
+    int rms;                             /* weight gradient: xhat = x rstd (no mean) */
 } norm_ctx;
+
+enum { F32 = 0, BF16 = 1 };
 
 static int64_t row_grain(int64_t cols) { return cols >= 8192 ? 1 : 8192 / (cols > 0 ? cols : 1); }
 
 /* ---- layernorm: out = (x - mean) * rstd * w + b ---- */
 
-static void ln_fwd_range(void *p, int64_t begin, int64_t end) {
-    norm_ctx *c = p;
+CPU_INLINE void ln_fwd(norm_ctx *c, int64_t begin, int64_t end, int bf16) {
     int64_t C = c->cols;
+    const void *weight = c->weight, *bias = c->bias;
     for (int64_t r = begin; r < end; r++) {
-        const float *x = c->x + r * C;
-        float *out = c->out + r * C;
+        const void *x = cpu_at(c->x, r * C, bf16);
+        void *out = cpu_at_w(c->out, r * C, bf16);
         double sum = 0;
-        for (int64_t j = 0; j < C; j++) sum += x[j];
+        for (int64_t j = 0; j < C; j++) sum += cpu_ld(x, j, bf16);
         double m = sum / C, var = 0;
-        for (int64_t j = 0; j < C; j++) var += (x[j] - m) * (x[j] - m);   /* two passes: no cancellation */
+        for (int64_t j = 0; j < C; j++) {   /* two passes: no cancellation */
+            double d = cpu_ld(x, j, bf16) - m;
+            var += d * d;
+        }
         float mean = (float)m, rstd = (float)(1.0 / sqrt(var / C + c->eps));
         for (int64_t j = 0; j < C; j++) {
-            float y = (x[j] - mean) * rstd;
-            if (c->weight) y *= c->weight[j];
-            if (c->bias) y += c->bias[j];
-            out[j] = y;
+            float y = (cpu_ld(x, j, bf16) - mean) * rstd;
+            if (weight) y *= cpu_ld(weight, j, bf16);
+            if (bias) y += cpu_ld(bias, j, bf16);
+            cpu_st(out, j, y, bf16);
         }
         c->mean[r] = mean;
         c->rstd[r] = rstd;
@@ -44,94 +57,113 @@ static void ln_fwd_range(void *p, int64_t begin, int64_t end) {
 
 /* With xhat = (x - mean) rstd and g = dout * w:
  * dx = rstd (g - mean(g) - xhat mean(g xhat)) */
-static void ln_bwd_dx_range(void *p, int64_t begin, int64_t end) {
-    norm_ctx *c = p;
+CPU_INLINE void ln_bwd_dx(norm_ctx *c, int64_t begin, int64_t end, int bf16) {
     int64_t C = c->cols;
+    const void *weight = c->weight;
     for (int64_t r = begin; r < end; r++) {
-        const float *x = c->x + r * C, *dout = c->dout + r * C;
-        float *dx = c->out + r * C;
+        const void *x = cpu_at(c->x, r * C, bf16), *dout = cpu_at(c->dout, r * C, bf16);
+        void *dx = cpu_at_w(c->out, r * C, bf16);
         float mean = c->mean_in[r], rstd = c->rstd_in[r];
         double sg = 0, sgx = 0;
         for (int64_t j = 0; j < C; j++) {
-            float g = c->weight ? dout[j] * c->weight[j] : dout[j];
+            float g = weight ? cpu_ld(dout, j, bf16) * cpu_ld(weight, j, bf16) : cpu_ld(dout, j, bf16);
             sg += g;
-            sgx += g * ((x[j] - mean) * rstd);
+            sgx += g * ((cpu_ld(x, j, bf16) - mean) * rstd);
         }
         float mg = (float)(sg / C), mgx = (float)(sgx / C);
         for (int64_t j = 0; j < C; j++) {
-            float g = c->weight ? dout[j] * c->weight[j] : dout[j];
-            float xhat = (x[j] - mean) * rstd;
-            dx[j] = rstd * (g - mg - xhat * mgx);
+            float g = weight ? cpu_ld(dout, j, bf16) * cpu_ld(weight, j, bf16) : cpu_ld(dout, j, bf16);
+            float xhat = (cpu_ld(x, j, bf16) - mean) * rstd;
+            cpu_st(dx, j, rstd * (g - mg - xhat * mgx), bf16);
         }
     }
 }
 
 /* Columns [begin, end) of dweight = sum_r dout xhat and dbias = sum_r dout,
  * a block of columns at a time so the accumulators stay on the stack. */
-typedef struct {
-    norm_ctx *n;
-    int64_t rows;
-    int rms;   /* xhat = x rstd (no mean) */
-} col_ctx;
-
 #define COL_BLOCK 64
 
-static void wgrad_range(void *p, int64_t begin, int64_t end) {
-    col_ctx *cc = p;
-    norm_ctx *c = cc->n;
-    int64_t C = c->cols;
+CPU_INLINE void wgrad(norm_ctx *c, int64_t begin, int64_t end, int bf16) {
+    int64_t C = c->cols, rows = c->rows;
+    /* RMSNorm: xhat has no mean; a stride of 0 over one zero keeps the loop
+     * free of branches */
+    static const float zero = 0.0f;
+    const float *mean_in = c->rms ? &zero : c->mean_in, *rstd_in = c->rstd_in;
+    int64_t mean_step = c->rms ? 0 : 1;
+    void *dweight = c->dweight, *dbias = c->dbias;
     for (int64_t j0 = begin; j0 < end; j0 += COL_BLOCK) {
         int64_t w = end - j0 < COL_BLOCK ? end - j0 : COL_BLOCK;
         double accw[COL_BLOCK] = {0}, accb[COL_BLOCK] = {0};
-        for (int64_t r = 0; r < cc->rows; r++) {
-            const float *x = c->x + r * C + j0, *dout = c->dout + r * C + j0;
-            float mean = cc->rms ? 0.0f : c->mean_in[r], rstd = c->rstd_in[r];
+        for (int64_t r = 0; r < rows; r++) {
+            const void *x = cpu_at(c->x, r * C + j0, bf16), *dout = cpu_at(c->dout, r * C + j0, bf16);
+            float mean = mean_in[r * mean_step], rstd = rstd_in[r];
             for (int64_t j = 0; j < w; j++) {
-                accw[j] += dout[j] * ((x[j] - mean) * rstd);
-                accb[j] += dout[j];
+                accw[j] += cpu_ld(dout, j, bf16) * ((cpu_ld(x, j, bf16) - mean) * rstd);
+                accb[j] += cpu_ld(dout, j, bf16);
             }
         }
         for (int64_t j = 0; j < w; j++) {
-            if (c->dweight) c->dweight[j0 + j] = (float)accw[j];
-            if (c->dbias) c->dbias[j0 + j] = (float)accb[j];
+            if (dweight) cpu_st(dweight, j0 + j, (float)accw[j], bf16);
+            if (dbias) cpu_st(dbias, j0 + j, (float)accb[j], bf16);
         }
     }
 }
 
-static void weight_grads(norm_ctx *c, int64_t rows, int rms) {
-    if (!c->dweight && !c->dbias) return;
-    col_ctx cc = {c, rows, rms};
-    cpu_parallel_for(c->cols, COL_BLOCK, wgrad_range, &cc);
+static void ln_fwd_f32(void *p, int64_t b, int64_t e) { ln_fwd(p, b, e, F32); }
+static void ln_fwd_bf16(void *p, int64_t b, int64_t e) { ln_fwd(p, b, e, BF16); }
+static void ln_bwd_dx_f32(void *p, int64_t b, int64_t e) { ln_bwd_dx(p, b, e, F32); }
+static void ln_bwd_dx_bf16(void *p, int64_t b, int64_t e) { ln_bwd_dx(p, b, e, BF16); }
+static void wgrad_f32(void *p, int64_t b, int64_t e) { wgrad(p, b, e, F32); }
+static void wgrad_bf16(void *p, int64_t b, int64_t e) { wgrad(p, b, e, BF16); }
+
+static void layernorm_backward(norm_ctx *c, int bf16) {
+    cpu_parallel_for(c->rows, row_grain(c->cols), bf16 ? ln_bwd_dx_bf16 : ln_bwd_dx_f32, c);
+    if (c->dweight || c->dbias) cpu_parallel_for(c->cols, COL_BLOCK, bf16 ? wgrad_bf16 : wgrad_f32, c);
 }
 
 void cpu_layernorm_forward_f32(float *out, float *mean, float *rstd, const float *x,
                                const float *weight, const float *bias, int64_t rows, int64_t cols, float eps) {
     norm_ctx c = {.out = out, .mean = mean, .rstd = rstd, .x = x, .weight = weight, .bias = bias,
-                  .cols = cols, .eps = eps};
-    cpu_parallel_for(rows, row_grain(cols), ln_fwd_range, &c);
+                  .rows = rows, .cols = cols, .eps = eps};
+    cpu_parallel_for(rows, row_grain(cols), ln_fwd_f32, &c);
 }
 
 void cpu_layernorm_backward_f32(float *dx, float *dweight, float *dbias, const float *dout, const float *x,
                                 const float *weight, const float *mean, const float *rstd,
                                 int64_t rows, int64_t cols) {
     norm_ctx c = {.out = dx, .dweight = dweight, .dbias = dbias, .x = x, .dout = dout, .weight = weight,
-                  .mean_in = mean, .rstd_in = rstd, .cols = cols};
-    cpu_parallel_for(rows, row_grain(cols), ln_bwd_dx_range, &c);
-    weight_grads(&c, rows, 0);
+                  .mean_in = mean, .rstd_in = rstd, .rows = rows, .cols = cols};
+    layernorm_backward(&c, F32);
 }
 
-/* ---- RMSNorm: out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) ---- */
+void cpu_layernorm_forward_bf16(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
+                                const uint16_t *bias, int64_t rows, int64_t cols, float eps) {
+    norm_ctx c = {.out = out, .mean = mean, .rstd = rstd, .x = x, .weight = weight, .bias = bias,
+                  .rows = rows, .cols = cols, .eps = eps};
+    cpu_parallel_for(rows, row_grain(cols), ln_fwd_bf16, &c);
+}
+
+void cpu_layernorm_backward_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                 const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
+                                 int64_t rows, int64_t cols) {
+    norm_ctx c = {.out = dx, .dweight = dweight, .dbias = dbias, .x = x, .dout = dout, .weight = weight,
+                  .mean_in = mean, .rstd_in = rstd, .rows = rows, .cols = cols};
+    layernorm_backward(&c, BF16);
+}
+
+/* ---- RMSNorm (f32): out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) ---- */
 
 static void rms_fwd_range(void *p, int64_t begin, int64_t end) {
     norm_ctx *c = p;
     int64_t C = c->cols;
+    const float *weight = c->weight;
     for (int64_t r = begin; r < end; r++) {
-        const float *x = c->x + r * C;
-        float *out = c->out + r * C;
+        const float *x = (const float *)c->x + r * C;
+        float *out = (float *)c->out + r * C;
         double ss = 0;
         for (int64_t j = 0; j < C; j++) ss += (double)x[j] * x[j];
         float rstd = (float)(1.0 / sqrt(ss / C + c->eps));
-        for (int64_t j = 0; j < C; j++) out[j] = c->weight ? x[j] * rstd * c->weight[j] : x[j] * rstd;
+        for (int64_t j = 0; j < C; j++) out[j] = weight ? x[j] * rstd * weight[j] : x[j] * rstd;
         c->rstd[r] = rstd;
     }
 }
@@ -140,18 +172,19 @@ static void rms_fwd_range(void *p, int64_t begin, int64_t end) {
 static void rms_bwd_dx_range(void *p, int64_t begin, int64_t end) {
     norm_ctx *c = p;
     int64_t C = c->cols;
+    const float *weight = c->weight;
     for (int64_t r = begin; r < end; r++) {
-        const float *x = c->x + r * C, *dout = c->dout + r * C;
-        float *dx = c->out + r * C;
+        const float *x = (const float *)c->x + r * C, *dout = (const float *)c->dout + r * C;
+        float *dx = (float *)c->out + r * C;
         float rstd = c->rstd_in[r];
         double sgx = 0;
         for (int64_t j = 0; j < C; j++) {
-            float g = c->weight ? dout[j] * c->weight[j] : dout[j];
+            float g = weight ? dout[j] * weight[j] : dout[j];
             sgx += g * (x[j] * rstd);
         }
         float mgx = (float)(sgx / C);
         for (int64_t j = 0; j < C; j++) {
-            float g = c->weight ? dout[j] * c->weight[j] : dout[j];
+            float g = weight ? dout[j] * weight[j] : dout[j];
             dx[j] = rstd * (g - x[j] * rstd * mgx);
         }
     }
@@ -159,111 +192,14 @@ static void rms_bwd_dx_range(void *p, int64_t begin, int64_t end) {
 
 void cpu_rmsnorm_forward_f32(float *out, float *rstd, const float *x, const float *weight,
                              int64_t rows, int64_t cols, float eps) {
-    norm_ctx c = {.out = out, .rstd = rstd, .x = x, .weight = weight, .cols = cols, .eps = eps};
+    norm_ctx c = {.out = out, .rstd = rstd, .x = x, .weight = weight, .rows = rows, .cols = cols, .eps = eps};
     cpu_parallel_for(rows, row_grain(cols), rms_fwd_range, &c);
 }
 
 void cpu_rmsnorm_backward_f32(float *dx, float *dweight, const float *dout, const float *x,
                               const float *weight, const float *rstd, int64_t rows, int64_t cols) {
     norm_ctx c = {.out = dx, .dweight = dweight, .x = x, .dout = dout, .weight = weight,
-                  .rstd_in = rstd, .cols = cols};
+                  .rstd_in = rstd, .rows = rows, .cols = cols, .rms = 1};
     cpu_parallel_for(rows, row_grain(cols), rms_bwd_dx_range, &c);
-    weight_grads(&c, rows, 1);
-}
-
-/* ---- layernorm on bf16: the same math, each element widened as it is
- * loaded and rounded once as it is stored; mean and rstd stay f32 ---- */
-
-typedef struct {
-    uint16_t *out, *dweight, *dbias;
-    float *mean, *rstd;
-    const uint16_t *x, *dout, *weight, *bias;
-    const float *mean_in, *rstd_in;
-    int64_t cols, rows;
-    float eps;
-} norm16_ctx;
-
-#define LD(p, j) bf16_to_f32((p)[j])
-
-static void ln_fwd16_range(void *p, int64_t begin, int64_t end) {
-    norm16_ctx *c = p;
-    int64_t C = c->cols;
-    for (int64_t r = begin; r < end; r++) {
-        const uint16_t *x = c->x + r * C;
-        uint16_t *out = c->out + r * C;
-        double sum = 0;
-        for (int64_t j = 0; j < C; j++) sum += LD(x, j);
-        double m = sum / C, var = 0;
-        for (int64_t j = 0; j < C; j++) var += (LD(x, j) - m) * (LD(x, j) - m);
-        float mean = (float)m, rstd = (float)(1.0 / sqrt(var / C + c->eps));
-        for (int64_t j = 0; j < C; j++) {
-            float y = (LD(x, j) - mean) * rstd;
-            if (c->weight) y *= LD(c->weight, j);
-            if (c->bias) y += LD(c->bias, j);
-            out[j] = f32_to_bf16(y);
-        }
-        c->mean[r] = mean;
-        c->rstd[r] = rstd;
-    }
-}
-
-static void ln_bwd_dx16_range(void *p, int64_t begin, int64_t end) {
-    norm16_ctx *c = p;
-    int64_t C = c->cols;
-    for (int64_t r = begin; r < end; r++) {
-        const uint16_t *x = c->x + r * C, *dout = c->dout + r * C;
-        uint16_t *dx = c->out + r * C;
-        float mean = c->mean_in[r], rstd = c->rstd_in[r];
-        double sg = 0, sgx = 0;
-        for (int64_t j = 0; j < C; j++) {
-            float g = c->weight ? LD(dout, j) * LD(c->weight, j) : LD(dout, j);
-            sg += g;
-            sgx += g * ((LD(x, j) - mean) * rstd);
-        }
-        float mg = (float)(sg / C), mgx = (float)(sgx / C);
-        for (int64_t j = 0; j < C; j++) {
-            float g = c->weight ? LD(dout, j) * LD(c->weight, j) : LD(dout, j);
-            float xhat = (LD(x, j) - mean) * rstd;
-            dx[j] = f32_to_bf16(rstd * (g - mg - xhat * mgx));
-        }
-    }
-}
-
-static void wgrad16_range(void *p, int64_t begin, int64_t end) {
-    norm16_ctx *c = p;
-    int64_t C = c->cols;
-    for (int64_t j0 = begin; j0 < end; j0 += COL_BLOCK) {
-        int64_t w = end - j0 < COL_BLOCK ? end - j0 : COL_BLOCK;
-        double accw[COL_BLOCK] = {0}, accb[COL_BLOCK] = {0};
-        for (int64_t r = 0; r < c->rows; r++) {
-            const uint16_t *x = c->x + r * C + j0, *dout = c->dout + r * C + j0;
-            float mean = c->mean_in[r], rstd = c->rstd_in[r];
-            for (int64_t j = 0; j < w; j++) {
-                accw[j] += LD(dout, j) * ((LD(x, j) - mean) * rstd);
-                accb[j] += LD(dout, j);
-            }
-        }
-        for (int64_t j = 0; j < w; j++) {
-            if (c->dweight) c->dweight[j0 + j] = f32_to_bf16((float)accw[j]);
-            if (c->dbias) c->dbias[j0 + j] = f32_to_bf16((float)accb[j]);
-        }
-    }
-}
-
-#undef LD
-
-void cpu_layernorm_forward_bf16(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
-                                const uint16_t *bias, int64_t rows, int64_t cols, float eps) {
-    norm16_ctx c = {.out = out, .mean = mean, .rstd = rstd, .x = x, .weight = weight, .bias = bias,
-                    .cols = cols, .eps = eps};
-    cpu_parallel_for(rows, row_grain(cols), ln_fwd16_range, &c);
-}
-
-void cpu_layernorm_backward_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
-                                 const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
-                                 int64_t rows, int64_t cols) {
-    norm16_ctx c = {.out = dx, .dweight = dweight, .dbias = dbias, .x = x, .dout = dout, .weight = weight,
-                    .mean_in = mean, .rstd_in = rstd, .cols = cols, .rows = rows};
-    cpu_parallel_for(rows, row_grain(cols), ln_bwd_dx16_range, &c);
-    if (dweight || dbias) cpu_parallel_for(cols, COL_BLOCK, wgrad16_range, &c);
+    if (dweight) cpu_parallel_for(cols, COL_BLOCK, wgrad_f32, &c);
 }
