@@ -544,9 +544,9 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
                          fsdp_dtype_size(dst->dtype));
         return FSDP_OK;
     }
-    /* both contiguous, the same shape and apart: one pass, converting as it
-     * copies (an FSDP unit's bf16 compute copy of its f32 master, its f32
-     * gradient of the bf16 one) */
+    /* both contiguous, the same shape and apart in memory: one cast straight
+     * into dst, no staged copy (a shard group of one casting its f32 master
+     * into the unit's bf16 buffer, or its bf16 gradient into an f32 one) */
     bool same_shape = src->ndim == dst->ndim;
     for (int i = 0; same_shape && i < dst->ndim; i++) same_shape = src->shape[i] == dst->shape[i];
     if (same_shape && tensor_is_contiguous(src) && tensor_is_contiguous(dst)) {
@@ -558,14 +558,6 @@ fsdp_status fsdp_copy(fsdp_tensor *dst, fsdp_tensor *src) {
             KERNELS(dst)->cast_any(tensor_data(dst), dst->dtype, tensor_data(src), src->dtype, n);
             return FSDP_OK;
         }
-    }
-    /* both contiguous, the same shape, different storages: one cast straight
-     * into dst (a shard of one cast into its unit's buffer, say) */
-    if (tensor_is_contiguous(dst) && tensor_is_contiguous(src) && src->storage != dst->storage &&
-        src->ndim == dst->ndim && memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim) == 0) {
-        if (tensor_numel(dst) > 0)
-            KERNELS(dst)->cast_any(tensor_data(dst), dst->dtype, tensor_data(src), src->dtype, tensor_numel(dst));
-        return FSDP_OK;
     }
     /* convert first (src may alias dst only when dtypes match) */
     fsdp_tensor *c;
