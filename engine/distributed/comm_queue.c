@@ -550,6 +550,9 @@ static void *comm_thread_main(void *arg) {
 
         double tt0 = trace_now();
         run_work(w);
+        pthread_mutex_lock(&q_mu);
+        q_run = NULL;   /* ran: no longer pending for fsdp_comm_pending */
+        pthread_mutex_unlock(&q_mu);
         if (tt0 > 0)
             trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
                             tt0, trace_now());
@@ -571,9 +574,6 @@ static void *comm_thread_main(void *arg) {
         pthread_cond_broadcast(&w->cv);
         pthread_mutex_unlock(&w->mu);
         if (orphaned) drop_orphan(w);
-        pthread_mutex_lock(&q_mu);
-        q_run = NULL;
-        pthread_mutex_unlock(&q_mu);
         comm_work_unref(w);
         if (g_inflight) poll_inflight();
 
