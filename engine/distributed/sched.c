@@ -54,6 +54,8 @@ typedef struct unit {
     bool gathered;                 /* data allocated and its gather issued */
     fsdp_work *gather;             /* in flight, or NULL */
     fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
+    int *prefetch_list[2];         /* explicit prefetch when forward [0] / backward [1] starts, or NULL */
+    int n_prefetch[2];             /* their lengths; -1: the default (the last forward's order) */
     fsdp_row_slicer *slicer;       /* a sliced unit: read and reduced by slices (set on full's storage), or NULL */
 } unit;
 
@@ -131,6 +133,8 @@ static void unit_clear(unit *u) {
     tensor_release(u->flat_grad);
     free(u->numels);
     free(u->offsets);
+    free(u->prefetch_list[0]);
+    free(u->prefetch_list[1]);
 }
 
 static fsdp_status check_unit(const char *op, fsdp_sched *s, int k) {
@@ -233,7 +237,7 @@ static fsdp_status reshard(fsdp_sched *s, unit *u) {
  * and counts once. */
 static bool counts_alone(const unit *u) { return !(u->frozen && u->partner >= 0); }
 
-static fsdp_status prefetch(fsdp_sched *s, int k) {
+static fsdp_status prefetch_as(fsdp_sched *s, int k, bool limited) {
     if (k < 0 || k >= s->n_units) return FSDP_OK;
     unit *u = &s->units[k];
     if (!counts_alone(u)) u = &s->units[u->partner];
@@ -243,10 +247,22 @@ static fsdp_status prefetch(fsdp_sched *s, int k) {
         int transient = 0;
         for (int i = 0; i < s->n_units; i++)
             if (s->units[i].gathered && !s->units[i].keep && counts_alone(&s->units[i])) transient++;
-        if (transient >= s->limit) return FSDP_OK;
+        if (limited && transient >= s->limit) return FSDP_OK;
         FSDP_TRY(issue_gather(s, u));
     }
     return p ? issue_gather(s, p) : FSDP_OK;
+}
+
+static fsdp_status prefetch(fsdp_sched *s, int k) { return prefetch_as(s, k, true); }
+
+/* Unit k's explicit prefetch list for a phase (0 forward, 1 backward), if
+ * it has one: gathered in order, beyond the limit. *done says whether
+ * there was a list (then the default prefetch is skipped). */
+static fsdp_status prefetch_listed(fsdp_sched *s, int k, int phase, bool *done) {
+    unit *u = &s->units[k];
+    *done = u->n_prefetch[phase] >= 0;
+    for (int i = 0; i < u->n_prefetch[phase]; i++) FSDP_TRY(prefetch_as(s, u->prefetch_list[phase][i], false));
+    return FSDP_OK;
 }
 
 /* ---- backward markers ---- */
@@ -340,7 +356,9 @@ static fsdp_status before_backward(void *p) {
         }
         FSDP_TRY(link_grads(u));
     }
-    if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_PRE) {
+    bool listed;
+    FSDP_TRY(prefetch_listed(s, m->unit, 1, &listed));
+    if (!listed && s->backward_prefetch == FSDP_PREFETCH_BACKWARD_PRE) {
         int i = order_index(s->order, s->n_order, m->unit);
         if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1]));
     }
@@ -422,7 +440,7 @@ static fsdp_status after_backward(void *p) {
         u->flat_grad = NULL;
     }
     FSDP_TRY(reshard(s, u));
-    if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_POST) {
+    if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_POST && u->n_prefetch[1] < 0) {
         int i = order_index(s->order, s->n_order, m->unit);
         if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1]));
     }
@@ -689,6 +707,7 @@ static fsdp_status add_unit(fsdp_sched *s, const char *name, int n_params, const
     u->shard_off = s->shard_rank * u->shard_n;
     u->keep = keep != 0;
     u->partner = -1;
+    u->n_prefetch[0] = u->n_prefetch[1] = -1;   /* the default order */
     /* (the gradient shard comes on first use: a unit frozen next never has one) */
     fsdp_status st = tensor_new(&u->master, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, true);
     if (st == FSDP_OK && s->direct) {   /* the full buffer is the master shard (the whole unit) */
@@ -860,8 +879,10 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
     }
     FSDP_TRY(gather_now(s, u));
     trace_unit_push("forward", u->name);
-    /* forward prefetch: the unit that came after this one last time */
-    if (s->forward_prefetch) {
+    /* forward prefetch: the units listed for it, else the one that came after it last time */
+    bool listed;
+    FSDP_TRY(prefetch_listed(s, k, 0, &listed));
+    if (!listed && s->forward_prefetch) {
         int i = order_index(s->fwd_order, s->n_fwd_order, k);
         if (i >= 0 && i + 1 < s->n_fwd_order) FSDP_TRY(prefetch(s, s->fwd_order[i + 1]));
     }
@@ -896,6 +917,46 @@ fsdp_status fsdp_unit_unshard(fsdp_sched *s, int k) {
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_reshard", s, k));
     return reshard(s, &s->units[k]);
+}
+
+fsdp_status fsdp_unit_unshard_async(fsdp_sched *s, int k) {
+    FSDP_TRY(check_unit("fsdp_unit_unshard_async", s, k));
+    return issue_gather(s, &s->units[k]);
+}
+
+fsdp_status fsdp_unit_wait(fsdp_sched *s, int k) {
+    FSDP_TRY(check_unit("fsdp_unit_wait", s, k));
+    return wait_gather(s, &s->units[k]);
+}
+
+fsdp_status fsdp_unit_set_prefetch(fsdp_sched *s, int k, int backward, int n, const int *units) {
+    FSDP_TRY(check_unit("fsdp_unit_set_prefetch", s, k));
+    unit *u = &s->units[k];
+    const char *phase = backward ? "backward" : "forward";
+    if (backward != 0 && backward != 1)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s): phase %d (expected 0 forward, 1 "
+                              "backward)", u->name, backward);
+    if (n < -1 || (n > 0 && !units))
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s, %s): %d units%s", u->name, phase, n,
+                              n > 0 ? " but no list" : " (expected a count >= 0, or -1 for the default)");
+    for (int i = 0; i < n; i++) {
+        if (units[i] < 0 || units[i] >= s->n_units)
+            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s, %s): unit %d is not in the "
+                                  "schedule (it has %d units)", u->name, phase, units[i], s->n_units);
+        if (units[i] == k)
+            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s, %s): a unit cannot prefetch itself",
+                                  u->name, phase);
+    }
+    int *list = NULL;
+    if (n > 0) {
+        list = malloc((size_t)n * sizeof *list);
+        if (!list) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_unit_set_prefetch: out of host memory");
+        memcpy(list, units, (size_t)n * sizeof *list);
+    }
+    free(u->prefetch_list[backward]);
+    u->prefetch_list[backward] = list;
+    u->n_prefetch[backward] = n;
+    return FSDP_OK;
 }
 
 fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode) {

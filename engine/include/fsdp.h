@@ -573,6 +573,21 @@ fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode);
 /* Gather or free a unit outside the schedule (evaluation, export). */
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
+/* The gather of fsdp_unit_unshard, issued without waiting (FSDP2's
+ * unshard(async_op=True)): its all-gather runs while the caller computes;
+ * fsdp_unit_wait (or the unit's next forward, or fsdp_unit_unshard) waits
+ * for it. The unit stays gathered until its forward ends or
+ * fsdp_unit_reshard (a kept unit: until its backward). */
+fsdp_status fsdp_unit_unshard_async(fsdp_sched *s, int unit);
+fsdp_status fsdp_unit_wait(fsdp_sched *s, int unit);
+/* Explicit prefetch (FSDP2's set_modules_to_forward_prefetch and
+ * set_modules_to_backward_prefetch): when unit's forward (backward = 0) or
+ * backward (backward = 1) starts, the n units listed are gathered, in that
+ * order, instead of the next unit in the last forward's order; the gather
+ * limit does not apply to them (they were asked for). n = 0: none;
+ * n = -1: back to the default. A unit that is not in the schedule, or the
+ * unit itself, is an error. */
+fsdp_status fsdp_unit_set_prefetch(fsdp_sched *s, int unit, int backward, int n, const int *units);
 /* sync = 0: backward keeps accumulating full gradients locally (no
  * communication per micro-batch); the next backward with sync = 1 reduces
  * the sum. */

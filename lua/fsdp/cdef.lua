@@ -334,6 +334,11 @@ fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode);
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int unit);
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int unit);
 
+fsdp_status fsdp_unit_unshard_async(fsdp_sched *s, int unit);
+fsdp_status fsdp_unit_wait(fsdp_sched *s, int unit);
+
+fsdp_status fsdp_unit_set_prefetch(fsdp_sched *s, int unit, int backward, int n, const int *units);
+
 fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
 
 fsdp_status fsdp_sched_zero_grad(fsdp_sched *s);

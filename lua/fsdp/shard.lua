@@ -10,6 +10,8 @@
 --   local logits, loss = model(x, y)             -- the model is used as before
 --   loss:backward()                              -- gathers, reduce-scatters as it goes
 --   sharded:clip_grad_norm(1.0); opt:step(); sharded:zero_grad()
+--   sharded:set_prefetch("h.0", { forward = { "h.1", "h.2" } })   -- FSDP2's explicit prefetch lists
+--   local h = sharded:unshard("h.0", { async = true }); h:wait()  -- gather on request
 --
 -- A wrap policy picks the modules that become units; the root unit (the
 -- model) takes every parameter no other unit claimed. Each unit's parameters
@@ -418,6 +420,7 @@ function Sharded:_build(groups)
   end
   for _, u in ipairs(built.units) do self:_bind_views(u, sched) end
   for k, v in pairs(built) do self[k] = v end
+  if self.prefetch_lists then self:_apply_prefetch() end   -- (a rebuild after freezing keeps them)
 end
 
 -- Parameters frozen or unfrozen since the schedule was built (by
@@ -694,6 +697,123 @@ function Sharded:global_stats()
   local g = { gathered_bytes = vals[1], reduced_bytes = vals[2], wait_seconds = vals[3], peak = {} }
   for i, n in ipairs(names) do g.peak[n] = vals[3 + i] end
   return g
+end
+
+-- ---- FSDP2 controls: explicit prefetch, unshard on request ----
+
+-- Schedule indices of the unit named name ("root", or a wrapped module's
+-- path as sharded:describe() lists it): its trainable part, then its
+-- frozen one. An unknown name is an error naming the units there are.
+function Sharded:_unit_indices(name, what)
+  for _, g in ipairs(self.groups) do
+    if (g.path == "" and "root" or g.path) == name then return self.parts_of[g.module] end
+  end
+  local names = {}
+  for _, g in ipairs(self.groups) do names[#names + 1] = g.path == "" and "root" or g.path end
+  error(string.format("%s: no unit named '%s' (rank %d; the units are %s)", what, tostring(name), self.rank,
+    table.concat(names, ", ")), 3)
+end
+
+local phases = { forward = 0, backward = 1 }
+
+function Sharded:_apply_prefetch()
+  for name, spec in pairs(self.prefetch_lists) do
+    for phase, id in pairs(phases) do
+      local list = spec[phase]
+      local idx = self:_unit_indices(name, "sharded:set_prefetch")
+      local n, arr = -1, nil
+      if list then
+        local ids = {}
+        for _, other in ipairs(list) do ids[#ids + 1] = self:_unit_indices(other, "sharded:set_prefetch")[1] end
+        n, arr = #ids, ffi.new("int[?]", math.max(#ids, 1), ids)
+      end
+      for _, k in ipairs(idx) do
+        if C.fsdp_unit_set_prefetch(self.sched, k, id, n, arr) ~= 0 then raise() end
+      end
+    end
+  end
+end
+
+--- sharded:set_prefetch(unit, { forward = {units}, backward = {units} }):
+-- when unit's forward (backward) starts, the listed units are gathered, in
+-- that order, instead of the next one in the last forward's order (FSDP2's
+-- set_modules_to_forward_prefetch / set_modules_to_backward_prefetch), with
+-- no regard to the gather limit: prefetching two blocks ahead trades one
+-- more gathered block for an earlier start of its gather. Units are named
+-- as sharded:describe() lists them ("root", "h.0", ...). {} prefetches
+-- nothing; false restores the default; a phase left out stays as it was.
+-- Call it alike on every rank (an unknown unit is an error on every rank).
+local prefetch_option_names = { "forward", "backward" }
+function Sharded:set_prefetch(name, spec)
+  local what = "sharded:set_prefetch"
+  if type(spec) ~= "table" then error(what .. ": expected { forward = {units}, backward = {units} }, got "
+      .. type(spec), 2) end
+  options.check_keys(spec, prefetch_option_names, what, 2)
+  self:_unit_indices(name, what)
+  local cur = self.prefetch_lists and self.prefetch_lists[name] or {}
+  local new = { forward = cur.forward, backward = cur.backward }
+  for phase in pairs(phases) do
+    local list = spec[phase]
+    if list == false then
+      new[phase] = nil
+    elseif list ~= nil then
+      if type(list) ~= "table" then
+        error(string.format("%s: %s must be a list of unit names or false, got %s", what, phase, type(list)), 2)
+      end
+      local copy = {}
+      for i, other in ipairs(list) do
+        self:_unit_indices(other, what)
+        if other == name then error(string.format("%s: unit '%s' cannot prefetch itself (%s)", what, name, phase), 2) end
+        copy[i] = other
+      end
+      new[phase] = copy
+    end
+  end
+  self.prefetch_lists = self.prefetch_lists or {}
+  self.prefetch_lists[name] = new
+  self:_apply_prefetch()
+  return self
+end
+
+local Unshard = {}
+Unshard.__index = Unshard
+
+--- handle:wait(): until the gather is done (then the unit's parameters
+-- can be read); twice is fine.
+function Unshard:wait()
+  if self.waited then return end
+  self.waited = true
+  for _, k in ipairs(self.indices) do
+    if C.fsdp_unit_wait(self.sharded.sched, k) ~= 0 then raise() end
+  end
+end
+
+--- sharded:unshard(unit, { async = true }) -> handle: gathers the unit now
+-- (FSDP2's unshard()); with async the all-gather is only issued and runs
+-- while the caller goes on: handle:wait() (or the unit's forward) waits
+-- for it. The unit is freed again when its forward ends (the root and
+-- shard_grad_op's units: after their backward), or by sharded:reshard(unit).
+-- Collective over the shard group: call it alike on every rank.
+local unshard_option_names = { "async" }
+function Sharded:unshard(name, opts)
+  local what = "sharded:unshard"
+  opts = opts or {}
+  if type(opts) ~= "table" then error(what .. ": options must be a table { async = }, got " .. type(opts), 2) end
+  options.check_keys(opts, unshard_option_names, what, 2)
+  local idx = self:_unit_indices(name, what)
+  for _, k in ipairs(idx) do
+    if C.fsdp_unit_unshard_async(self.sched, k) ~= 0 then raise() end
+  end
+  local h = setmetatable({ sharded = self, indices = idx, waited = false }, Unshard)
+  if not opts.async then h:wait() end
+  return h
+end
+
+--- sharded:reshard(unit): frees the unit's gathered parameters.
+function Sharded:reshard(name)
+  for _, k in ipairs(self:_unit_indices(name, "sharded:reshard")) do
+    if C.fsdp_unit_reshard(self.sched, k) ~= 0 then raise() end
+  end
 end
 
 --- A one-line description of the units.

@@ -4,6 +4,7 @@
 --   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=shared      two units sharing one module
 --   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=disagree    rank 1 builds a wider model
 --   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=hybrid      group_size 2 on 3 ranks
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=prefetch    a prefetch list naming no unit
 -- Each rank catches its error, prints it, and the ranks count how many of
 -- them raised one (an all-reduce: a rank that did not raise would leave the
 -- others waiting, and the 60 s limit of expect_fail.sh would call it a
@@ -57,6 +58,12 @@ end
 -- hybrid sharding in groups of 2 cannot split 3 ranks
 function cases.hybrid()
   fsdp.shard(nn.GPT(cfg), { policy = fsdp.policy.per_block(), strategy = "hybrid_shard", group_size = 2 })
+end
+
+-- an explicit prefetch list naming a unit that does not exist
+function cases.prefetch()
+  local sharded = fsdp.shard(nn.GPT(cfg), { policy = fsdp.policy.per_block() })
+  sharded:set_prefetch("h.0", { forward = { "h.1", "h.2" } })
 end
 
 local fn = cases[opts.case]
