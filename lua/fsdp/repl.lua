@@ -576,16 +576,19 @@ function M.run(opts)
         if gave_up then end_job(rank, failed, gave_up) end
       elseif gave_up or #failed > 0 then
         if launcher.fsdp_repl_rejoin(rejoin_limit) < 0 then end_job(rank, failed, gave_up) end
-        -- The ranks' autograd tapes now differ (a forward ran on some ranks
-        -- only, or a backward stopped halfway), and the collectives of a
-        -- later backward would not match: every rank starts afresh.
-        local n = fsdp.autograd.tape_size()
-        if n > 0 then fsdp.tape_clear() end
-        n = fsdp.distributed.max(n)
-        if rank == 0 and n > 0 then
-          io.stdout:write("[all ranks] the autograd tape was cleared: after a chunk that failed on some ranks the "
-                          .. "ranks' tapes differ\n")
-          io.stdout:flush()
+        -- Unless every rank failed on its own, the ranks' autograd tapes now
+        -- differ (a forward ran on some ranks only, or a backward stopped
+        -- halfway), and the collectives of a later backward would not
+        -- match: every rank starts afresh.
+        if gave_up or #failed < world then
+          local n = fsdp.autograd.tape_size()
+          if n > 0 then fsdp.tape_clear() end
+          n = fsdp.distributed.max(n)
+          if rank == 0 and n > 0 then
+            io.stdout:write("[all ranks] the autograd tape was cleared: after a chunk that failed on some ranks "
+                            .. "the ranks' tapes differ\n")
+            io.stdout:flush()
+          end
         end
       end
     end
