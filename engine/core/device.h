@@ -158,6 +158,11 @@ typedef struct fsdp_device_kernels {
                                    int64_t V, int64_t valid_v, int64_t ignore_index);
     void (*cross_entropy_rows_bf16)(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+    /* the embedding's gradient for a bf16 table: dtable (vocab, dim)
+     * overwritten, each id's rows of dout summed in f32, rounded once.
+     * Optional (NULL: staged through f32). */
+    void (*embedding_backward_bf16)(uint16_t *dtable, int64_t vocab, const int64_t *ids, int64_t n,
+                                    const uint16_t *dout, int64_t dim);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);
@@ -187,6 +192,10 @@ typedef struct fsdp_device_kernels {
     void (*layernorm_backward_acc_bf16)(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
                                         const uint16_t *x, const uint16_t *weight, const float *mean,
                                         const float *rstd, int64_t rows, int64_t cols);
+    /* embedding_backward_bf16 added into dtable: only the rows of the ids
+     * are touched (old + each id's sum, one rounding) */
+    void (*embedding_backward_acc_bf16)(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
+                                        int64_t dim);
 } fsdp_device_kernels;
 
 /* The table of a device, or NULL when it is not built or has no hardware. */

@@ -130,6 +130,13 @@ void cpu_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const 
 /* dtable (V, dim) = scatter-add of dout rows at ids (dtable zeroed here first). */
 void cpu_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n,
                                 const float *dout, int64_t dim);
+/* bf16 tables: each id's rows of dout summed in f32 and added with one
+ * rounding per element; _acc adds into dtable as it is, the other
+ * overwrites all of it */
+void cpu_embedding_backward_bf16(uint16_t *dtable, int64_t vocab, const int64_t *ids, int64_t n,
+                                 const uint16_t *dout, int64_t dim);
+void cpu_embedding_backward_acc_bf16(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
+                                     int64_t dim);
 
 /* ---- cross-entropy (loss.c) ---- */
 /* logits (N, V), only the first valid_v columns count. Writes lse (N) and

@@ -204,6 +204,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .embedding_slice_backward_f32 = cuda_embedding_slice_backward_f32,
     .cross_entropy_rows_f32 = cuda_cross_entropy_rows_f32,
     .cross_entropy_rows_bf16 = cuda_cross_entropy_rows_bf16,
+    .embedding_backward_bf16 = nullptr,   /* none yet: the op layer stages through f32 */
     .init_normal_f32 = cuda_init_normal_f32,
     .init_uniform_f32 = cuda_init_uniform_f32,
     .dropout_f32 = cuda_dropout_f32,
@@ -212,6 +213,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .adamw_many_f32 = cuda_adamw_many_f32,
     .sum_dim_acc_bf16 = cuda_sum_dim_acc_bf16,
     .layernorm_backward_acc_bf16 = cuda_layernorm_backward_acc_bf16,
+    .embedding_backward_acc_bf16 = nullptr,
 };
 
 /* ---- start-up ---- */

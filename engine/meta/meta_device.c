@@ -239,6 +239,8 @@ static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight
     X(void, cross_entropy_rows_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,                  \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
       BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0, )                                                  \
+    X(void, embedding_backward_bf16, "embedding", (uint16_t *dtable, int64_t vocab, const int64_t *ids,         \
+      int64_t n, const uint16_t *dout, int64_t dim), 8 * n + 2 * BF16 * n * dim, BF16 * vocab * dim, n * dim, 2, 0, ) \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
       const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
       3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \
@@ -302,7 +304,9 @@ static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight
       int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
       (dweight || dbias) * BF16 * 2 * rows * cols + BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,           \
       BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                  \
-      norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )
+      norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )                                                       \
+    X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
+      const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )
 
 /* ---- counters ---- */
 

@@ -1,5 +1,6 @@
 /* test_kernels_bf16.c: the CPU's bf16-native kernels (the `<op>_bf16` table
- * entries: elementwise, GELU, LayerNorm, cross-entropy) against two
+ * entries: elementwise, GELU, LayerNorm, cross-entropy, the embedding's
+ * backward) against two
  * references, at awkward sizes, with 1 and 3 threads:
  *
  * 1. exactly the f32 kernel on the same (widened) inputs, rounded once to
@@ -18,6 +19,7 @@
 #include "ref_nn.h"
 #include "testutil.h"
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -209,6 +211,52 @@ static void test_cross_entropy(void) {
     }
 }
 
+/* The embedding's backward: ids that repeat (vocab smaller than n), a dim
+ * over one 256-column block, odd sizes. The dense kernel against the f32
+ * kernel rounded once and the double sum; the accumulating one against
+ * old + the double sum, rows of ids not present untouched. */
+static void test_embedding_backward(void) {
+    static const int64_t shp[][3] = {{1, 1, 1}, {11, 37, 5}, {50304, 9, 7}, {13, 40, 300}};   /* vocab, n, dim */
+    for (int s = 0; s < 4; s++) {
+        int64_t V = shp[s][0], n = shp[s][1], D = shp[s][2];
+        bvec dout = bvec_new(n * D, 2.0f), old = bvec_new(V * D, 1.0f);
+        int64_t *ids = xmalloc(n * sizeof(int64_t));
+        for (int64_t i = 0; i < n; i++) ids[i] = (int64_t)(test_rng_uniform(&rng) * V) % V;
+        if (n > 2) ids[n - 1] = ids[0];   /* at least one repeat */
+        uint16_t *got = xmalloc(V * D * 2);
+        float *f = xmalloc(V * D * sizeof(float));
+        double *want = xmalloc(V * D * sizeof(double));
+        for (int64_t k = 0; k < V * D; k++) want[k] = 0;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < D; j++) want[ids[i] * D + j] += dout.d[i * D + j];
+        cpu_embedding_backward_bf16(got, V, ids, n, dout.h, D);
+        cpu_embedding_backward_f32(f, V, ids, n, dout.f, D);
+        char name[96];
+        snprintf(name, sizeof name, "embedding backward %lldx%lld, %lld ids", (long long)V, (long long)D, (long long)n);
+        check(name, got, f, want, V * D, 1.0 / 256);
+        /* accumulating: old + sum, one rounding; other rows exactly as they were */
+        memcpy(got, old.h, V * D * 2);
+        cpu_embedding_backward_acc_bf16(got, ids, n, dout.h, D);
+        bool *hit = calloc((size_t)V, sizeof(bool));
+        for (int64_t i = 0; i < n; i++) hit[ids[i]] = true;
+        int64_t moved = 0;
+        for (int64_t k = 0; k < V * D; k++) {
+            moved += !hit[k / D] && got[k] != old.h[k];
+            want[k] += old.d[k];
+        }
+        test_check(moved == 0, "%s, accumulating: rows of absent ids untouched [threads %d] (%lld moved)", name,
+                   nthreads, (long long)moved);
+        float *g = xmalloc(V * D * sizeof(float));
+        cpu_cast_bf16_to_f32(g, got, V * D);
+        double maxabs = 0;
+        for (int64_t k = 0; k < V * D; k++) maxabs = fmax(maxabs, fabs(want[k]));
+        int64_t wrong = test_compare(name, g, want, V * D, RTOL_BF16 / 256 * maxabs, RTOL_BF16);
+        test_check(wrong == 0, "%s, accumulating: old + sum within one bf16 rounding [threads %d] (%lld out)", name,
+                   nthreads, (long long)wrong);
+        bvec_free(&dout); bvec_free(&old); free(ids); free(got); free(f); free(want); free(hit); free(g);
+    }
+}
+
 int main(void) {
     test_rng_seed(&rng, 1612);
     static const int thread_counts[] = {1, 3};
@@ -219,6 +267,7 @@ int main(void) {
         test_gelu();
         test_layernorm();
         test_cross_entropy();
+        test_embedding_backward();
     }
     return test_summary();
 }
