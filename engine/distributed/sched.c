@@ -54,6 +54,8 @@ typedef struct unit {
     bool gathered;                 /* data allocated and its gather issued */
     fsdp_work *gather;             /* in flight, or NULL */
     fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
+    fsdp_tensor *secondary;        /* (padded / G) compute dtype, tag param: this rank's part of the unit kept
+                                      from forward to backward for a gather within a group of G (hpZ), or NULL */
     int *prefetch_list[2];         /* explicit prefetch when forward [0] / backward [1] starts, or NULL */
     int n_prefetch[2];             /* their lengths; -1: the default (the last forward's order) */
     fsdp_row_slicer *slicer;       /* a sliced unit: read and reduced by slices (set on full's storage), or NULL */
@@ -68,6 +70,8 @@ typedef struct pending {
 struct fsdp_sched {
     atomic_int refcount;
     fsdp_comm *shard_comm, *replica_comm;
+    fsdp_comm *reshard_comm;       /* hpZ: the backward regathers within this subgroup of the shard group, or NULL */
+    int reshard_rank, reshard_size;
     int shard_rank, shard_size, replica_size;
     bool local_one;                /* a shard group of one copies locally (unless FSDP_FORCE_COLLECTIVES=1) */
     int device;                    /* where gathered buffers and gradients during backward live */
@@ -114,6 +118,7 @@ static void sched_release(fsdp_sched *s) {
     free(s->pend);
     fsdp_comm_free(s->shard_comm);
     if (s->replica_comm) fsdp_comm_free(s->replica_comm);
+    if (s->reshard_comm) fsdp_comm_free(s->reshard_comm);
     free(s);
 }
 
@@ -131,6 +136,7 @@ static void unit_clear(unit *u) {
     tensor_release(u->grad);
     tensor_release(u->full);
     tensor_release(u->flat_grad);
+    tensor_release(u->secondary);
     free(u->numels);
     free(u->offsets);
     free(u->prefetch_list[0]);
@@ -184,6 +190,22 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
     if (u->gathered || s->direct) return FSDP_OK;   /* direct: the full buffer is the master */
     fsdp_storage *st = u->full->storage;
     FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
+    if (u->secondary) {   /* hpZ: the backward's gather comes from the group's kept parts */
+        fsdp_status r = s->reshard_size == 1 ? fsdp_copy(u->full, u->secondary)
+                                             : fsdp_all_gather(&u->gather, s->reshard_comm, u->full, u->secondary,
+                                                               u->name);
+        if (r != FSDP_OK) {
+            fsdp_free(st->device, st->tag, st->data, st->nbytes);
+            st->data = NULL;
+            return r;
+        }
+        tensor_release(u->secondary);   /* the work holds it until done */
+        u->secondary = NULL;
+        u->gathered = true;
+        s->n_gathered++;
+        if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
+        return FSDP_OK;
+    }
     fsdp_tensor *src = u->master;
     tensor_retain(src);
     fsdp_status r = FSDP_OK;
@@ -218,6 +240,31 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
 static fsdp_status gather_now(fsdp_sched *s, unit *u) {
     FSDP_TRY(issue_gather(s, u));
     return wait_gather(s, u);
+}
+
+/* hpZ, at the end of a forward whose backward comes: keep this rank's
+ * 1/G of the gathered unit (G the reshard group's size), so that the
+ * backward regathers within the group instead of the whole shard group. */
+static fsdp_status keep_secondary(fsdp_sched *s, unit *u) {
+    if (!s->reshard_comm || !u->gathered || u->keep || u->secondary) return FSDP_OK;
+    FSDP_TRY(wait_gather(s, u));
+    int64_t n = u->padded / s->reshard_size, one = 1;
+    fsdp_tensor *part = tensor_view(u->full, 1, &n, &one, u->full->offset + (int64_t)s->reshard_rank * n), *sec = NULL;
+    if (!part) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+    fsdp_status r = tensor_new(&sec, s->compute_dtype, 1, &n, s->device, FSDP_TAG_PARAM, false);
+    if (r == FSDP_OK) r = fsdp_copy(sec, part);
+    tensor_release(part);
+    if (r != FSDP_OK) {
+        if (sec) tensor_release(sec);
+        return r;
+    }
+    u->secondary = sec;
+    return FSDP_OK;
+}
+
+static void drop_secondary(unit *u) {
+    tensor_release(u->secondary);
+    u->secondary = NULL;
 }
 
 static fsdp_status reshard(fsdp_sched *s, unit *u) {
@@ -462,6 +509,7 @@ static fsdp_status finish_backward(void *p) {
      * optimizer step: nothing stays gathered past a backward */
     for (int k = 0; k < s->n_units; k++) {
         fsdp_status r = reshard(s, &s->units[k]);
+        drop_secondary(&s->units[k]);
         if (r != FSDP_OK && st == FSDP_OK) st = r;
     }
     return st;
@@ -485,6 +533,7 @@ static void finish_release(void *p) {
             u->flat_grad = NULL;
         }
         reshard(s, u);
+        drop_secondary(u);
     }
     s->finish_registered = false;
     sched_release(s);
@@ -872,6 +921,7 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
      * (not when this is the recomputation of this step's forward) */
     bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
     if (u->keep && u->gathered && !u->flat_grad && !replay) FSDP_TRY(reshard(s, u));
+    if (!replay) drop_secondary(u);   /* a part kept by a forward whose backward never came is stale */
     if (grad && k == 0 && !s->finish_registered) {
         sched_retain(s);
         FSDP_TRY(tape_on_finish(finish_backward, s, finish_release));
@@ -905,6 +955,7 @@ fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
     /* kept units stay gathered for the backward; without one coming, free
      * them; a recomputed unit's backward comes right after its replay */
     bool backward_comes = grad || s->recompute == FSDP_RECOMPUTE_FORWARD;
+    if (!replay && backward_comes) FSDP_TRY(keep_secondary(s, u));
     if (!replay && (!u->keep || !backward_comes)) FSDP_TRY(reshard(s, u));
     return FSDP_OK;
 }
@@ -916,7 +967,28 @@ fsdp_status fsdp_unit_unshard(fsdp_sched *s, int k) {
 
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_reshard", s, k));
+    drop_secondary(&s->units[k]);
     return reshard(s, &s->units[k]);
+}
+
+fsdp_status fsdp_sched_set_reshard_group(fsdp_sched *s, fsdp_comm *group) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_reshard_group: schedule is NULL");
+    int rank = 0, size = 0;
+    if (group) FSDP_TRY(fsdp_comm_info(group, &rank, &size));
+    if (group && (size < 1 || s->shard_size % size != 0))
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_reshard_group: a group of %d ranks does not divide "
+                              "the shard group of %d (rank %d of it)", size, s->shard_size, s->shard_rank);
+    for (int k = 0; k < s->n_units; k++)
+        if (s->units[k].secondary || s->units[k].gathered)
+            return fsdp_set_error(FSDP_ERR_STATE, "fsdp_sched_set_reshard_group: unit %s is gathered or keeps a part "
+                                  "for its backward; change the group between steps", s->units[k].name);
+    fsdp_comm *dup = NULL;
+    if (group) FSDP_TRY(comm_dup(&dup, group));
+    if (s->reshard_comm) fsdp_comm_free(s->reshard_comm);
+    s->reshard_comm = dup;
+    s->reshard_rank = rank;
+    s->reshard_size = size;
+    return FSDP_OK;
 }
 
 fsdp_status fsdp_unit_unshard_async(fsdp_sched *s, int k) {

@@ -588,6 +588,14 @@ fsdp_status fsdp_unit_wait(fsdp_sched *s, int unit);
  * n = -1: back to the default. A unit that is not in the schedule, or the
  * unit itself, is an error. */
 fsdp_status fsdp_unit_set_prefetch(fsdp_sched *s, int unit, int backward, int n, const int *units);
+/* reshard_after_forward as a group (ZeRO++ hpZ): a forward still gathers
+ * each unit from the whole shard group, but then keeps this rank's part of
+ * it over `group` (a subgroup of G consecutive ranks of the shard group, G
+ * dividing its size; the compute dtype, tag param) for the backward, which
+ * regathers within the group: padded / G more elements held per unit from
+ * forward to backward, the backward's gather over G ranks instead of N.
+ * NULL: the default (free the unit after its forward). Between steps only. */
+fsdp_status fsdp_sched_set_reshard_group(fsdp_sched *s, fsdp_comm *group);
 /* sync = 0: backward keeps accumulating full gradients locally (no
  * communication per micro-batch); the next backward with sync = 1 reduces
  * the sum. */

@@ -339,6 +339,8 @@ fsdp_status fsdp_unit_wait(fsdp_sched *s, int unit);
 
 fsdp_status fsdp_unit_set_prefetch(fsdp_sched *s, int unit, int backward, int n, const int *units);
 
+fsdp_status fsdp_sched_set_reshard_group(fsdp_sched *s, fsdp_comm *group);
+
 fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
 
 fsdp_status fsdp_sched_zero_grad(fsdp_sched *s);

@@ -6,6 +6,7 @@
 --     mixed_precision = { compute = "bf16", reduce = "f32" },
 --     prefetch = "backward_pre", forward_prefetch = false, limit = 2, seed = 1,
 --     offload = false,                           -- true: shards, gradients, optimizer state on the CPU
+--     reshard_after_forward = true,              -- G: keep 1/G for the backward, regathered in groups of G (hpZ)
 --   })
 --   local logits, loss = model(x, y)             -- the model is used as before
 --   loss:backward()                              -- gathers, reduce-scatters as it goes
@@ -239,6 +240,35 @@ local function make_comms(strategy, group_size)
   return shard, replica, world
 end
 
+--- reshard_after_forward (FSDP2): true (the default) frees each unit after
+-- its forward; an integer G (ZeRO++ hpZ) keeps this rank's 1/G of it over
+-- a group of G consecutive ranks of the shard group, so that the backward
+-- regathers within that group (a node, say) instead of the whole shard
+-- group: padded / G more elements per unit held from forward to backward,
+-- the same bytes gathered, over fewer ranks. false is G = 1 (a whole copy
+-- kept: no gather in backward, as shard_grad_op). G must divide the shard
+-- group's size; G equal to it is the default. full_shard and hybrid_shard.
+-- Returns the group's communicator, or nil for the default.
+function M._reshard_group(v, strategy, shard_comm, rank)
+  if v == nil or v == true then return nil end
+  local srank, N = comm_info(shard_comm)
+  local G = v == false and 1 or v
+  if type(G) ~= "number" or G < 1 or G ~= math.floor(G) then
+    error(string.format("fsdp.shard: reshard_after_forward must be true, false or a group size (a positive "
+      .. "integer), got %s (rank %d)", tostring(v), rank), 0)
+  end
+  if strategy ~= "full_shard" and strategy ~= "hybrid_shard" then
+    error(string.format("fsdp.shard: reshard_after_forward %s applies to full_shard and hybrid_shard, not %s "
+      .. "(rank %d)", tostring(v), strategy, rank), 0)
+  end
+  if N % G ~= 0 then
+    error(string.format("fsdp.shard: reshard_after_forward group size %d does not divide the shard group of %d "
+      .. "ranks (rank %d)", G, N, rank), 0)
+  end
+  if G == N then return nil end
+  return split_by(shard_comm, N, function(r) return math.floor(r / G), r end)
+end
+
 -- A 52-bit hash of a string, exact as a double.
 local function hash52(s)
   local h = 0
@@ -280,7 +310,7 @@ local wrap_t = core.wrap
 
 -- The options fsdp.shard takes (a typo is an error naming the closest one).
 M.option_names = { "policy", "strategy", "group_size", "mixed_precision", "prefetch", "forward_prefetch", "limit",
-  "seed", "offload" }
+  "seed", "offload", "reshard_after_forward" }
 local mixed_precision_names = { "compute", "reduce", "param" }
 
 --- fsdp.shard(model, opts) -> Sharded (see the top of this file).
@@ -320,6 +350,7 @@ function M.shard(model, opts)
   local rank = comm_info(world)
   local group, shard_group = dist._borrow(world), dist._borrow(shard_comm)
   check_same_model(group, groups, rank)
+  local reshard_comm = M._reshard_group(opts.reshard_after_forward, strategy, shard_comm, rank)
   -- offload moves the shards off a GPU: a no-op where the CPU computes (or
   -- the counting device stands for it)
   local device = fsdp.default_device()
@@ -338,7 +369,7 @@ function M.shard(model, opts)
     world = world, rank = rank,
     group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
     sched_args = { dtypes[compute], dtypes[reduce], prefetch_ids[prefetch], opts.forward_prefetch and 1 or 0, limit },
-    seed = opts.seed or 0, optimizer_made = false,
+    seed = opts.seed or 0, optimizer_made = false, reshard_comm = reshard_comm,
   }, Sharded)
   self:_build(groups)
   -- only now, with every unit built and initialized, does the model change:
@@ -363,6 +394,7 @@ function Sharded:_build(groups)
   local sched = ffi.gc(sched_box[0], C.fsdp_sched_free)
   if self.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
   if self.direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
+  if self.reshard_comm and C.fsdp_sched_set_reshard_group(sched, self.reshard_comm) ~= 0 then raise() end
   local built = { sched = sched, units = {}, grads = {}, segments = {}, parts_of = {}, groups = groups }
   local keep_all = self.strategy == "shard_grad_op"
   for k, g in ipairs(groups) do

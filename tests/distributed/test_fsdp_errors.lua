@@ -5,6 +5,7 @@
 --   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=disagree    rank 1 builds a wider model
 --   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=hybrid      group_size 2 on 3 ranks
 --   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=prefetch    a prefetch list naming no unit
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_errors.lua --case=hpz         reshard_after_forward = 3 on 2 ranks
 -- Each rank catches its error, prints it, and the ranks count how many of
 -- them raised one (an all-reduce: a rank that did not raise would leave the
 -- others waiting, and the 60 s limit of expect_fail.sh would call it a
@@ -64,6 +65,11 @@ end
 function cases.prefetch()
   local sharded = fsdp.shard(nn.GPT(cfg), { policy = fsdp.policy.per_block() })
   sharded:set_prefetch("h.0", { forward = { "h.1", "h.2" } })
+end
+
+-- reshard_after_forward as a group size that does not divide the shard group
+function cases.hpz()
+  fsdp.shard(nn.GPT(cfg), { policy = fsdp.policy.per_block(), reshard_after_forward = 3 })
 end
 
 local fn = cases[opts.case]
