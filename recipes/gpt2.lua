@@ -32,6 +32,8 @@ local o = options.parse(..., {
   { "limit", "int", 2, "gathered units alive at once (besides the root)", min = 1 },
   { "reduce", { "f32", "bf16" }, "f32", "gradient reduction dtype" },
   { "offload", "bool", false, "keep shards and optimizer state in host memory (on a GPU)" },
+  { "reshard_group", "int", 0, "keep 1/N of each block after its forward and regather it for the backward within "
+    .. "groups of N ranks (hpZ; 0 = free it, the default)", min = 0 },
   { "ctx", "int", 64, "tokens per sequence", min = 1 },
   { "lr", "number", 1e-3, "peak learning rate", min = 0 },
   { "min_lr", "number", 1e-4, "learning rate at the end of the cosine decay", min = 0 },
@@ -72,6 +74,8 @@ options.check("gpt2.lua", {   -- what cannot work is refused before anything is 
     .. "that needs it" },
   { not o.group_size or world % o.group_size == 0, "--group-size=%s does not divide the world size %d",
     tostring(o.group_size), world },
+  { o.reshard_group == 0 or (o.group_size or world) % o.reshard_group == 0,
+    "--reshard-group=%d does not divide the shard group of %d ranks", o.reshard_group, o.group_size or world },
 })
 local run = fsdp.checkpoint.manager { save_dir = o.save_dir, save_every = o.save_every, keep = o.keep,
   resume = o.resume, what = "gpt2.lua" }   -- refuses a --resume=PATH without a checkpoint now
@@ -94,6 +98,7 @@ local sharded = fsdp.shard(model, {
   policy = policies[o.wrap], strategy = o.strategy, group_size = o.group_size, seed = o.seed,
   mixed_precision = { compute = o.dtype, reduce = o.reduce }, prefetch = o.prefetch,
   forward_prefetch = o.forward_prefetch, limit = o.limit, offload = o.offload,
+  reshard_after_forward = o.reshard_group > 0 and o.reshard_group or nil,
 })
 -- --init: each rank reads only its own slices of the file, into its shard
 if o.init then fsdp.checkpoint.import(o.init, sharded) end
