@@ -12,8 +12,14 @@ fsdp_status fsdp_set_error(fsdp_status st, const char *fmt, ...) {
     int n = vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
     if (n < 0) n = 0;
-    if ((size_t)n < sizeof last_error)
-        snprintf(last_error + n, sizeof last_error - (size_t)n, " [rank %d]", fsdp_current_rank());
+    if ((size_t)n >= sizeof last_error) n = (int)sizeof last_error - 1;
+    /* A message that wraps an earlier one carries its rank already: drop
+     * those copies so the rank is named once, at the end. */
+    char suffix[32];
+    int k = snprintf(suffix, sizeof suffix, " [rank %d]", fsdp_current_rank());
+    for (char *p; (p = strstr(last_error, suffix)) != NULL; n -= k)
+        memmove(p, p + k, strlen(p + k) + 1);
+    if ((size_t)n + (size_t)k < sizeof last_error) memcpy(last_error + n, suffix, (size_t)k + 1);
     return st;
 }
 

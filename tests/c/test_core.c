@@ -1,6 +1,7 @@
 /* The allocator's statistics and cap, tensors, views and in-place calls,
  * through the public API. */
 #include "fsdp.h"
+#include "internal.h"
 #include "testutil.h"
 #include <math.h>
 #include <string.h>
@@ -49,6 +50,14 @@ static void check_allocator(void) {
     test_check(st == FSDP_ERR_OOM, "over the cap gives FSDP_ERR_OOM (%d)", st);
     test_check(strstr(msg, "4.00 MiB") && strstr(msg, "grad") && strstr(msg, "cap") && strstr(msg, "rank 0"),
                "OOM message names request, tag, cap and rank: %s", msg);
+    /* a message that wraps it names the rank once, at the end */
+    char inner[512];
+    snprintf(inner, sizeof inner, "%s", msg);
+    fsdp_set_error(FSDP_ERR_OOM, "unit h.0: backward: %s; while gathering", inner);
+    const char *wrapped = fsdp_last_error(), *first = strstr(wrapped, "[rank 0]");
+    test_check(first && !strstr(first + 1, "[rank 0]") && strcmp(first, "[rank 0]") == 0 &&
+                   strstr(wrapped, "4.00 MiB") && strstr(wrapped, "while gathering"),
+               "a wrapped message names the rank once, at the end: %s", wrapped);
     int64_t small[1] = {1000};
     test_check(fsdp_tensor_empty(&t, FSDP_F32, 1, small, CPU, FSDP_TAG_GRAD) == FSDP_OK, "under the cap works");
     fsdp_tensor_release(t);
