@@ -97,6 +97,10 @@ void cpu_axpy_f32(float *y, const float *x, float alpha, int64_t n);         /* 
 /* ---- reductions (reduce.c) ---- */
 /* in (outer, red, inner) -> out (outer, inner): sum over the middle dim. */
 void cpu_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
+/* bf16 in and out: each output summed in double and rounded once; _acc adds
+ * the sum to what out holds */
+void cpu_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+void cpu_sum_dim_acc_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
 double cpu_sum_all_f32(const float *in, int64_t n);
 double cpu_sumsq_f32(const float *in, int64_t n);
 

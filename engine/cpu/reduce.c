@@ -155,3 +155,45 @@ void cpu_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, in
         free(c.partial);
     }
 }
+
+/* ---- sum_dim on bf16: (outer, red, inner) -> (outer, inner), each output
+ * summed in double in row order by one thread and rounded once; _acc adds
+ * the sum to what out holds (a bias gradient into its .grad) ---- */
+
+typedef struct {
+    uint16_t *out;
+    const uint16_t *in;
+    int64_t outer, red, inner, tiles;
+    int acc;
+} dim16_ctx;
+
+static void dim16_items(void *p, int64_t begin, int64_t end) {
+    dim16_ctx *c = p;
+    double acc[TILE];
+    for (int64_t item = begin; item < end; item++) {
+        int64_t o = item / c->tiles, j0 = (item % c->tiles) * TILE;
+        int64_t len = j0 + TILE < c->inner ? TILE : c->inner - j0;
+        const uint16_t *slab = c->in + o * c->red * c->inner + j0;   /* (red, inner) from column j0 */
+        uint16_t *dst = c->out + o * c->inner + j0;
+        for (int64_t j = 0; j < len; j++) acc[j] = c->acc ? (double)bf16_to_f32(dst[j]) : 0.0;
+        for (int64_t r = 0; r < c->red; r++)
+            for (int64_t j = 0; j < len; j++) acc[j] += (double)bf16_to_f32(slab[r * c->inner + j]);
+        for (int64_t j = 0; j < len; j++) dst[j] = f32_to_bf16((float)acc[j]);
+    }
+}
+
+static void sum_dim16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner, int acc) {
+    if (outer <= 0 || inner <= 0) return;
+    dim16_ctx c = {out, in, outer, red > 0 ? red : 0, inner, (inner + TILE - 1) / TILE, acc};
+    /* an item reads red x TILE elements: enough of them per thread */
+    int64_t per_item = c.red * (inner < TILE ? inner : TILE);
+    cpu_parallel_for(outer * c.tiles, per_item >= 65536 ? 1 : 65536 / (per_item + 1) + 1, dim16_items, &c);
+}
+
+void cpu_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner) {
+    sum_dim16(out, in, outer, red, inner, 0);
+}
+
+void cpu_sum_dim_acc_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner) {
+    sum_dim16(out, in, outer, red, inner, 1);
+}

@@ -1,6 +1,6 @@
 /* test_kernels_bf16.c: the CPU's bf16-native kernels (the `<op>_bf16` table
  * entries: elementwise, GELU, LayerNorm, cross-entropy, the embedding's
- * backward) against two
+ * backward, sum over a dim) against two
  * references, at awkward sizes, with 1 and 3 threads:
  *
  * 1. exactly the f32 kernel on the same (widened) inputs, rounded once to
@@ -257,6 +257,39 @@ static void test_embedding_backward(void) {
     }
 }
 
+/* bf16 sum over the middle dim of (outer, red, inner), plain and added to
+ * what out holds, against the double reference; an empty red gives zeros
+ * (plain) or leaves out as it was (accumulating). */
+static void test_sum_dim(void) {
+    static const int64_t shp[][3] = {{1, 1, 1}, {1, 256, 768}, {3, 7, 5}, {2, 13, 1}, {4, 0, 3}, {1, 3001, 300}};
+    for (int s = 0; s < 6; s++) {
+        int64_t O = shp[s][0], R = shp[s][1], I = shp[s][2], n = O * I;
+        bvec x = bvec_new(O * R * I > 0 ? O * R * I : 1, 1.0f), old = bvec_new(n, 4.0f);
+        uint16_t *got = xmalloc(n * 2);
+        double *want = xmalloc(n * sizeof(double));
+        ref_sum_dim(want, x.d, O, R, I);
+        if (R == 0)
+            for (int64_t k = 0; k < n; k++) want[k] = 0;
+        cpu_sum_dim_bf16(got, x.h, O, R, I);
+        char name[96];
+        snprintf(name, sizeof name, "sum_dim bf16 (%lld, %lld, %lld)", (long long)O, (long long)R, (long long)I);
+        float *g = xmalloc(n * sizeof(float));
+        double maxabs = 0;
+        for (int64_t k = 0; k < n; k++) maxabs = fmax(maxabs, fabs(want[k]));
+        cpu_cast_bf16_to_f32(g, got, n);
+        test_check(test_compare(name, g, want, n, RTOL_BF16 / 256 * maxabs, RTOL_BF16) == 0,
+                   "%s: within one bf16 rounding of the double sum [threads %d]", name, nthreads);
+        memcpy(got, old.h, n * 2);
+        cpu_sum_dim_acc_bf16(got, x.h, O, R, I);
+        maxabs = 0;
+        for (int64_t k = 0; k < n; k++) maxabs = fmax(maxabs, fabs(want[k] += old.d[k]));
+        cpu_cast_bf16_to_f32(g, got, n);
+        test_check(test_compare(name, g, want, n, RTOL_BF16 / 256 * maxabs, RTOL_BF16) == 0,
+                   "%s, accumulating: old + the double sum within one bf16 rounding [threads %d]", name, nthreads);
+        bvec_free(&x); bvec_free(&old); free(got); free(want); free(g);
+    }
+}
+
 int main(void) {
     test_rng_seed(&rng, 1612);
     static const int thread_counts[] = {1, 3};
@@ -268,6 +301,7 @@ int main(void) {
         test_layernorm();
         test_cross_entropy();
         test_embedding_backward();
+        test_sum_dim();
     }
     return test_summary();
 }
