@@ -95,86 +95,100 @@ static fsdp_status mpi_all_gather(fsdp_comm *c, void *dst, const void *src, int6
     return wait_one(&req);
 }
 
-/* Reduce-scatter as a ring of point-to-point messages: P - 1 steps; at
- * step s rank r sends its partial sum of block (r - s - 1) mod P to rank
- * r + 1 and receives the partial sum of block (r - s - 2) mod P from rank
- * r - 1, adding its own term; after the last step it holds the whole sum
- * of block r. Each rank moves and adds (P - 1) blocks, the least there is
+/* Reduce-scatter by pairwise exchange: rank r receives block r's terms
+ * from every other rank and adds the P terms in rank order 0, 1, ..., P-1,
+ * so every element's sum is rounded the same way whichever block holds it:
+ * results do not depend on how parameters fall into blocks (the wrap
+ * policy, the padding). A ring would start each block's sum at a
+ * different rank. Each rank sends and receives P - 1 blocks, as in a ring
  * (MPI's non-blocking reduce-scatter reduces everything at rank 0 and
- * scatters from there). Blocks travel in chunks, up to RING_WINDOW chunks
- * in flight into a small scratch window, each added as it arrives, while
- * it is still in cache (receiving into dst and adding there would take the
- * block through memory twice more). Every
- * rank posts the same messages in the same order under one tag, and MPI
- * matches messages between two ranks in order. */
-enum { TAG_RING = 0x6667, RING_WINDOW = 8 };
-#define RING_CHUNK ((int64_t)1 << 18)   /* floats, 1 MiB */
+ * scatters from there). Blocks travel in chunks; while one chunk's terms
+ * are added, in cache, the next chunk's are arriving into the other half
+ * of a small scratch. Every rank posts its messages to a peer in the same
+ * order under one tag, and MPI matches messages between two ranks in order. */
+enum { TAG_RS = 0x6667 };
+#define RS_SCRATCH_FLOATS ((int64_t)1 << 21)   /* 8 MiB in all */
+#define RS_MIN_CHUNK ((int64_t)1 << 12)
+#define RS_ADD_TILE 2048                       /* floats added per pass over the terms */
 
-static void add_f32(float *restrict acc, const float *restrict a, const float *restrict b, int64_t n) {
-    for (int64_t i = 0; i < n; i++) acc[i] = a[i] + b[i];
+typedef struct {
+    fsdp_comm *c;
+    float *dst;
+    const float *src;
+    int64_t block, chunk;
+    float *scratch;      /* 2 sets x (P - 1) peers x chunk */
+    MPI_Request *reqs;   /* 2 sets x (P - 1) receives, then 2 sets x (P - 1) sends */
+} rs_exchange;
+
+static int peer_slot(int q, int r) { return q < r ? q : q - 1; }
+
+static float *rs_terms(const rs_exchange *x, int set, int q) {
+    return x->scratch + ((int64_t)set * (x->c->size - 1) + peer_slot(q, x->c->rank)) * x->chunk;
 }
 
-/* One step over the whole block: send -> right; dst <- (from left) + mine. */
-static fsdp_status ring_step(fsdp_comm *c, const float *send, float *scratch, float *dst, const float *mine,
-                             int64_t block) {
-    int right = (c->rank + 1) % c->size, left = (c->rank + c->size - 1) % c->size;
-    MPI_Request reqs[2 * RING_WINDOW];
-    for (int64_t at = 0; at < block; at += RING_CHUNK * RING_WINDOW) {
-        int k = 0;
-        for (; k < RING_WINDOW && at + k * RING_CHUNK < block; k++) {
-            int64_t off = at + k * RING_CHUNK, len = block - off < RING_CHUNK ? block - off : RING_CHUNK;
-            MPI_CHECK(MPI_Irecv(scratch + (off - at), (int)len, MPI_FLOAT, left, TAG_RING, c->mpi, &reqs[k]));
-            MPI_CHECK(MPI_Isend(send + off, (int)len, MPI_FLOAT, right, TAG_RING, c->mpi, &reqs[RING_WINDOW + k]));
-        }
-        /* add each chunk as it arrives; when dst is what is sent (steps after
-         * the first), only once its chunk has gone */
-        bool added[RING_WINDOW] = {false};
-        poller p = poller_start();
-        for (int n_added = 0; n_added < k;) {
-            bool progress = false;
-            for (int j = 0; j < k; j++) {
-                if (added[j]) continue;
-                int got = 0, sent = 1;
-                MPI_CHECK(MPI_Test(&reqs[j], &got, MPI_STATUS_IGNORE));   /* done: the request is null, got = 1 */
-                if (got && send == dst) MPI_CHECK(MPI_Test(&reqs[RING_WINDOW + j], &sent, MPI_STATUS_IGNORE));
-                if (!got || !sent) continue;
-                int64_t off = at + j * RING_CHUNK, len = block - off < RING_CHUNK ? block - off : RING_CHUNK;
-                add_f32(dst + off, scratch + (off - at), mine + off, len);
-                added[j] = true;
-                n_added++;
-                progress = true;
-            }
-            if (!progress) poller_idle(&p);
-        }
-        /* dst may be the next window's send buffer: sends must be done */
-        FSDP_TRY(wait_all(k, reqs + RING_WINDOW));
+static int64_t rs_len(const rs_exchange *x, int64_t off) {
+    return x->block - off < x->chunk ? x->block - off : x->chunk;
+}
+
+static fsdp_status rs_post(rs_exchange *x, int set, int64_t off) {
+    int P = x->c->size, r = x->c->rank, len = (int)rs_len(x, off);
+    MPI_Request *recv = x->reqs + set * (P - 1), *send = x->reqs + 2 * (P - 1) + set * (P - 1);
+    for (int q = 0; q < P; q++) {
+        if (q == r) continue;
+        int k = peer_slot(q, r);
+        MPI_CHECK(MPI_Irecv(rs_terms(x, set, q), len, MPI_FLOAT, q, TAG_RS, x->c->mpi, &recv[k]));
+        MPI_CHECK(MPI_Isend(x->src + (int64_t)q * x->block + off, len, MPI_FLOAT, q, TAG_RS, x->c->mpi, &send[k]));
     }
     return FSDP_OK;
 }
 
+/* dst[off + i] = t_0[i] + t_1[i] + ... + t_{P-1}[i], in that order */
+static void rs_add(const rs_exchange *x, int set, int64_t off) {
+    int P = x->c->size, r = x->c->rank;
+    int64_t len = rs_len(x, off);
+    const float *mine = x->src + (int64_t)r * x->block + off;
+    float *acc = x->dst + off;
+    for (int64_t i0 = 0; i0 < len; i0 += RS_ADD_TILE) {
+        int64_t n = len - i0 < RS_ADD_TILE ? len - i0 : RS_ADD_TILE;
+        const float *t0 = r == 0 ? mine : rs_terms(x, set, 0);
+        memcpy(acc + i0, t0 + i0, (size_t)n * sizeof(float));
+        for (int q = 1; q < P; q++) {
+            const float *restrict t = (q == r ? mine : rs_terms(x, set, q)) + i0;
+            float *restrict a = acc + i0;
+            for (int64_t i = 0; i < n; i++) a[i] += t[i];
+        }
+    }
+}
+
 static fsdp_status mpi_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block) {
-    int P = c->size, r = c->rank;
-    if (P == 1) {
-        memcpy(dst, src, (size_t)block * sizeof(float));
+    int P = c->size;
+    if (P == 1 || block == 0) {
+        if (block > 0) memcpy(dst, src, (size_t)block * sizeof(float));
         return FSDP_OK;
     }
-    /* step 0 sends this rank's own term, later steps the partial sum in
-     * dst; what arrives lands in a window of scratch (8 MiB at most: not
-     * counted under the comm tag, like MPI's own buffers) */
-    int64_t n = block < RING_CHUNK * RING_WINDOW ? block : RING_CHUNK * RING_WINDOW;
-    float *scratch = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    if (!scratch)
+    int64_t chunk = RS_SCRATCH_FLOATS / (2 * (P - 1));
+    if (chunk < RS_MIN_CHUNK) chunk = RS_MIN_CHUNK;
+    if (chunk > block) chunk = block;
+    /* not counted under the comm tag, like MPI's own buffers */
+    rs_exchange x = {c, dst, src, block, chunk, malloc((size_t)(2 * (P - 1) * chunk) * sizeof(float)),
+                     malloc((size_t)(4 * (P - 1)) * sizeof(MPI_Request))};
+    if (!x.scratch || !x.reqs) {
+        free(x.scratch), free(x.reqs);
         return fsdp_set_error(FSDP_ERR_OOM, "reduce_scatter on comm %s(%d): out of host memory for %lld floats",
-                              c->name, c->size, (long long)n);
-    fsdp_status st = FSDP_OK;
-    for (int s = 0; s < P - 1 && st == FSDP_OK; s++) {
-        int b_send = ((r - s - 1) % P + P) % P, b_recv = ((r - s - 2) % P + P) % P;
-        const float *send = s == 0 ? src + (int64_t)b_send * block : dst;
-        st = ring_step(c, send, scratch, dst, src + (int64_t)b_recv * block, block);
+                              c->name, c->size, (long long)(2 * (P - 1) * chunk));
     }
-    /* after an MPI error a receive may still be pending into scratch: the
+    fsdp_status st = rs_post(&x, 0, 0);
+    for (int64_t off = 0, k = 0; off < block && st == FSDP_OK; off += chunk, k++) {
+        int set = (int)(k % 2);
+        if (off + chunk < block) st = rs_post(&x, 1 - set, off + chunk);
+        if (st == FSDP_OK) st = wait_all(P - 1, x.reqs + set * (P - 1));   /* this chunk's terms */
+        if (st != FSDP_OK) break;
+        rs_add(&x, set, off);
+        st = wait_all(P - 1, x.reqs + 2 * (P - 1) + set * (P - 1));     /* its sends, before the set is reused */
+    }
+    /* after an MPI error a transfer may still be pending into scratch: the
      * job is failing anyway, so scratch is left to it */
-    if (st == FSDP_OK) free(scratch);
+    if (st == FSDP_OK) free(x.scratch), free(x.reqs);
     return st;
 }
 

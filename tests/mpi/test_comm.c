@@ -191,6 +191,35 @@ static void t_reduce_scatter(const char *cn, fsdp_comm *c, int r, int s, int dt,
     free(v), free(got), free(want);
 }
 
+/* Every element's sum is rounded the same way whichever block holds it:
+ * the terms added in rank order 0, 1, ..., s-1 in f32, bit for bit (terms
+ * of mixed magnitudes, so another order rounds differently). */
+static float order_term(int q, int64_t j) {
+    uint32_t h = (uint32_t)(q * 2654435761u) ^ (uint32_t)(j * 40503u + 17);
+    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
+    return ldexpf((float)((int)(h % 2001) - 1000) + 0.37f, (int)((h >> 11) % 24) - 12);
+}
+
+static void t_reduce_scatter_order(const char *cn, fsdp_comm *c, int r, int s, int64_t n) {
+    float *v = malloc((size_t)(n * s) * 4), *got = malloc((size_t)n * 4);
+    for (int64_t j = 0; j < n * s; j++) v[j] = order_term(r, j);
+    fsdp_tensor *src = make(FSDP_F32, n * s, v), *dst = zeros(FSDP_F32, n);
+    OK(fsdp_reduce_scatter(NULL, c, dst, src, FSDP_REDUCE_SUM, "rs.order"));
+    read_f(dst, got, n);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; i++) {
+        volatile float acc = order_term(0, r * n + i);
+        for (int q = 1; q < s; q++) acc = acc + order_term(q, r * n + i);
+        wrong += memcmp((const void *)&acc, &got[i], 4) != 0;
+    }
+    g_wrong_values += wrong;
+    check(wrong == 0, "reduce_scatter %s n=%lld: terms added in rank order in every block (%lld elements differ)", cn,
+          (long long)n, (long long)wrong);
+    fsdp_tensor_release(src);
+    fsdp_tensor_release(dst);
+    free(v), free(got);
+}
+
 static void t_all_reduce(const char *cn, fsdp_comm *c, int r, int s, int dt, int64_t n, int op) {
     float *v = malloc((size_t)n * 4), *got = malloc((size_t)n * 4);
     double *want = malloc((size_t)n * 8);
@@ -280,9 +309,12 @@ static void suite(const char *cn, fsdp_comm *c) {
     /* Empty tensors are legal (a rank's share of a tiny unit). */
     t_all_gather(cn, c, r, s, FSDP_F32, 0);
     t_reduce_scatter(cn, c, r, s, FSDP_F32, 0, FSDP_REDUCE_SUM);
-    /* Blocks that the MPI backend moves in several chunks and windows of
-     * chunks (1 MiB chunks, 8 in flight), ending in a partial chunk. */
+    /* Blocks that the MPI backend moves in several chunks (at most 8 MiB
+     * of terms in flight), ending in a partial chunk. */
     if (strcmp(cn, "world") == 0) t_reduce_scatter(cn, c, r, s, FSDP_F32, ((int64_t)1 << 21) + 1003, FSDP_REDUCE_SUM);
+    t_reduce_scatter_order(cn, c, r, s, 1);
+    t_reduce_scatter_order(cn, c, r, s, 4099);
+    if (strcmp(cn, "world") == 0) t_reduce_scatter_order(cn, c, r, s, ((int64_t)1 << 20) + 7);
 
     double d[3] = {r + 1.0, -r, 0.5 * r}, want_sum[3] = {0, 0, 0}, want_max[3] = {-INFINITY, -INFINITY, -INFINITY};
     for (int q = 0; q < s; q++) {
