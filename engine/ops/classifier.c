@@ -22,18 +22,6 @@ typedef struct {
     int64_t rows, n_slices;         /* rows per run of a full slice */
 } table_slices;
 
-static fsdp_status fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
-                        const char *fmt, ...) __attribute__((format(printf, 6, 7)));
-static fsdp_status fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
-                        const char *fmt, ...) {
-    char sig[1024], msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return fsdp_set_error(st, "%s: %s", op_sig(sig, sizeof sig, op, n, names, ts), msg);
-}
-
 static float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
 
 /* The checks every chunked op makes: the table (n = 0) may be a sliced
@@ -46,20 +34,20 @@ static fsdp_status check_args(const char *op, void *out, int n, const char *cons
     FSDP_TRY(op_check(op, out, n - 1, names + 1, rest, NULL));
     fsdp_tensor *w = ts[0];
     if (!w->storage->data && w->storage->nbytes > 0 && !w->storage->slicer)
-        return fail(FSDP_ERR_STATE, op, n, names, ts, "%s is a parameter of a resharded unit; run it inside the "
+        return op_fail(FSDP_ERR_STATE, op, n, names, ts, "%s is a parameter of a resharded unit; run it inside the "
                     "unit's forward, or unshard the unit first", names[0]);
     if (tensor_device(w) != fsdp_op_device())
-        return fail(FSDP_ERR_DEVICE, op, n, names, ts, "tensors on different devices");
+        return op_fail(FSDP_ERR_DEVICE, op, n, names, ts, "tensors on different devices");
     if (!device_kernels(tensor_device(w)))
-        return fail(FSDP_ERR_UNSUPPORTED, op, n, names, ts, "no %s kernels in this build",
+        return op_fail(FSDP_ERR_UNSUPPORTED, op, n, names, ts, "no %s kernels in this build",
                     fsdp_device_name(tensor_device(w)));
     if (!KERNELS(w)->classifier_lse_f32 || !KERNELS(w)->embedding_slice_forward_f32)
-        return fail(FSDP_ERR_UNSUPPORTED, op, n, names, ts, "the %s device has no chunked-classifier kernels yet; "
+        return op_fail(FSDP_ERR_UNSUPPORTED, op, n, names, ts, "the %s device has no chunked-classifier kernels yet; "
                     "use the unchunked head there", fsdp_device_name(tensor_device(w)));
-    if (!fsdp_dtype_is_float(w->dtype)) return fail(FSDP_ERR_DTYPE, op, n, names, ts, "%s must be f32 or bf16", names[0]);
-    if (w->ndim != 2) return fail(FSDP_ERR_SHAPE, op, n, names, ts, "%s must be 2-D (V, C)", names[0]);
+    if (!fsdp_dtype_is_float(w->dtype)) return op_fail(FSDP_ERR_DTYPE, op, n, names, ts, "%s must be f32 or bf16", names[0]);
+    if (w->ndim != 2) return op_fail(FSDP_ERR_SHAPE, op, n, names, ts, "%s must be 2-D (V, C)", names[0]);
     if (chunk_rows < 1)
-        return fail(FSDP_ERR_INVALID, op, n, names, ts, "chunk_rows is %lld, expected a positive row count",
+        return op_fail(FSDP_ERR_INVALID, op, n, names, ts, "chunk_rows is %lld, expected a positive row count",
                     (long long)chunk_rows);
     return FSDP_OK;
 }
@@ -126,7 +114,7 @@ static fsdp_status check_targets(const char *op, int n, const char *const *names
     fsdp_status st = FSDP_OK;
     for (int64_t i = 0; i < N && st == FSDP_OK; i++)
         if ((p[i] < 0 || p[i] >= valid_v) && p[i] != ignore_index)
-            st = fail(FSDP_ERR_INDEX, op, n, names, ts,
+            st = op_fail(FSDP_ERR_INDEX, op, n, names, ts,
                       "%s[%lld] is %lld, expected 0 <= %s < %lld%s", what, (long long)i, (long long)p[i], what,
                       (long long)valid_v, ignore_index == INT64_MIN ? " (the rows of the table)"
                                                                     : " (valid_vocab) or ignore_index");
@@ -202,17 +190,17 @@ fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_t
     fsdp_tensor *ts[] = {weight, x, targets};
     FSDP_TRY(check_args(op, out, 3, names, ts, chunk_rows));
     if (!fsdp_dtype_is_float(x->dtype) || x->dtype != weight->dtype)
-        return fail(FSDP_ERR_DTYPE, op, 3, names, ts, "x must be f32 or bf16, the dtype of weight");
-    if (!dtype_is_index(targets->dtype)) return fail(FSDP_ERR_DTYPE, op, 3, names, ts, "targets must be i32, i64 or u16");
+        return op_fail(FSDP_ERR_DTYPE, op, 3, names, ts, "x must be f32 or bf16, the dtype of weight");
+    if (!dtype_is_index(targets->dtype)) return op_fail(FSDP_ERR_DTYPE, op, 3, names, ts, "targets must be i32, i64 or u16");
     if (x->ndim != 2 || x->shape[1] != weight->shape[1])
-        return fail(FSDP_ERR_SHAPE, op, 3, names, ts, "x must be 2-D (N, C) with C = %lld (the columns of weight)",
+        return op_fail(FSDP_ERR_SHAPE, op, 3, names, ts, "x must be 2-D (N, C) with C = %lld (the columns of weight)",
                     (long long)weight->shape[1]);
     int64_t N = x->shape[0], V = weight->shape[0];
     if (targets->ndim != 1 || targets->shape[0] != N)
-        return fail(FSDP_ERR_SHAPE, op, 3, names, ts, "targets must be 1-D with %lld elements (the rows of x)",
+        return op_fail(FSDP_ERR_SHAPE, op, 3, names, ts, "targets must be 1-D with %lld elements (the rows of x)",
                     (long long)N);
     if (valid_vocab < 0 || valid_vocab > V)
-        return fail(FSDP_ERR_INVALID, op, 3, names, ts, "valid_vocab is %lld, expected 0..%lld (0 = all rows)",
+        return op_fail(FSDP_ERR_INVALID, op, 3, names, ts, "valid_vocab is %lld, expected 0..%lld (0 = all rows)",
                     (long long)valid_vocab, (long long)V);
     int64_t valid_v = valid_vocab ? valid_vocab : V, nshape[1] = {N};
     table_slices t;
@@ -319,9 +307,9 @@ fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_t
     FSDP_TRY(check_args(op, out, 2, names, ts, chunk_rows));
     if (!table->storage->slicer) return fsdp_embedding(out, table, ids);   /* a whole table: the plain op */
     TRACE_OP("chunked_embedding", out);
-    if (!dtype_is_index(ids->dtype)) return fail(FSDP_ERR_DTYPE, op, 2, names, ts, "ids must be i32, i64 or u16");
+    if (!dtype_is_index(ids->dtype)) return op_fail(FSDP_ERR_DTYPE, op, 2, names, ts, "ids must be i32, i64 or u16");
     if (ids->ndim + 1 > FSDP_MAX_DIMS)
-        return fail(FSDP_ERR_SHAPE, op, 2, names, ts, "ids has %d dims; the output would have more than %d",
+        return op_fail(FSDP_ERR_SHAPE, op, 2, names, ts, "ids has %d dims; the output would have more than %d",
                     ids->ndim, FSDP_MAX_DIMS);
     table_slices t;
     FSDP_TRY(slices_init(&t, table, chunk_rows, op));
@@ -372,13 +360,13 @@ fsdp_status fsdp_chunked_logits(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *
     fsdp_tensor *ts[] = {weight, x};
     FSDP_TRY(check_args(op, out, 2, names, ts, chunk_rows));
     if (!fsdp_dtype_is_float(x->dtype) || x->dtype != weight->dtype)
-        return fail(FSDP_ERR_DTYPE, op, 2, names, ts, "x must be f32 or bf16, the dtype of weight");
+        return op_fail(FSDP_ERR_DTYPE, op, 2, names, ts, "x must be f32 or bf16, the dtype of weight");
     if (x->ndim != 2 || x->shape[1] != weight->shape[1])
-        return fail(FSDP_ERR_SHAPE, op, 2, names, ts, "x must be 2-D (N, C) with C = %lld (the columns of weight)",
+        return op_fail(FSDP_ERR_SHAPE, op, 2, names, ts, "x must be 2-D (N, C) with C = %lld (the columns of weight)",
                     (long long)weight->shape[1]);
     fsdp_tensor *in[] = {x, weight};
     if (tape_wants(2, in))
-        return fail(FSDP_ERR_STATE, op, 2, names, ts, "has no gradient; train with fsdp_chunked_cross_entropy, or "
+        return op_fail(FSDP_ERR_STATE, op, 2, names, ts, "has no gradient; train with fsdp_chunked_cross_entropy, or "
                     "call it with gradients disabled (no_grad)");
     table_slices t;
     FSDP_TRY(slices_init(&t, weight, chunk_rows, op));

@@ -14,19 +14,6 @@
 #include <math.h>
 #include <stdarg.h>
 
-/* Sets an error "<op signature>: <message>" and returns st. */
-static fsdp_status op_fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
-                           const char *fmt, ...) __attribute__((format(printf, 6, 7)));
-static fsdp_status op_fail(fsdp_status st, const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
-                           const char *fmt, ...) {
-    char sig[1024], msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return fsdp_set_error(st, "%s: %s", op_sig(sig, sizeof sig, op, n, names, ts), msg);
-}
-
 /* (rows, cols) view over the last dim; a 0-dim tensor is one row of one. */
 static void rows_cols(const fsdp_tensor *x, int64_t *rows, int64_t *cols) {
     *cols = x->ndim ? x->shape[x->ndim - 1] : 1;

@@ -6,6 +6,7 @@
 
 #include "internal.h"
 #include "cpu_kernels.h"
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -20,6 +21,19 @@ static inline const char *op_sig(char *buf, size_t size, const char *op, int n, 
     }
     if (k < size) snprintf(buf + k, size - k, ")");
     return buf;
+}
+
+/* Sets the error "<op signature>: <message>" and returns st. */
+static inline fsdp_status op_fail(fsdp_status st, const char *op, int n, const char *const *names,
+                                  fsdp_tensor *const *ts, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static inline fsdp_status op_fail(fsdp_status st, const char *op, int n, const char *const *names,
+                                  fsdp_tensor *const *ts, const char *fmt, ...) {
+    char sig[1024], msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return fsdp_set_error(st, "%s: %s", op_sig(sig, sizeof sig, op, n, names, ts), msg);
 }
 
 /* Checks shared by every op: non-NULL out and tensors, one device, and the

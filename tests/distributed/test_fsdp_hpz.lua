@@ -50,13 +50,7 @@ local function train(raf, steps, compute)
   return { losses = losses, grads = grads, params = params, sharded = sharded }
 end
 
-local function worst_diff(a, b)
-  local w = 0
-  for i = 1, #a do
-    for j = 1, #a[i] do w = math.max(w, math.abs(a[i][j] - b[i][j])) end
-  end
-  return w
-end
+local worst_diff = t.max_abs_diff
 
 local N = strategy == "hybrid_shard" and group_size or world
 local sizes = {}

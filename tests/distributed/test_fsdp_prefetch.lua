@@ -48,13 +48,7 @@ local function train(setup, steps)
   return { losses = losses, grads = grads, params = params }
 end
 
-local function worst_diff(a, b)
-  local w = 0
-  for i = 1, #a do
-    for j = 1, #a[i] do w = math.max(w, math.abs(a[i][j] - b[i][j])) end
-  end
-  return w
-end
+local worst_diff = t.max_abs_diff
 
 local variants = {
   ["two ahead"] = { once = function(sh)

@@ -7,6 +7,7 @@
 --   local err = t.raises(function() ... end, {"fsdp_matmul", "3 vs 4"}, "matmul shapes")
 --   t.no_error(function() opt:step() end, "a step over an empty group")
 --   t.rel_err(a, b)                       -- ||a - b|| / ||b|| of two tensors
+--   t.max_abs_diff(a, b)                  -- largest |a[i][j] - b[i][j]| of two lists of lists
 --   local model, cfg = t.gpt2_tiny_fixture()   -- the PyTorch fixtures' GPT, their init weights loaded
 --   t.done()
 --
@@ -128,6 +129,14 @@ end
 --- The tiny GPT-2 of the PyTorch fixtures (tools/gpt2_torch.py) -> model,
 -- cfg: an nn.GPT with the weights of tests/fixtures/gpt2_tiny_init.safetensors
 -- and the config its metadata gives. Paths are from the repository root.
+function M.max_abs_diff(a, b)
+  local w = 0
+  for i = 1, #a do
+    for j = 1, #a[i] do w = math.max(w, math.abs(a[i][j] - b[i][j])) end
+  end
+  return w
+end
+
 function M.gpt2_tiny_fixture()
   local init, meta = require("fsdp.safetensors").load("tests/fixtures/gpt2_tiny_init.safetensors")
   local cfg = {
