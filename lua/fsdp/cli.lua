@@ -27,7 +27,8 @@ options:
   --world=N      the number of ranks --plan plans for (default: the ranks
                  this process runs with, 1 without mpirun); the recipe sees
                  fsdp.distributed.world() = N
-  --rank=R       the rank --plan plans as (default 0)
+  --rank=R       the rank --plan plans as (default 0, with the memory per
+                 tag of the largest rank, as --metrics reports a real run)
   --device=D     the device --plan plans for, cpu or cuda: the kernel set
                  the op layer sees (default: this machine's default device;
                  cuda needs a build with the CUDA table, not a GPU)
@@ -239,7 +240,10 @@ function M.main(argv)
       if r >= n then return fail(string.format("--rank=%d is not a rank of --world=%d (0..%d)", r, n, n - 1)) end
       local planner = require "fsdp.plan"
       local p
-      local code = run_recipe(function(a) p = planner.run(chunk, { world = n, rank = r, mimic = plan_device }, a) end, args)
+      -- without --rank: memory as the largest rank holds it, as --metrics reports a real run
+      local code = run_recipe(function(a)
+        p = planner.run(chunk, { world = n, rank = r, mimic = plan_device, all_ranks = plan_rank == nil }, a)
+      end, args)
       if code then return code end
       io.stdout:write(planner.format(p), "\n")
       return 0

@@ -139,6 +139,10 @@ M.collect = function()
   collectgarbage()
   after_gc = engine_bytes()
 end
+-- The handle counts that time those checks, to run a program again from
+-- the same point (the planner's runs of one recipe as each rank).
+M.collect_counts = function() return { made = made, since_check = since_check } end
+M.set_collect_counts = function(c) made, since_check = c.made, c.since_check end
 
 -- The new reference in out[0], owned by the Lua GC from now on.
 function M.wrap()

@@ -20,6 +20,7 @@
 -- (FSDP_COMM_SYNC=1 makes a real run do the same); a lagging comm thread
 -- holds a flat gradient a little longer.
 local fsdp = require "fsdp"
+local core = require "fsdp.core"
 local dryrun = require "fsdp.dryrun"
 
 local M = {}
@@ -71,7 +72,10 @@ end
 -- opts.mimic: "cpu" or "cuda", the kernel set the op layer sees (default:
 -- the default device's). opts.progress: a function(done, total) told the
 -- steps done (fsdp.dryrun); by default a bar on a terminal (fsdp.progress),
--- drawn by rank 0 of the real job; false: none.
+-- drawn by rank 0 of the real job; false: none. opts.all_ranks: also run
+-- every other rank (up to M.ALL_RANKS_UP_TO ranks) and report, per tag,
+-- the largest peak of any rank (and the largest sums), as a real run's
+-- --metrics does; the rest of the plan stays that of `rank`.
 function M.run(fn, opts, ...)
   opts = opts or {}
   local world = opts.world or 1
@@ -82,10 +86,58 @@ function M.run(fn, opts, ...)
   if progress == nil and fsdp.distributed.rank() == 0 then
     progress = require("fsdp.progress").bar("plan", { unit = "steps" })
   end
-  local r = dryrun.run(fn, { steps = opts.steps or 2, world = world, rank = rank, mimic = mimic,
-                             progress = progress or nil }, ...)
-  return from_result(r, world, rank)
+  local steps = opts.steps or 2
+  local others = {}   -- per tag, the largest of the other ranks: { peak, rank }
+  if opts.all_ranks and world > 1 and world <= M.ALL_RANKS_UP_TO then
+    -- Ranks hold equal shards, but each AdamW state tensor is one
+    -- allocation per parameter slice, and where a rank's shard splits into
+    -- other slices their rounding differs (GPT-2 small at N = 2: rank 1
+    -- holds 1.30 MiB more optimizer state than rank 0). A real run's
+    -- --metrics reports the largest rank per tag; so does this. The other
+    -- ranks run first, each from the same collector counts and keeping
+    -- nothing alive, so every run sees what a process of its own would.
+    local counts = core.collect_counts()
+    for other = 0, world - 1 do
+      if other ~= rank then
+        core.set_collect_counts(counts)
+        local q = from_result(dryrun.run(fn, { steps = steps, world = world, rank = other, mimic = mimic }, ...),
+          world, other)
+        for tag, m in pairs(q.memory) do
+          local w = others[tag] or { peak = -1, current = 0, reserved = 0 }
+          if m.peak > w.peak then w.peak, w.rank = m.peak, other end
+          w.current, w.reserved = math.max(w.current, m.current), math.max(w.reserved, m.reserved)
+          others[tag] = w
+        end
+        others.sums = { peak = math.max(q.peak, others.sums and others.sums.peak or 0),
+          persistent = math.max(q.persistent, others.sums and others.sums.persistent or 0) }
+        -- its model goes back before the next run starts: a dead local and
+        -- the JIT's compiled traces (which hold objects as constants) would
+        -- keep it, and the memory held would move the collector's points
+        q = nil
+        jit.flush()
+      end
+    end
+    core.set_collect_counts(counts)
+  end
+  local r = dryrun.run(fn, { steps = steps, world = world, rank = rank, mimic = mimic, progress = progress or nil }, ...)
+  local p = from_result(r, world, rank)
+  if others.sums then
+    local most = {}
+    for tag, m in pairs(p.memory) do
+      local o = others[tag]
+      most[tag] = { peak = m.peak, current = math.max(m.current, o.current), reserved = math.max(m.reserved, o.reserved),
+        rank = rank }
+      if o.peak > m.peak then most[tag].peak, most[tag].rank = o.peak, o.rank end
+    end
+    p.memory, p.all_ranks = most, true
+    p.peak, p.persistent = math.max(p.peak, others.sums.peak), math.max(p.persistent, others.sums.persistent)
+  end
+  return p
 end
+
+--- Ranks the planner runs one by one for opts.all_ranks (each is one dry
+-- run); beyond this, only the rank asked for.
+M.ALL_RANKS_UP_TO = 256
 
 --- The plan of sharding `model` (not materialized) with fsdp.shard options
 -- `shard_opts` on `world` ranks, as `opts.rank` (0) sees it: AdamW and
@@ -155,10 +207,16 @@ function M.format(p)
     add("  units: %s", table.concat(names, " "))
   end
   add("")
-  add("memory of rank %d, MiB              peak   after the steps   peak bytes", p.rank)
+  if p.all_ranks then
+    add("memory per rank, the largest of the %d ranks (as --metrics reports), MiB", p.world)
+    add("                                   peak   after the steps   peak bytes")
+  else
+    add("memory of rank %d, MiB              peak   after the steps   peak bytes", p.rank)
+  end
   for _, tag in ipairs(fsdp.memory.tags) do
     local m = p.memory[tag]
-    add("  %-11s %12s %16s %13d   %s", tag, mib(m.peak), mib(m.current), m.peak, tag_about[tag])
+    local on = m.rank and m.rank ~= p.rank and string.format(" (on rank %d)", m.rank) or ""
+    add("  %-11s %12s %16s %13d   %s%s", tag, mib(m.peak), mib(m.current), m.peak, tag_about[tag], on)
   end
   add("  %-11s %12s %16s %13d   (peak of the sum)", "total", mib(p.memory.total.peak), mib(p.memory.total.current),
     p.memory.total.peak)

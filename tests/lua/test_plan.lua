@@ -218,6 +218,37 @@ else
         end
       end
     end
+
+    -- the recipe itself: its --metrics peaks per tag (the largest rank's,
+    -- the largest step's) against `--plan` without --rank. At N = 4 rank 3
+    -- holds 1.5 KiB more AdamW state than rank 0 (its slices round
+    -- differently); at N = 2 the first step once held the MFU probe's dead
+    -- matmul tensors under the activation tag.
+    local json, metrics = require "fsdp.json", require "fsdp.metrics"
+    local recipe_args = "recipes/gpt2.lua --preset=tiny --steps=2 --sample=0 --eval-every=0"
+    for _, N in ipairs({ 2, 4 }) do
+      local path = os.tmpname()
+      local real = run(string.format("FSDP_COMM_SYNC=1 %s %d %s %s --metrics=%s", mpirun, N, launcher, recipe_args,
+        path))
+      local want, steps = {}, 0
+      for line in io.lines(path) do
+        local rec = json.decode(line)
+        if rec.peak_bytes then
+          steps = steps + 1
+          for _, tag in ipairs(metrics.TAGS) do want[tag] = math.max(want[tag] or 0, rec.peak_bytes[tag]) end
+        end
+      end
+      os.remove(path)
+      t.eq(steps, 2, string.format("recipe N=%d: two steps in --metrics", N) .. (steps == 2 and "" or "\n" .. real))
+      local o = run(string.format("%s --plan --world=%d %s", launcher, N, recipe_args))
+      t.ok(o:find("the largest of the " .. N .. " ranks", 1, true), string.format("recipe N=%d: --plan reports "
+        .. "the largest rank's memory", N))
+      for _, tag in ipairs(metrics.TAGS) do   -- (every tag but "other")
+        local planned = tonumber(o:match("\n  " .. tag .. " +[%d.]+ +[%d.]+ +(%d+)"))
+        t.ok(planned ~= nil and planned == want[tag], string.format("recipe N=%d: %s peak, --plan %s = real %s", N,
+          tag, tostring(planned), tostring(want[tag])) .. (planned and "" or "\n" .. o))
+      end
+    end
   end
 end
 t.done()
