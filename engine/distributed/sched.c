@@ -35,6 +35,7 @@
 #include "trace.h"
 #include "comm_internal.h"
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -159,10 +160,23 @@ static fsdp_status ensure_grad(fsdp_sched *s, unit *u) {
 /* ---- gathering ---- */
 
 /* A gather that failed leaves nothing gathered: the next use tries again
- * instead of reading a buffer that was never filled. */
+ * instead of reading a buffer that was never filled. A wait that was given
+ * up (fsdp_comm_abandon) is no failure of the collective: it may still be
+ * running on the comm thread and write into the full buffer, so the unit
+ * stays gathered with its work pending until a later wait sees it done
+ * (after the REPL's rejoin). */
 static fsdp_status wait_gather(fsdp_sched *s, unit *u) {
     if (!u->gather) return FSDP_OK;
     fsdp_status st = fsdp_work_wait(u->gather);
+    if (st != FSDP_OK) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+        int done = 0;
+        fsdp_status tst = fsdp_work_test(u->gather, &done);
+        if (!done) return fsdp_set_error(st, "%s", msg);
+        if (tst != FSDP_OK) st = tst;   /* done and failed: the collective's own error */
+        else fsdp_set_error(st, "%s", msg);
+    }
     fsdp_work_free(u->gather);
     u->gather = NULL;
     if (st != FSDP_OK && u->gathered) {
