@@ -15,6 +15,7 @@
 #define _GNU_SOURCE   /* POSIX_SPAWN_SETSID */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
@@ -22,11 +23,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
 
 #include "repl_launcher.h"
 
+extern char **environ;
+
+static pthread_mutex_t g_tty_mu = PTHREAD_MUTEX_INITIALIZER;   /* g_tty, g_guard_fd: Ctrl-\ ends from the reader thread */
 static int g_tty = -1;
 static struct termios g_tty_saved;
 static int g_guard_fd = -1;               /* rank 0's end of the pipe the guard reads */
@@ -39,16 +44,22 @@ static int g_nlines, g_caplines;
 static bool g_in_eof, g_reading;
 
 /* The guard: restores the terminal (fd 3) to the settings that come first
- * on stdin once stdin ends without the "clean" byte after them. */
+ * on stdin once stdin ends without the "clean" byte after them. Once it
+ * holds those settings it writes one byte to fd 1, so that rank 0 knows a
+ * guard runs before it changes the terminal. */
 int repl_terminal_guard(void) {
     for (int fd = 4; fd < 1024; fd++) close(fd);
+    signal(SIGPIPE, SIG_IGN);
     struct termios saved;
     size_t got = 0;
     while (got < sizeof saved) {
         ssize_t k = read(0, (char *)&saved + got, sizeof saved - got);
+        if (k < 0 && errno == EINTR) continue;
         if (k <= 0) return 0;
         got += (size_t)k;
     }
+    if (write(1, "r", 1) != 1) return 0;
+    close(1);
     char c = 0, last = 0;
     ssize_t k;
     while ((k = read(0, &c, 1)) != 0) {
@@ -131,6 +142,59 @@ static void *read_input(void *arg) {
     return NULL;
 }
 
+/* write() to the guard's pipe without SIGPIPE: a guard that is gone gives
+ * EPIPE, which ends nothing (the signal, should one be raised, is taken
+ * back while still blocked in this thread). */
+static bool write_to_guard(int fd, const void *buf, size_t n) {
+    sigset_t pipe_set, old, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    sigpending(&pending);
+    bool was_pending = sigismember(&pending, SIGPIPE);
+    ssize_t k;
+    do k = write(fd, buf, n); while (k < 0 && errno == EINTR);
+    if (k < 0 && errno == EPIPE && !was_pending) {
+        struct timespec zero = {0, 0};
+        sigtimedwait(&pipe_set, NULL, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return k == (ssize_t)n;
+}
+
+/* The environment for the guard: this process's (the library path the
+ * executable needs among it), with FSDP_REPL_TERMINAL_GUARD=1. */
+static char **guard_environment(void) {
+    size_t n = 0;
+    while (environ && environ[n]) n++;
+    char **env = malloc((n + 2) * sizeof *env);
+    if (!env) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], "FSDP_REPL_TERMINAL_GUARD=", 25) != 0) env[k++] = environ[i];
+    env[k++] = "FSDP_REPL_TERMINAL_GUARD=1";
+    env[k] = NULL;
+    return env;
+}
+
+/* Waits for the guard's "r" on ready_fd; false when it did not come (the
+ * guard could not start, or died), after reaping a guard that ended. */
+static bool guard_is_alive(pid_t pid, int ready_fd) {
+    struct pollfd pf = {ready_fd, POLLIN, 0};
+    char c = 0;
+    int r;
+    do r = poll(&pf, 1, 20000); while (r < 0 && errno == EINTR);
+    bool alive = r == 1 && read(ready_fd, &c, 1) == 1 && c == 'r';
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) alive = false;
+    return alive;
+}
+
+static void tty_unavailable(const char *why) {
+    fprintf(stderr, "fsdp-lua: %s; Ctrl-C is left to mpirun (it ends the job), Ctrl-D leaves the REPL\n", why);
+    fflush(stderr);
+}
+
 /* Rank 0, when mpirun's terminal is its user's: takes over Ctrl-C as above.
  * Returns 1 when it did, 0 when it cannot (no terminal to reach). */
 int fsdp_repl_tty_begin(void) {
@@ -144,35 +208,50 @@ int fsdp_repl_tty_begin(void) {
     }
     g_tty_saved = t;
     /* the guard first: it must exist before the terminal changes */
-    int p[2];
+    int p[2], ready[2];
     if (pipe(p) != 0) {
         close(fd);
         return 0;
     }
+    if (pipe(ready) != 0) {
+        close(p[0]);
+        close(p[1]);
+        close(fd);
+        return 0;
+    }
     fcntl(p[1], F_SETFD, FD_CLOEXEC);   /* the guard sees the end of input when rank 0 is gone */
+    fcntl(ready[0], F_SETFD, FD_CLOEXEC);
     char exe[4096];
     ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    char **envp = guard_environment();
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t sa;
     posix_spawn_file_actions_init(&fa);
     posix_spawnattr_init(&sa);
     posix_spawnattr_setflags(&sa, POSIX_SPAWN_SETSID);   /* out of the job's process groups */
     posix_spawn_file_actions_adddup2(&fa, p[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, ready[1], 1);
     posix_spawn_file_actions_adddup2(&fa, fd, 3);
-    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
     posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
     char *argv[] = {"fsdp-lua", NULL};
-    char *envp[] = {"FSDP_REPL_TERMINAL_GUARD=1", NULL};
     pid_t pid;
-    int rc = len > 0 ? (exe[len] = '\0', posix_spawn(&pid, exe, &fa, &sa, argv, envp)) : -1;
+    int rc = len > 0 && envp ? (exe[len] = '\0', posix_spawn(&pid, exe, &fa, &sa, argv, envp)) : -1;
     posix_spawn_file_actions_destroy(&fa);
     posix_spawnattr_destroy(&sa);
+    free(envp);
     close(p[0]);
-    if (rc != 0 || write(p[1], &g_tty_saved, sizeof g_tty_saved) != (ssize_t)sizeof g_tty_saved) {
+    close(ready[1]);
+    bool alive = rc == 0 && write_to_guard(p[1], &g_tty_saved, sizeof g_tty_saved) &&
+                 guard_is_alive(pid, ready[0]);
+    close(ready[0]);
+    if (!alive) {
+        /* no guard: the signal keys stay on, lest a crash leave them off */
+        tty_unavailable("the terminal guard did not start");
         close(p[1]);
         close(fd);
         return 0;
     }
+    pthread_mutex_lock(&g_tty_mu);
     g_guard_fd = p[1];
     /* rank 0 is not in the terminal's foreground group: SIGTTOU would stop it */
     sigset_t ttou, old;
@@ -185,6 +264,7 @@ int fsdp_repl_tty_begin(void) {
     rc = tcsetattr(fd, TCSANOW, &t);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     g_tty = fd;
+    pthread_mutex_unlock(&g_tty_mu);
     if (rc != 0 || pthread_create(&g_reader, NULL, read_input, NULL) != 0) {
         fsdp_repl_tty_end();
         return 0;
@@ -194,17 +274,25 @@ int fsdp_repl_tty_begin(void) {
 
 /* The terminal as it was; the guard is told all went well. */
 void fsdp_repl_tty_end(void) {
-    if (g_tty < 0) return;
+    pthread_mutex_lock(&g_tty_mu);
+    if (g_tty < 0) {
+        pthread_mutex_unlock(&g_tty_mu);
+        return;
+    }
     sigset_t ttou, old;
     sigemptyset(&ttou);
     sigaddset(&ttou, SIGTTOU);
     pthread_sigmask(SIG_BLOCK, &ttou, &old);
     tcsetattr(g_tty, TCSANOW, &g_tty_saved);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (g_guard_fd >= 0 && write(g_guard_fd, "x", 1) == 1) close(g_guard_fd);
+    if (g_guard_fd >= 0) {
+        write_to_guard(g_guard_fd, "x", 1);
+        close(g_guard_fd);
+    }
     g_guard_fd = -1;
     close(g_tty);
     g_tty = -1;
+    pthread_mutex_unlock(&g_tty_mu);
 }
 
 /* The next line typed at rank 0 (malloc'd; NULL at the end of input), after

@@ -336,6 +336,26 @@ EOF
         "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
   has "pty, 2 ranks: Ctrl-\\ ends the job" "$out" "ALL_OK"
 
+  # the guard starts with the job's environment (where the libraries come
+  # from LD_LIBRARY_PATH it could not start without it); a guard that is
+  # gone does not end rank 0 (SIGPIPE) when the REPL ends
+  cat > "$TMP/guard.steps" <<'EOF'
+expect fsdp> 
+isig off
+send if fsdp.rank() == 0 then os.execute([[for c in $(pgrep -P $PPID); do if tr '\\0' '\\n' < /proc/$c/environ | grep -qx FSDP_REPL_TERMINAL_GUARD=1; then tr '\\0' '\\n' < /proc/$c/environ | sed -n 's/^FSDP_TEST_GUARD_ENV=/guard_env:/p'; fi; done]]) end\n
+expect guard_env:seen
+expect fsdp> 
+send if fsdp.rank() == 0 then os.execute([[for c in $(pgrep -P $PPID); do tr '\\0' '\\n' < /proc/$c/environ | grep -qx FSDP_REPL_TERMINAL_GUARD=1 && kill -9 $c; done; echo guard_"gone"]]) end\n
+expect guard_gone
+expect fsdp> 
+send \x04
+wait 0
+isig on
+EOF
+  out=$(FSDP_TEST_GUARD_ENV=seen FSDP_NUM_THREADS=1 timeout 120 "$PY" tests/sh/repl_pty.py "$TMP/guard.steps" -- \
+        "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  has "pty, 2 ranks: the guard has the job's environment; rank 0 outlives a dead guard" "$out" "ALL_OK"
+
   # through a pipe: the example that used to hang
   out=$(printf 'nn = require "fsdp.nn"\nm = nn.Linear(4,4)\ns = fsdp.shard(m)\nprint("sharded")\n' |
         FSDP_NUM_THREADS=1 timeout 120 "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
