@@ -60,8 +60,9 @@ int fsdp_repl_sigint(int mode) {
         sigemptyset(&sa.sa_mask);
         sigaction(SIGINT, &sa, NULL);
     }
-    if (mode != 1 && g_L) lua_sethook(g_L, NULL, 0, 0);
+    /* the mode first: a SIGINT between the two must not set the hook again */
     g_sigint_mode = mode;
+    if (mode != 1 && g_L) lua_sethook(g_L, NULL, 0, 0);
     return seen;
 }
 

@@ -547,12 +547,25 @@ function M.run(opts)
     -- `while true do end`: the chunk's own code (not the library) runs
     -- interpreted, which costs little at a prompt.
     if f and jit then jit.off(f, true) end
-    sigint(SIGINT_CHUNK)
-    local res
-    if f then res = pack_results(xpcall(f, handler, pack_results))
-    else res = pack_results(false, err) end
+    -- Ctrl-C raises "interrupted" at the next Lua instruction while SIGINT
+    -- is in chunk mode, so the switches in and out of that mode happen
+    -- inside a protected call too: an interrupt just before the chunk or
+    -- just after it cannot escape the loop (across ranks that rank would
+    -- leave, and the others wait for it in fsdp_repl_chunk_end).
+    local res, seen
+    local in_chunk = function()
+      sigint(SIGINT_CHUNK)
+      if f then res = pack_results(xpcall(f, handler, pack_results))
+      else res = pack_results(false, err) end
+      seen = sigint(idle_mode)
+    end
+    if not pcall(in_chunk) then
+      res = res or pack_results(false, "interrupted")
+      repeat until pcall(sigint, idle_mode)   -- once it returns, no hook can raise any more
+      seen = 1
+    end
     -- the terminal echoed the ^C that stopped the chunk: a line of its own
-    if sigint(idle_mode) == 1 and tty_keys then io.stdout:write("\n") end
+    if seen == 1 and tty_keys then io.stdout:write("\n") end
     if world == 1 then
       done = report(unpack(res, 1, res.n))
     else

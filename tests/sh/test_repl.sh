@@ -71,6 +71,13 @@ out=$(printf 'x = = 1\nprint("after")\n' | "$L" 2>&1)
 has "syntax error reported" "$out" "stdin:1:"
 line "the line after a syntax error evaluates" "$out" "after"
 
+# a SIGINT whose hook fires just after the chunk returned (a C function the
+# chunk tail-calls raises it): the chunk counts as interrupted, the loop goes on
+out=$(printf 'ffi = require "ffi" ffi.cdef "int raise(int sig);"\nreturn ffi.C.raise(2)\nprint("after" .. "_stray")\n' | "$L" 2>&1); rc=$?
+[ $rc -eq 0 ] && ok || bad "a stray interrupt after a chunk does not end the REPL (got $rc)" "$out"
+line "a stray interrupt after a chunk: reported" "$out" "interrupted"
+line "a stray interrupt after a chunk: the next chunk runs" "$out" "after_stray"
+
 # Ctrl-D in the middle of a block: exits quietly
 out=$(printf 'for i = 1, 2 do\n' | "$L" 2>&1); rc=$?
 [ $rc -eq 0 ] && ok || bad "EOF inside a block exits 0 (got $rc)" "$out"
@@ -355,6 +362,15 @@ EOF
   out=$(FSDP_TEST_GUARD_ENV=seen FSDP_NUM_THREADS=1 timeout 120 "$PY" tests/sh/repl_pty.py "$TMP/guard.steps" -- \
         "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
   has "pty, 2 ranks: the guard has the job's environment; rank 0 outlives a dead guard" "$out" "ALL_OK"
+
+  # the same on one rank of two: that rank stays in the loop, in step
+  out=$(printf 'ffi = require "ffi" ffi.cdef "int raise(int sig);"\nif fsdp.rank() == 1 then return ffi.C.raise(2) end\nprint("after" .. "_stray", fsdp.distributed.sum(fsdp.rank() + 1))\n' |
+        FSDP_NUM_THREADS=1 timeout 120 "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$L" 2>&1)
+  rc=$?
+  [ $rc -eq 0 ] && ok || bad "2 ranks: a stray interrupt after a chunk on rank 1 does not end the job (got $rc)" "$out"
+  line "2 ranks: a stray interrupt after a chunk: reported" "$out" "[rank 1] interrupted"
+  n=$(grep -cxF "$(printf 'after_stray\t3')" <<<"$out")
+  [ "$n" -eq 2 ] && ok || bad "2 ranks: a stray interrupt after a chunk: both ranks go on (got $n)" "$out"
 
   # through a pipe: the example that used to hang
   out=$(printf 'nn = require "fsdp.nn"\nm = nn.Linear(4,4)\ns = fsdp.shard(m)\nprint("sharded")\n' |
