@@ -268,6 +268,21 @@ do   -- the checkpoint manager
   local never = ck.manager { save_dir = save_dir, log = log }
   t.eq(never:load { model = sharded2, optim = opt2, data = train2 }, 1, "no resume: step 1")
   t.eq(never:maybe_save(4), nil, "save_every = 0: never saves")
+
+  -- a checkpoint saved without the loader's position (or a step): a clear error naming it
+  ck.save(P("bare/step_00000003"), { model = sharded, optim = opt, step = 3 })
+  local bare_dir = P("bare/step_00000003")
+  local pos_before = train2:state().index
+  local run3 = ck.manager { save_dir = P("bare"), resume = true, log = log, what = "job.lua" }
+  t.eq(run3.dir, bare_dir, "resume = true: the bare checkpoint is found")
+  t.raises(function() run3:load { model = sharded2, optim = opt2, data = train2 } end,
+    { "job.lua: cannot resume from " .. bare_dir, "no data-loader position", "data = loader:state()" },
+    "resume from a checkpoint without the loader's position")
+  ck.save(P("nostep/step_00000003"), { model = sharded, optim = opt, data = train:state() })
+  local run4 = ck.manager { save_dir = P("nostep"), resume = true, log = log }
+  t.raises(function() run4:load { model = sharded2, optim = opt2, data = train2 } end,
+    { "cannot resume from " .. P("nostep/step_00000003"), "has no step" }, "resume from a checkpoint without a step")
+  t.eq(train2:state().index, pos_before, "the refused resume leaves the loader where it was")
 end
 
 fio.remove_tree(tmp)

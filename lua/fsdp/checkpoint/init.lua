@@ -66,6 +66,7 @@ local read = require "fsdp.checkpoint.read"
 local export = require "fsdp.checkpoint.export"
 
 local raise = require("fsdp.core").raise
+local json = require "fsdp.json"
 local fmt, sort = string.format, table.sort
 local together, describe, is_uint = common.together, common.describe, common.is_uint
 local remove_tree = write.remove_tree
@@ -215,6 +216,17 @@ function Manager:load(parts)
   if not self.dir then
     if self.resume_from then self.log("--resume: no checkpoint under %s yet; starting at step 1", self.resume_from) end
     return 1
+  end
+  -- A checkpoint fsdp.checkpoint.save wrote without the loader's position
+  -- (or a step) cannot be resumed where it stopped: starting the data over
+  -- would quietly train on other batches than the uninterrupted run.
+  local index = M.read_index(self.dir)
+  local function given(x) return x ~= nil and x ~= json.null end
+  if not given(index.data) or not given(index.step) then
+    raise(fmt("%s: cannot resume from %s: the checkpoint has no %s (saved without %s), so the run cannot go on "
+      .. "where it stopped; load its weights with fsdp.checkpoint.load and start a new run instead", self.what,
+      self.dir, given(index.step) and "data-loader position" or "step",
+      given(index.step) and "data = loader:state()" or "step ="))
   end
   local info = M.load(self.dir, { model = parts.model, optim = parts.optim })
   parts.data:set_state(info.data)
