@@ -34,6 +34,7 @@
 #include "ops_util.h"
 #include "trace.h"
 #include "comm_internal.h"
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -94,7 +95,29 @@ struct fsdp_sched {
     pending *pend;
     int n_pend, cap_pend;
     bool finish_registered;
+    struct fsdp_sched *live_prev, *live_next;   /* the live schedules (fsdp_sched_reshard_all) */
 };
+
+/* Every schedule not yet freed, for fsdp_sched_reshard_all. */
+static pthread_mutex_t g_live_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct fsdp_sched *g_live;
+
+static void live_add(struct fsdp_sched *s) {
+    pthread_mutex_lock(&g_live_mu);
+    s->live_next = g_live;
+    if (g_live) g_live->live_prev = s;
+    g_live = s;
+    pthread_mutex_unlock(&g_live_mu);
+}
+
+static void live_remove(struct fsdp_sched *s) {
+    pthread_mutex_lock(&g_live_mu);
+    if (s->live_prev) s->live_prev->live_next = s->live_next;
+    else if (g_live == s) g_live = s->live_next;
+    if (s->live_next) s->live_next->live_prev = s->live_prev;
+    s->live_prev = s->live_next = NULL;
+    pthread_mutex_unlock(&g_live_mu);
+}
 
 /* marker context: which unit and which phase */
 typedef struct {
@@ -108,6 +131,7 @@ static void unit_clear(unit *u);
 
 static void sched_release(fsdp_sched *s) {
     if (!s || atomic_fetch_sub(&s->refcount, 1) != 1) return;
+    live_remove(s);
     for (int k = 0; k < s->n_pend; k++) {
         if (s->pend[k].work) fsdp_work_free(s->pend[k].work);
         tensor_release(s->pend[k].reduced);
@@ -683,6 +707,7 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     s->forward_prefetch = forward_prefetch != 0;
     s->limit = limit;
     s->sync = true;
+    live_add(s);
     *out = s;
     return FSDP_OK;
 }
@@ -983,6 +1008,30 @@ fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_reshard", s, k));
     drop_secondary(&s->units[k]);
     return reshard(s, &s->units[k]);
+}
+
+/* After ranks were brought back in step (the REPL's rejoin) every
+ * schedule starts from its shards on every rank: a chunk that failed on
+ * some ranks may have left units gathered, gathers issued or hpZ parts kept
+ * there only. A gather that the rejoin cancelled is done (failed) and just
+ * freed; one that is still running keeps its unit gathered and is named. */
+fsdp_status fsdp_sched_reshard_all(void) {
+    fsdp_status first = FSDP_OK;
+    char msg[512] = "";
+    pthread_mutex_lock(&g_live_mu);
+    for (fsdp_sched *s = g_live; s; s = s->live_next)
+        for (int k = 0; k < s->n_units; k++) {
+            unit *u = &s->units[k];
+            drop_secondary(u);
+            (void)reshard(s, u);   /* a cancelled gather's error is expected */
+            if (u->gathered && first == FSDP_OK) {
+                first = FSDP_ERR_STATE;
+                snprintf(msg, sizeof msg, "unit %s: its gather is still running (%s)", u->name, fsdp_last_error());
+            }
+        }
+    pthread_mutex_unlock(&g_live_mu);
+    if (first != FSDP_OK) return fsdp_set_error(first, "fsdp_sched_reshard_all: %s", msg);
+    return FSDP_OK;
 }
 
 fsdp_status fsdp_sched_set_reshard_group(fsdp_sched *s, fsdp_comm *group) {

@@ -606,6 +606,12 @@ fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync);
 fsdp_status fsdp_sched_zero_grad(fsdp_sched *s);
 /* Units gathered now, and the most gathered at once since the last reset. */
 fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset);
+/* Every unit of every live schedule back to its shard, hpZ parts dropped
+ * and issued gathers waited for and freed: for ranks brought back in step
+ * after a chunk that failed on some of them (the REPL, after
+ * fsdp_repl_rejoin), whose units may be gathered on some ranks only. A
+ * gather the rejoin cancelled is no error; one still running is. */
+fsdp_status fsdp_sched_reshard_all(void);
 
 /* ---- autograd tape ---- */
 fsdp_status fsdp_tensor_set_requires_grad(fsdp_tensor *t, int on);

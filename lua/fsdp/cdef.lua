@@ -347,6 +347,8 @@ fsdp_status fsdp_sched_zero_grad(fsdp_sched *s);
 
 fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset);
 
+fsdp_status fsdp_sched_reshard_all(void);
+
 fsdp_status fsdp_tensor_set_requires_grad(fsdp_tensor *t, int on);
 fsdp_status fsdp_tensor_requires_grad(fsdp_tensor *t, int *out);
 

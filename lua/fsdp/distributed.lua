@@ -93,6 +93,13 @@ function M._borrow(comm)
 end
 
 local world_group
+-- After ranks were brought back in step (the REPL, after a chunk that
+-- failed on some of them): every sharded model's units back to their shards
+-- on this rank, hpZ parts dropped, issued gathers waited for.
+function M._reshard_all()
+  if C.fsdp_sched_reshard_all() ~= 0 then raise() end
+end
+
 --- The group of every rank.
 function M.world_group()
   if world_override then return world_override end

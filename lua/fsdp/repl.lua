@@ -593,9 +593,16 @@ function M.run(opts)
         -- differ (a forward ran on some ranks only, or a backward stopped
         -- halfway), and the collectives of a later backward would not
         -- match: every rank starts afresh.
+        -- Units too: a chunk that failed under no_grad leaves no tape but
+        -- units gathered (or gathers issued) on some ranks only.
         if gave_up or #failed < world then
           local n = fsdp.autograd.tape_size()
           if n > 0 then fsdp.tape_clear() end
+          local ok, e = pcall(fsdp.distributed._reshard_all)
+          if not ok then
+            io.stderr:write("fsdp-lua: rank ", rank, ": resharding after the failed chunk: ", tostring(e), "\n")
+            end_job(rank, failed, gave_up)
+          end
           n = fsdp.distributed.max(n)
           if rank == 0 and n > 0 then
             io.stdout:write("[all ranks] the autograd tape was cleared: after a chunk that failed on some ranks "

@@ -272,6 +272,22 @@ expect fsdp>
 send print(y1:item() == y0:item() and g1 == g0 and g0 > 0 and "same" .. "_after")\n
 expect same_after
 expect fsdp> 
+# a chunk that fails on one rank under no_grad in the middle of a forward
+# (inside the second unit's forward, after its gather): that unit stays
+# gathered on that rank only, unless every rank reshards after the rejoin;
+# the next forward and backward then give what they gave before
+send m4 = nn.MLP(4) local lf = m4.c_proj.forward m4.c_proj.forward = function(mod, x) if FAIL_MID and fsdp.rank() == 1 then error("mid-forward") end return lf(mod, x) end s4 = fsdp.shard(m4, { policy = fsdp.policy.by_type("Linear") })\n
+expect fsdp> 
+send s4:zero_grad() z0 = m4(fsdp.ones(3, 4)):sum() z0:backward() h0 = s4:grad_norm()\n
+expect fsdp> 
+send FAIL_MID = true fsdp.no_grad(function() return m4(fsdp.ones(3, 4)) end)\n
+expect [rank 1] stdin:1: mid-forward
+expect fsdp> 
+send FAIL_MID = false s4:zero_grad() z1 = m4(fsdp.ones(3, 4)):sum() z1:backward() h1 = s4:grad_norm()\n
+expect fsdp> 
+send print(z1:item() == z0:item() and h1 == h0 and h0 > 0 and "same" .. "_after_no_grad")\n
+expect same_after_no_grad
+expect fsdp> 
 send fsdp.distributed.sum(fsdp.rank() + 1)\n
 expect 3
 expect fsdp> 
