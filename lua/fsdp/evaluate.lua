@@ -24,7 +24,11 @@ function M.loss(model, loader, n)
       local x, y = loader:next()
       local logits, loss = model(x, y)
       total = total + loss:item()
-      for _, t in ipairs({ x, y, logits, loss }) do t:free() end
+      -- with head_chunk the model gives nil, loss: a nil among them is skipped
+      x:free()
+      y:free()
+      if logits ~= nil then logits:free() end
+      loss:free()
       fsdp.collect()   -- the forward's intermediates go back now, not when Lua's collector runs
     end
   end)

@@ -216,6 +216,32 @@ do   -- evaluate.loss: eval mode (no dropout), no gradients, the mean over batch
   t.raises(function() evaluate.loss(model, val, 0) end, { "evaluate.loss", "positive integer" }, "n = 0")
 end
 
+do   -- evaluate.loss with head_chunk: the model gives nil, loss; the loss is freed by hand too
+  local function run(chunk)
+    local c = {}
+    for k, v in pairs(cfg) do c[k] = v end
+    c.head_chunk = chunk
+    local model = nn.GPT(c)
+    fsdp.shard(model, { policy = fsdp.policy.per_block(), seed = 5 })
+    local _, val = data.splits { data = corpus, batch = 4, ctx = cfg.block_size, seed = 1 }
+    evaluate.loss(model, val, 1)   -- the first forward caches the position ids
+    fsdp.collect()
+    collectgarbage("stop")   -- only the explicit frees may give memory back
+    local before = fsdp.memory.stats("activation").current
+    local total_before = fsdp.memory.stats().current
+    local l = evaluate.loss(model, val, 2)   -- batches 2 and 3
+    local left = fsdp.memory.stats("activation").current - before
+    local total_left = fsdp.memory.stats().current - total_before
+    collectgarbage("restart")
+    return l, left, total_left
+  end
+  local ref = run(nil)
+  local got, left, total_left = run(37)   -- 37 rows: an odd chunk, the vocabulary not a multiple of it
+  t.near(got, ref, 1e-5, "evaluate.loss with head_chunk: the loss without it")
+  t.eq(left, 0, "evaluate.loss with head_chunk: no activation bytes left behind")
+  t.eq(total_left, 0, "evaluate.loss with head_chunk: no bytes left behind")
+end
+
 do   -- the checkpoint manager
   local logs = {}
   local function log(f, ...) logs[#logs + 1] = string.format(f, ...) end
