@@ -223,9 +223,20 @@ static fsdp_status convert_to(fsdp_tensor **t, int dtype, int device) {
     return r;
 }
 
-/* Allocates the full buffer and issues its all-gather (no wait). */
-static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
+static void drop_secondary(unit *u) {
+    tensor_release(u->secondary);
+    u->secondary = NULL;
+}
+
+/* Allocates the full buffer and issues its all-gather (no wait). from_part:
+ * this is the backward's gather (or its recomputation's), which may come
+ * from the hpZ part kept at the end of this step's forward; any other
+ * gather (a forward, its prefetch, an unshard on request) comes from the
+ * masters, which an optimizer step may have changed since a part was kept
+ * by a forward whose backward never came. */
+static fsdp_status issue_gather(fsdp_sched *s, unit *u, bool from_part) {
     if (u->gathered || s->direct) return FSDP_OK;   /* direct: the full buffer is the master */
+    if (!from_part) drop_secondary(u);
     fsdp_storage *st = u->full->storage;
     FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
     if (u->secondary) {   /* hpZ: the backward's gather comes from the group's kept parts */
@@ -275,8 +286,8 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u) {
     return FSDP_OK;
 }
 
-static fsdp_status gather_now(fsdp_sched *s, unit *u) {
-    FSDP_TRY(issue_gather(s, u));
+static fsdp_status gather_now(fsdp_sched *s, unit *u, bool from_part) {
+    FSDP_TRY(issue_gather(s, u, from_part));
     return wait_gather(s, u);
 }
 
@@ -300,11 +311,6 @@ static fsdp_status keep_secondary(fsdp_sched *s, unit *u) {
     return FSDP_OK;
 }
 
-static void drop_secondary(unit *u) {
-    tensor_release(u->secondary);
-    u->secondary = NULL;
-}
-
 static fsdp_status reshard(fsdp_sched *s, unit *u) {
     if (!u->gathered) return FSDP_OK;
     FSDP_TRY(wait_gather(s, u));
@@ -322,7 +328,7 @@ static fsdp_status reshard(fsdp_sched *s, unit *u) {
  * and counts once. */
 static bool counts_alone(const unit *u) { return !(u->frozen && u->partner >= 0); }
 
-static fsdp_status prefetch_as(fsdp_sched *s, int k, bool limited) {
+static fsdp_status prefetch_as(fsdp_sched *s, int k, bool limited, bool from_part) {
     if (k < 0 || k >= s->n_units) return FSDP_OK;
     unit *u = &s->units[k];
     if (!counts_alone(u)) u = &s->units[u->partner];
@@ -333,12 +339,12 @@ static fsdp_status prefetch_as(fsdp_sched *s, int k, bool limited) {
         for (int i = 0; i < s->n_units; i++)
             if (s->units[i].gathered && !s->units[i].keep && counts_alone(&s->units[i])) transient++;
         if (limited && transient >= s->limit) return FSDP_OK;
-        FSDP_TRY(issue_gather(s, u));
+        FSDP_TRY(issue_gather(s, u, from_part));
     }
-    return p ? issue_gather(s, p) : FSDP_OK;
+    return p ? issue_gather(s, p, from_part) : FSDP_OK;
 }
 
-static fsdp_status prefetch(fsdp_sched *s, int k) { return prefetch_as(s, k, true); }
+static fsdp_status prefetch(fsdp_sched *s, int k, bool from_part) { return prefetch_as(s, k, true, from_part); }
 
 /* Unit k's explicit prefetch list for a phase (0 forward, 1 backward), if
  * it has one: gathered in order, beyond the limit. *done says whether
@@ -346,7 +352,10 @@ static fsdp_status prefetch(fsdp_sched *s, int k) { return prefetch_as(s, k, tru
 static fsdp_status prefetch_listed(fsdp_sched *s, int k, int phase, bool *done) {
     unit *u = &s->units[k];
     *done = u->n_prefetch[phase] >= 0;
-    for (int i = 0; i < u->n_prefetch[phase]; i++) FSDP_TRY(prefetch_as(s, u->prefetch_list[phase][i], false));
+    /* the backward's (and a recomputation's) prefetch may use kept parts */
+    bool from_part = phase == 1 || s->recompute == FSDP_RECOMPUTE_REPLAY;
+    for (int i = 0; i < u->n_prefetch[phase]; i++)
+        FSDP_TRY(prefetch_as(s, u->prefetch_list[phase][i], false, from_part));
     return FSDP_OK;
 }
 
@@ -424,7 +433,7 @@ static fsdp_status before_backward(void *p) {
     marker_ctx *m = p;
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
-    FSDP_TRY(gather_now(s, u));
+    FSDP_TRY(gather_now(s, u, true));
     trace_unit_push("backward", u->name);
     /* each reduce-scatter in flight holds a full flat gradient and its
      * output: let at most one still run while this unit's backward starts;
@@ -445,7 +454,7 @@ static fsdp_status before_backward(void *p) {
     FSDP_TRY(prefetch_listed(s, m->unit, 1, &listed));
     if (!listed && s->backward_prefetch == FSDP_PREFETCH_BACKWARD_PRE) {
         int i = order_index(s->order, s->n_order, m->unit);
-        if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1]));
+        if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1], true));
     }
     return FSDP_OK;
 }
@@ -527,7 +536,7 @@ static fsdp_status after_backward(void *p) {
     FSDP_TRY(reshard(s, u));
     if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_POST && u->n_prefetch[1] < 0) {
         int i = order_index(s->order, s->n_order, m->unit);
-        if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1]));
+        if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1], true));
     }
     return FSDP_OK;
 }
@@ -960,20 +969,24 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
      * (not when this is the recomputation of this step's forward) */
     bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
     if (u->keep && u->gathered && !u->flat_grad && !replay) FSDP_TRY(reshard(s, u));
-    if (!replay) drop_secondary(u);   /* a part kept by a forward whose backward never came is stale */
+    /* a part kept by a forward whose backward never came is stale (an
+     * optimizer step may have come since): a new forward drops them all */
+    if (!replay && k == 0)
+        for (int i = 0; i < s->n_units; i++) drop_secondary(&s->units[i]);
+    if (!replay) drop_secondary(u);
     if (grad && k == 0 && !s->finish_registered) {
         sched_retain(s);
         FSDP_TRY(tape_on_finish(finish_backward, s, finish_release));
         s->finish_registered = true;
     }
-    FSDP_TRY(gather_now(s, u));
+    FSDP_TRY(gather_now(s, u, replay));
     trace_unit_push("forward", u->name);
     /* forward prefetch: the units listed for it, else the one that came after it last time */
     bool listed;
     FSDP_TRY(prefetch_listed(s, k, 0, &listed));
     if (!listed && s->forward_prefetch) {
         int i = order_index(s->fwd_order, s->n_fwd_order, k);
-        if (i >= 0 && i + 1 < s->n_fwd_order) FSDP_TRY(prefetch(s, s->fwd_order[i + 1]));
+        if (i >= 0 && i + 1 < s->n_fwd_order) FSDP_TRY(prefetch(s, s->fwd_order[i + 1], replay));
     }
     if (!replay && s->fwd_pos < 4 * s->cap_units) {
         s->fwd_order[s->fwd_pos++] = k;
@@ -1001,7 +1014,7 @@ fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
 
 fsdp_status fsdp_unit_unshard(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_unshard", s, k));
-    return gather_now(s, &s->units[k]);
+    return gather_now(s, &s->units[k], false);
 }
 
 fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
@@ -1056,7 +1069,7 @@ fsdp_status fsdp_sched_set_reshard_group(fsdp_sched *s, fsdp_comm *group) {
 
 fsdp_status fsdp_unit_unshard_async(fsdp_sched *s, int k) {
     FSDP_TRY(check_unit("fsdp_unit_unshard_async", s, k));
-    return issue_gather(s, &s->units[k]);
+    return issue_gather(s, &s->units[k], false);
 }
 
 fsdp_status fsdp_unit_wait(fsdp_sched *s, int k) {
