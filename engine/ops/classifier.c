@@ -52,6 +52,20 @@ static fsdp_status check_args(const char *op, void *out, int n, const char *cons
     return FSDP_OK;
 }
 
+/* At backward time the table's slicer may be gone: the sharded model
+ * (its schedule) was freed after the forward, and with it the slices'
+ * gathers and reductions; the resharded table has no data either.
+ * sliced: the forward read it by slices (the embedding's chunked path
+ * always does; the head's did when the table has no data of its own). */
+static fsdp_status check_table_alive(const char *op, const char *name, fsdp_tensor *w, bool sliced) {
+    fsdp_storage *st = w->storage;
+    if (st->slicer || (!sliced && (st->data || st->nbytes == 0))) return FSDP_OK;
+    const char *names[] = {name};
+    return op_fail(FSDP_ERR_STATE, op, 1, names, &w, "%s belongs to a sharded model that was freed before this "
+                   "backward (its schedule, which gathers and reduces the slices, is gone); keep the model until "
+                   "the backward, or clear the tape (fsdp.tape_clear) before freeing it", name);
+}
+
 static fsdp_status slices_init(table_slices *t, fsdp_tensor *w, int64_t chunk_rows, const char *op) {
     t->w = w;
     t->sl = w->storage->slicer;
@@ -132,7 +146,13 @@ static fsdp_status chunked_ce_backward(fsdp_node *node) {
     FSDP_TRY(op_grad_out_f32(node, 0, &dloss));
     if (!dloss) return FSDP_OK;
     table_slices t;
-    fsdp_status st = slices_init(&t, node->in[1], node->i[0], "fsdp_chunked_cross_entropy backward");
+    const char *op = "fsdp_chunked_cross_entropy backward";
+    fsdp_status st = check_table_alive(op, "weight", node->in[1], false);
+    if (st != FSDP_OK) {
+        tensor_release(dloss);
+        return st;
+    }
+    st = slices_init(&t, node->in[1], node->i[0], op);
     int64_t N = node->in[0]->shape[0], C = t.C;
     if (st == FSDP_OK) st = tensor_as_f32(&x32, node->in[0]);
     if (st == FSDP_OK) st = tensor_as_i64(&t64, node->in[2]);
@@ -279,7 +299,13 @@ static fsdp_status chunked_embedding_backward(fsdp_node *node) {
     FSDP_TRY(op_grad_out_f32(node, 0, &dout));
     if (!dout) return FSDP_OK;
     table_slices t;
-    fsdp_status st = slices_init(&t, node->in[0], node->i[0], "fsdp_chunked_embedding backward");
+    const char *op = "fsdp_chunked_embedding backward";
+    fsdp_status st = check_table_alive(op, "table", node->in[0], true);
+    if (st != FSDP_OK) {
+        tensor_release(dout);
+        return st;
+    }
+    st = slices_init(&t, node->in[0], node->i[0], op);
     if (st == FSDP_OK) st = tensor_as_i64(&ids, node->in[1]);
     const fsdp_device_kernels *k = device_kernels(fsdp_op_device());
     int64_t n = ids ? tensor_numel(ids) : 0;
