@@ -40,83 +40,27 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct unit {
-    char name[128];
-    int n_params;
-    int64_t *numels, *offsets;     /* (n_params) */
-    int64_t total, padded, shard_n, shard_off;
-    bool keep;                     /* stays gathered from forward to backward */
-    bool frozen;                   /* no gradient: no grad shard, no flat gradient, no reduce-scatter */
-    int partner;                   /* the other unit of the same module (trainable <-> frozen), or -1 */
-    bool used;                     /* has run a forward (then it can no longer be frozen) */
-    fsdp_tensor *master;           /* (shard_n) f32, tag param */
-    fsdp_tensor *grad;             /* (shard_n) f32, tag grad; NULL when frozen */
-    fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
-    fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
-    bool gathered;                 /* data allocated and its gather issued */
-    fsdp_work *gather;             /* in flight, or NULL */
-    fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
-    fsdp_tensor *secondary;        /* (padded / G) compute dtype, tag param: this rank's part of the unit kept
-                                      from forward to backward for a gather within a group of G (hpZ), or NULL */
-    int *prefetch_list[2];         /* explicit prefetch when forward [0] / backward [1] starts, or NULL */
-    int n_prefetch[2];             /* their lengths; -1: the default (the last forward's order) */
-    fsdp_row_slicer *slicer;       /* a sliced unit: read and reduced by slices (set on full's storage), or NULL */
-} unit;
-
-typedef struct pending {
-    int unit;
-    fsdp_work *work;
-    fsdp_tensor *reduced;          /* (shard_n) reduce dtype; NULL for an all-reduce in place (direct) */
-} pending;
-
-struct fsdp_sched {
-    atomic_int refcount;
-    fsdp_comm *shard_comm, *replica_comm;
-    fsdp_comm *reshard_comm;       /* hpZ: the backward regathers within this subgroup of the shard group, or NULL */
-    int reshard_rank, reshard_size;
-    int shard_rank, shard_size, replica_size;
-    bool local_one;                /* a shard group of one copies locally (unless FSDP_FORCE_COLLECTIVES=1) */
-    int device;                    /* where gathered buffers and gradients during backward live */
-    int shard_device;              /* where master and gradient shards live: device, or the CPU (offload) */
-    int compute_dtype, reduce_dtype;
-    int backward_prefetch, forward_prefetch, limit;
-    bool sync;
-    int recompute;                 /* FSDP_RECOMPUTE_*: the forward hooks' context */
-    bool direct;                   /* a shard group of one: views of the masters, no gathers, gradients
-                                      straight into the gradient shard, all-reduced there across replicas
-                                      (fsdp_sched_set_direct) */
-    unit *units;
-    int n_units, cap_units;
-    int *order;                    /* units in the order of their last post_forward */
-    int n_order;
-    int *fwd_order;                /* units in the order of their last pre_forward */
-    int n_fwd_order, fwd_pos;
-    int n_gathered, peak_gathered;
-    pending *pend;
-    int n_pend, cap_pend;
-    bool finish_registered;
-    struct fsdp_sched *live_prev, *live_next;   /* the live schedules (fsdp_sched_reshard_all) */
-};
+#include "sched_internal.h"
 
 /* Every schedule not yet freed, for fsdp_sched_reshard_all. */
-static pthread_mutex_t g_live_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct fsdp_sched *g_live;
+pthread_mutex_t sched_live_mu = PTHREAD_MUTEX_INITIALIZER;
+struct fsdp_sched *sched_live;
 
 static void live_add(struct fsdp_sched *s) {
-    pthread_mutex_lock(&g_live_mu);
-    s->live_next = g_live;
-    if (g_live) g_live->live_prev = s;
-    g_live = s;
-    pthread_mutex_unlock(&g_live_mu);
+    pthread_mutex_lock(&sched_live_mu);
+    s->live_next = sched_live;
+    if (sched_live) sched_live->live_prev = s;
+    sched_live = s;
+    pthread_mutex_unlock(&sched_live_mu);
 }
 
 static void live_remove(struct fsdp_sched *s) {
-    pthread_mutex_lock(&g_live_mu);
+    pthread_mutex_lock(&sched_live_mu);
     if (s->live_prev) s->live_prev->live_next = s->live_next;
-    else if (g_live == s) g_live = s->live_next;
+    else if (sched_live == s) sched_live = s->live_next;
     if (s->live_next) s->live_next->live_prev = s->live_prev;
     s->live_prev = s->live_next = NULL;
-    pthread_mutex_unlock(&g_live_mu);
+    pthread_mutex_unlock(&sched_live_mu);
 }
 
 /* marker context: which unit and which phase */
@@ -127,7 +71,7 @@ typedef struct {
 
 static void sched_retain(fsdp_sched *s) { atomic_fetch_add(&s->refcount, 1); }
 
-static void unit_clear(unit *u);
+void sched_unit_clear(unit *u);
 
 static void sched_release(fsdp_sched *s) {
     if (!s || atomic_fetch_sub(&s->refcount, 1) != 1) return;
@@ -136,7 +80,7 @@ static void sched_release(fsdp_sched *s) {
         if (s->pend[k].work) fsdp_work_free(s->pend[k].work);
         tensor_release(s->pend[k].reduced);
     }
-    for (int k = 0; k < s->n_units; k++) unit_clear(&s->units[k]);
+    for (int k = 0; k < s->n_units; k++) sched_unit_clear(&s->units[k]);
     free(s->units);
     free(s->order);
     free(s->fwd_order);
@@ -147,7 +91,7 @@ static void sched_release(fsdp_sched *s) {
     free(s);
 }
 
-static void unit_clear(unit *u) {
+void sched_unit_clear(unit *u) {
     if (u->slicer) {   /* views may outlive the schedule: they lose the slicer with it */
         if (u->full) u->full->storage->slicer = NULL;
         free(u->slicer);
@@ -168,7 +112,7 @@ static void unit_clear(unit *u) {
     free(u->prefetch_list[1]);
 }
 
-static fsdp_status check_unit(const char *op, fsdp_sched *s, int k) {
+fsdp_status sched_check_unit(const char *op, fsdp_sched *s, int k) {
     if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "%s: schedule is NULL", op);
     if (k < 0 || k >= s->n_units)
         return fsdp_set_error(FSDP_ERR_INVALID, "%s: unit %d out of range (the schedule has %d)", op, k, s->n_units);
@@ -176,7 +120,7 @@ static fsdp_status check_unit(const char *op, fsdp_sched *s, int k) {
 }
 
 /* The gradient shard of a trainable unit, made zeroed on first use. */
-static fsdp_status ensure_grad(fsdp_sched *s, unit *u) {
+fsdp_status sched_ensure_grad(fsdp_sched *s, unit *u) {
     if (u->grad || u->frozen) return FSDP_OK;
     return tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true);
 }
@@ -189,7 +133,7 @@ static fsdp_status ensure_grad(fsdp_sched *s, unit *u) {
  * running on the comm thread and write into the full buffer, so the unit
  * stays gathered with its work pending until a later wait sees it done
  * (after the REPL's rejoin). */
-static fsdp_status wait_gather(fsdp_sched *s, unit *u) {
+fsdp_status sched_wait_gather(fsdp_sched *s, unit *u) {
     if (!u->gather) return FSDP_OK;
     fsdp_status st = fsdp_work_wait(u->gather);
     if (st != FSDP_OK) {
@@ -215,7 +159,7 @@ static fsdp_status wait_gather(fsdp_sched *s, unit *u) {
 
 /* *t becomes its dtype (cast) or device (copy) in a new tensor; the old
  * reference is given back either way, *t is NULL on failure. */
-static fsdp_status convert_to(fsdp_tensor **t, int dtype, int device) {
+fsdp_status sched_convert_to(fsdp_tensor **t, int dtype, int device) {
     fsdp_tensor *n;
     fsdp_status r = device >= 0 ? fsdp_tensor_to_device(&n, *t, device) : tensor_from_f32(&n, *t, dtype);
     tensor_release(*t);
@@ -223,7 +167,7 @@ static fsdp_status convert_to(fsdp_tensor **t, int dtype, int device) {
     return r;
 }
 
-static void drop_secondary(unit *u) {
+void sched_drop_secondary(unit *u) {
     tensor_release(u->secondary);
     u->secondary = NULL;
 }
@@ -234,9 +178,9 @@ static void drop_secondary(unit *u) {
  * gather (a forward, its prefetch, an unshard on request) comes from the
  * masters, which an optimizer step may have changed since a part was kept
  * by a forward whose backward never came. */
-static fsdp_status issue_gather(fsdp_sched *s, unit *u, bool from_part) {
+fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
     if (u->gathered || s->direct) return FSDP_OK;   /* direct: the full buffer is the master */
-    if (!from_part) drop_secondary(u);
+    if (!from_part) sched_drop_secondary(u);
     fsdp_storage *st = u->full->storage;
     FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
     if (u->secondary) {   /* hpZ: the backward's gather comes from the group's kept parts */
@@ -262,8 +206,8 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u, bool from_part) {
      * shard group of one beside its master casts straight into the full
      * buffer below (fsdp_copy: one kernel, no staged copy) */
     bool cast_in_copy = s->local_one && s->shard_device == s->device;
-    if (s->compute_dtype != FSDP_F32 && !cast_in_copy) r = convert_to(&src, s->compute_dtype, -1);
-    if (r == FSDP_OK && s->shard_device != s->device) r = convert_to(&src, -1, s->device);
+    if (s->compute_dtype != FSDP_F32 && !cast_in_copy) r = sched_convert_to(&src, s->compute_dtype, -1);
+    if (r == FSDP_OK && s->shard_device != s->device) r = sched_convert_to(&src, -1, s->device);
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
         st->data = NULL;
@@ -286,9 +230,9 @@ static fsdp_status issue_gather(fsdp_sched *s, unit *u, bool from_part) {
     return FSDP_OK;
 }
 
-static fsdp_status gather_now(fsdp_sched *s, unit *u, bool from_part) {
-    FSDP_TRY(issue_gather(s, u, from_part));
-    return wait_gather(s, u);
+fsdp_status sched_gather_now(fsdp_sched *s, unit *u, bool from_part) {
+    FSDP_TRY(sched_issue_gather(s, u, from_part));
+    return sched_wait_gather(s, u);
 }
 
 /* hpZ, at the end of a forward whose backward comes: keep this rank's
@@ -296,7 +240,7 @@ static fsdp_status gather_now(fsdp_sched *s, unit *u, bool from_part) {
  * backward regathers within the group instead of the whole shard group. */
 static fsdp_status keep_secondary(fsdp_sched *s, unit *u) {
     if (!s->reshard_comm || !u->gathered || u->keep || u->secondary) return FSDP_OK;
-    FSDP_TRY(wait_gather(s, u));
+    FSDP_TRY(sched_wait_gather(s, u));
     int64_t n = u->padded / s->reshard_size, one = 1;
     fsdp_tensor *part = tensor_view(u->full, 1, &n, &one, u->full->offset + (int64_t)s->reshard_rank * n), *sec = NULL;
     if (!part) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
@@ -311,9 +255,9 @@ static fsdp_status keep_secondary(fsdp_sched *s, unit *u) {
     return FSDP_OK;
 }
 
-static fsdp_status reshard(fsdp_sched *s, unit *u) {
+fsdp_status sched_reshard_unit(fsdp_sched *s, unit *u) {
     if (!u->gathered) return FSDP_OK;
-    FSDP_TRY(wait_gather(s, u));
+    FSDP_TRY(sched_wait_gather(s, u));
     fsdp_storage *st = u->full->storage;
     fsdp_free(st->device, st->tag, st->data, st->nbytes);
     st->data = NULL;
@@ -339,9 +283,9 @@ static fsdp_status prefetch_as(fsdp_sched *s, int k, bool limited, bool from_par
         for (int i = 0; i < s->n_units; i++)
             if (s->units[i].gathered && !s->units[i].keep && counts_alone(&s->units[i])) transient++;
         if (limited && transient >= s->limit) return FSDP_OK;
-        FSDP_TRY(issue_gather(s, u, from_part));
+        FSDP_TRY(sched_issue_gather(s, u, from_part));
     }
-    return p ? issue_gather(s, p, from_part) : FSDP_OK;
+    return p ? sched_issue_gather(s, p, from_part) : FSDP_OK;
 }
 
 static fsdp_status prefetch(fsdp_sched *s, int k, bool from_part) { return prefetch_as(s, k, true, from_part); }
@@ -382,7 +326,7 @@ static fsdp_status link_grads(unit *u) {
     return FSDP_OK;
 }
 
-static void unlink_grads(unit *u) {
+void sched_unlink_grads(unit *u) {
     for (int i = 0; u->views && i < u->n_params; i++) {
         if (!u->views[i]) continue;
         tensor_release(u->views[i]->grad);
@@ -415,9 +359,9 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
         fsdp_tensor *g32 = q->reduced;
         tensor_retain(g32);
         /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
-        if (s->shard_device != s->device) r = convert_to(&g32, -1, s->shard_device);
-        if (r == FSDP_OK) r = convert_to(&g32, FSDP_F32, -1);
-        if (r == FSDP_OK) r = ensure_grad(s, u);
+        if (s->shard_device != s->device) r = sched_convert_to(&g32, -1, s->shard_device);
+        if (r == FSDP_OK) r = sched_convert_to(&g32, FSDP_F32, -1);
+        if (r == FSDP_OK) r = sched_ensure_grad(s, u);
         if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
         tensor_release(g32);
     }
@@ -433,7 +377,7 @@ static fsdp_status before_backward(void *p) {
     marker_ctx *m = p;
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
-    FSDP_TRY(gather_now(s, u, true));
+    FSDP_TRY(sched_gather_now(s, u, true));
     trace_unit_push("backward", u->name);
     /* each reduce-scatter in flight holds a full flat gradient and its
      * output: let at most one still run while this unit's backward starts;
@@ -442,7 +386,7 @@ static fsdp_status before_backward(void *p) {
     if (!u->flat_grad && !u->frozen) {   /* kept across micro-batches without sync */
         if (s->direct) {   /* gradients accumulate into the gradient shard itself */
             int64_t one = 1;
-            FSDP_TRY(ensure_grad(s, u));
+            FSDP_TRY(sched_ensure_grad(s, u));
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
         } else {
@@ -477,7 +421,7 @@ static fsdp_status after_backward(void *p) {
     unit *u = &s->units[m->unit];
     trace_unit_pop("backward", u->name);
     if (s->sync && u->flat_grad && s->direct) {   /* already in the gradient shard */
-        unlink_grads(u);
+        sched_unlink_grads(u);
         tensor_release(u->flat_grad);
         u->flat_grad = NULL;
         if (s->replica_comm && s->replica_size > 1) {
@@ -529,11 +473,11 @@ static fsdp_status after_backward(void *p) {
             return r;
         }
         s->pend[s->n_pend++] = (pending){m->unit, w, dst};
-        unlink_grads(u);
+        sched_unlink_grads(u);
         tensor_release(u->flat_grad);
         u->flat_grad = NULL;
     }
-    FSDP_TRY(reshard(s, u));
+    FSDP_TRY(sched_reshard_unit(s, u));
     if (s->backward_prefetch == FSDP_PREFETCH_BACKWARD_POST && u->n_prefetch[1] < 0) {
         int i = order_index(s->order, s->n_order, m->unit);
         if (i > 0) FSDP_TRY(prefetch(s, s->order[i - 1], true));
@@ -555,8 +499,8 @@ static fsdp_status finish_backward(void *p) {
      * can prefetch one that already ran) would keep values from before the
      * optimizer step: nothing stays gathered past a backward */
     for (int k = 0; k < s->n_units; k++) {
-        fsdp_status r = reshard(s, &s->units[k]);
-        drop_secondary(&s->units[k]);
+        fsdp_status r = sched_reshard_unit(s, &s->units[k]);
+        sched_drop_secondary(&s->units[k]);
         if (r != FSDP_OK && st == FSDP_OK) st = r;
     }
     return st;
@@ -575,12 +519,12 @@ static void finish_release(void *p) {
     for (int k = 0; k < s->n_units; k++) {
         unit *u = &s->units[k];
         if (u->flat_grad && s->sync) {
-            unlink_grads(u);
+            sched_unlink_grads(u);
             tensor_release(u->flat_grad);
             u->flat_grad = NULL;
         }
-        reshard(s, u);
-        drop_secondary(u);
+        sched_reshard_unit(s, u);
+        sched_drop_secondary(u);
     }
     s->finish_registered = false;
     sched_release(s);
@@ -602,83 +546,6 @@ static fsdp_status record_marker(fsdp_sched *s, int k, bool end) {
 static bool force_collectives(void) {
     const char *v = getenv("FSDP_FORCE_COLLECTIVES");
     return v && strcmp(v, "1") == 0;
-}
-
-/* ---- sliced units: gathered and reduced a slice at a time ---- */
-
-static fsdp_status slice_range(const fsdp_row_slicer *sl, int64_t lo, int64_t n, const char *op, unit **out) {
-    fsdp_sched *s = sl->sched;
-    unit *u = &s->units[sl->unit];
-    if (lo < 0 || n < 1 || lo + n > u->shard_n)
-        return fsdp_set_error(FSDP_ERR_INVALID, "%s(%s): slice [%lld, %lld) outside the shard of %lld elements", op,
-                              u->name, (long long)lo, (long long)(lo + n), (long long)u->shard_n);
-    *out = u;
-    return FSDP_OK;
-}
-
-/* Elements [lo, lo + n) of every rank's master shard, in the compute dtype,
- * rank after rank: one all-gather of n elements each. */
-static fsdp_status slice_gather(const fsdp_row_slicer *sl, int64_t lo, int64_t n, fsdp_tensor **out) {
-    fsdp_sched *s = sl->sched;
-    unit *u = NULL;
-    FSDP_TRY(slice_range(sl, lo, n, "slice gather", &u));
-    int64_t one = 1, total = n * s->shard_size;
-    fsdp_tensor *src = tensor_view(u->master, 1, &n, &one, u->master->offset + lo), *dst = NULL;
-    if (!src) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
-    if (s->direct) {   /* a world of one: the slice is a view of the master, nothing copied */
-        *out = src;
-        return FSDP_OK;
-    }
-    fsdp_status r = FSDP_OK;
-    if (s->compute_dtype != FSDP_F32) r = convert_to(&src, s->compute_dtype, -1);
-    if (r == FSDP_OK && s->shard_device != s->device) r = convert_to(&src, -1, s->device);
-    if (r == FSDP_OK) r = tensor_new(&dst, s->compute_dtype, 1, &total, s->device, FSDP_TAG_PARAM, false);
-    if (r == FSDP_OK) r = s->local_one ? fsdp_copy(dst, src) : fsdp_all_gather(NULL, s->shard_comm, dst, src, u->name);
-    tensor_release(src);
-    if (r != FSDP_OK) {
-        tensor_release(dst);
-        return r;
-    }
-    *out = dst;
-    return FSDP_OK;
-}
-
-/* g (shard_size * n, f32) reduce-scattered (averaged) at once; this rank's
- * n elements are added into its gradient shard at lo. */
-static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n, fsdp_tensor *g) {
-    fsdp_sched *s = sl->sched;
-    unit *u = NULL;
-    FSDP_TRY(slice_range(sl, lo, n, "slice reduce", &u));
-    if (u->frozen) return FSDP_OK;
-    if (tensor_numel(g) != n * s->shard_size || g->dtype != FSDP_F32)
-        return fsdp_set_error(FSDP_ERR_SHAPE, "slice reduce(%s): %lld elements of %s, expected %lld of f32", u->name,
-                              (long long)tensor_numel(g), fsdp_dtype_name(g->dtype), (long long)(n * s->shard_size));
-    int64_t one = 1, total = n * s->shard_size;
-    fsdp_tensor *src = tensor_is_contiguous(g) ? tensor_view(g, 1, &total, &one, g->offset) : NULL, *dst = NULL;
-    if (!src) return fsdp_set_error(FSDP_ERR_INVALID, "slice reduce(%s): the gradient must be contiguous", u->name);
-    /* a world of one: straight into the gradient shard (with replicas, no_shard, the slice is averaged
-     * across them first, below: a sliced unit has no backward end of its own to all-reduce its shard at) */
-    if (s->direct && !(s->replica_comm && s->replica_size > 1)) {
-        fsdp_status r = ensure_grad(s, u);
-        if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(src), 1.0f, n);
-        tensor_release(src);
-        return r;
-    }
-    fsdp_status r = FSDP_OK;
-    if (s->reduce_dtype != FSDP_F32) r = convert_to(&src, s->reduce_dtype, -1);
-    if (r == FSDP_OK) r = tensor_new(&dst, s->reduce_dtype, 1, &n, s->device, FSDP_TAG_COMM, false);
-    if (r == FSDP_OK)
-        r = s->local_one ? fsdp_copy(dst, src)
-                         : fsdp_reduce_scatter(NULL, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
-    tensor_release(src);
-    if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
-        r = fsdp_all_reduce(NULL, s->replica_comm, dst, FSDP_REDUCE_AVG, u->name);
-    if (r == FSDP_OK && s->shard_device != s->device) r = convert_to(&dst, -1, s->shard_device);
-    if (r == FSDP_OK) r = convert_to(&dst, FSDP_F32, -1);
-    if (r == FSDP_OK) r = ensure_grad(s, u);
-    if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(dst), 1.0f, n);
-    tensor_release(dst);
-    return r;
 }
 
 /* ---- public ---- */
@@ -755,7 +622,7 @@ fsdp_status fsdp_sched_free(fsdp_sched *s) {
 }
 
 /* align: the padded buffer is a multiple of N * align elements */
-static fsdp_status add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
+fsdp_status sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                             int64_t align, int *index) {
     if (!s || !index || n_params < 0 || (n_params > 0 && !numels))
         return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_add_unit: bad arguments");
@@ -777,18 +644,18 @@ static fsdp_status add_unit(fsdp_sched *s, const char *name, int n_params, const
     u->numels = calloc((size_t)(n_params ? n_params : 1), sizeof(int64_t));
     u->offsets = calloc((size_t)(n_params ? n_params : 1), sizeof(int64_t));
     if (!u->numels || !u->offsets) {
-        unit_clear(u);
+        sched_unit_clear(u);
         return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_add_unit: out of host memory");
     }
     int64_t total = 0;
     for (int i = 0; i < n_params; i++) {
         if (numels[i] < 0) {
-            unit_clear(u);
+            sched_unit_clear(u);
             return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_sched_add_unit(%s): parameter %d has %lld elements", u->name, i,
                                   (long long)numels[i]);
         }
         if (numels[i] > INT64_MAX / 8 - total) {
-            unit_clear(u);
+            sched_unit_clear(u);
             return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_sched_add_unit(%s): %d parameters add up to more elements "
                                   "than a buffer can hold", u->name, n_params);
         }
@@ -815,7 +682,7 @@ static fsdp_status add_unit(fsdp_sched *s, const char *name, int n_params, const
         st = tensor_new(&u->full, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_PARAM, false);
     }
     if (st != FSDP_OK) {
-        unit_clear(u);
+        sched_unit_clear(u);
         return st;
     }
     if (!s->direct) {   /* the full buffer starts resharded: keep the storage object, drop its data */
@@ -829,38 +696,14 @@ static fsdp_status add_unit(fsdp_sched *s, const char *name, int n_params, const
 
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                                 int *index) {
-    return add_unit(s, name, n_params, numels, keep, 1, index);
-}
-
-fsdp_status fsdp_sched_add_sliced_unit(fsdp_sched *s, const char *name, int64_t numel, int64_t row, int *index) {
-    if (!s || !index) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_add_sliced_unit: NULL argument");
-    if (row < 1 || numel < 1 || numel % row != 0)
-        return fsdp_set_error(FSDP_ERR_SHAPE, "fsdp_sched_add_sliced_unit(%s): %lld elements are not whole rows of "
-                              "%lld", name ? name : "unit", (long long)numel, (long long)row);
-    if (s->shard_device != s->device)
-        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "fsdp_sched_add_sliced_unit(%s): not with shards offloaded to "
-                              "the %s", name ? name : "unit", fsdp_device_name(s->shard_device));
-    int k;
-    FSDP_TRY(add_unit(s, name, 1, &numel, 0, row, &k));
-    unit *u = &s->units[k];
-    u->slicer = calloc(1, sizeof *u->slicer);
-    if (!u->slicer) {
-        unit_clear(u);
-        s->n_units--;
-        return fsdp_set_error(FSDP_ERR_OOM, "fsdp_sched_add_sliced_unit: out of host memory");
-    }
-    *u->slicer = (fsdp_row_slicer){.gather = slice_gather, .reduce = slice_reduce, .sched = s, .unit = k,
-                                   .blocks = s->shard_size, .shard_n = u->shard_n};
-    u->full->storage->slicer = u->slicer;
-    *index = k;
-    return FSDP_OK;
+    return sched_add_unit(s, name, n_params, numels, keep, 1, index);
 }
 
 fsdp_status fsdp_unit_set_frozen(fsdp_sched *s, int k, int owner) {
-    FSDP_TRY(check_unit("fsdp_unit_set_frozen", s, k));
+    FSDP_TRY(sched_check_unit("fsdp_unit_set_frozen", s, k));
     unit *u = &s->units[k];
     if (owner != -1) {
-        FSDP_TRY(check_unit("fsdp_unit_set_frozen (owner)", s, owner));
+        FSDP_TRY(sched_check_unit("fsdp_unit_set_frozen (owner)", s, owner));
         unit *o = &s->units[owner];
         if (owner == k || o->frozen || o->partner >= 0)
             return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_frozen(%s): owner %s must be another unit, "
@@ -888,7 +731,7 @@ fsdp_status fsdp_unit_set_frozen(fsdp_sched *s, int k, int owner) {
 
 fsdp_status fsdp_unit_info(fsdp_sched *s, int k, int64_t *total, int64_t *padded, int64_t *shard_numel,
                            int64_t *shard_offset) {
-    FSDP_TRY(check_unit("fsdp_unit_info", s, k));
+    FSDP_TRY(sched_check_unit("fsdp_unit_info", s, k));
     unit *u = &s->units[k];
     if (total) *total = u->total;
     if (padded) *padded = u->padded;
@@ -898,9 +741,9 @@ fsdp_status fsdp_unit_info(fsdp_sched *s, int k, int64_t *total, int64_t *padded
 }
 
 fsdp_status fsdp_unit_shard(fsdp_sched *s, int k, fsdp_tensor **master, fsdp_tensor **grad) {
-    FSDP_TRY(check_unit("fsdp_unit_shard", s, k));
+    FSDP_TRY(sched_check_unit("fsdp_unit_shard", s, k));
     unit *u = &s->units[k];
-    if (grad) FSDP_TRY(ensure_grad(s, u));
+    if (grad) FSDP_TRY(sched_ensure_grad(s, u));
     if (master) {
         tensor_retain(u->master);
         *master = u->master;
@@ -913,7 +756,7 @@ fsdp_status fsdp_unit_shard(fsdp_sched *s, int k, fsdp_tensor **master, fsdp_ten
 }
 
 fsdp_status fsdp_unit_param(fsdp_sched *s, int k, int i, int ndim, const int64_t *shape, fsdp_tensor **out) {
-    FSDP_TRY(check_unit("fsdp_unit_param", s, k));
+    FSDP_TRY(sched_check_unit("fsdp_unit_param", s, k));
     unit *u = &s->units[k];
     char sb[160];
     if (i < 0 || i >= u->n_params)
@@ -955,9 +798,9 @@ static int grad_is_enabled(void) {
 }
 
 fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
-    FSDP_TRY(check_unit("fsdp_unit_pre_forward", s, k));
+    FSDP_TRY(sched_check_unit("fsdp_unit_pre_forward", s, k));
     unit *u = &s->units[k];
-    FSDP_TRY(ensure_grad(s, u));
+    FSDP_TRY(sched_ensure_grad(s, u));
     u->used = true;
     if (k == 0) {   /* the root starts a new forward */
         s->n_order = 0;
@@ -968,18 +811,18 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
      * backward may hold values from before an optimizer step: regather
      * (not when this is the recomputation of this step's forward) */
     bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
-    if (u->keep && u->gathered && !u->flat_grad && !replay) FSDP_TRY(reshard(s, u));
+    if (u->keep && u->gathered && !u->flat_grad && !replay) FSDP_TRY(sched_reshard_unit(s, u));
     /* a part kept by a forward whose backward never came is stale (an
      * optimizer step may have come since): a new forward drops them all */
     if (!replay && k == 0)
-        for (int i = 0; i < s->n_units; i++) drop_secondary(&s->units[i]);
-    if (!replay) drop_secondary(u);
+        for (int i = 0; i < s->n_units; i++) sched_drop_secondary(&s->units[i]);
+    if (!replay) sched_drop_secondary(u);
     if (grad && k == 0 && !s->finish_registered) {
         sched_retain(s);
         FSDP_TRY(tape_on_finish(finish_backward, s, finish_release));
         s->finish_registered = true;
     }
-    FSDP_TRY(gather_now(s, u, replay));
+    FSDP_TRY(sched_gather_now(s, u, replay));
     trace_unit_push("forward", u->name);
     /* forward prefetch: the units listed for it, else the one that came after it last time */
     bool listed;
@@ -997,7 +840,7 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
 }
 
 fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
-    FSDP_TRY(check_unit("fsdp_unit_post_forward", s, k));
+    FSDP_TRY(sched_check_unit("fsdp_unit_post_forward", s, k));
     unit *u = &s->units[k];
     trace_unit_pop("forward", u->name);
     bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
@@ -1008,137 +851,6 @@ fsdp_status fsdp_unit_post_forward(fsdp_sched *s, int k) {
      * them; a recomputed unit's backward comes right after its replay */
     bool backward_comes = grad || s->recompute == FSDP_RECOMPUTE_FORWARD;
     if (!replay && backward_comes) FSDP_TRY(keep_secondary(s, u));
-    if (!replay && (!u->keep || !backward_comes)) FSDP_TRY(reshard(s, u));
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_unit_unshard(fsdp_sched *s, int k) {
-    FSDP_TRY(check_unit("fsdp_unit_unshard", s, k));
-    return gather_now(s, &s->units[k], false);
-}
-
-fsdp_status fsdp_unit_reshard(fsdp_sched *s, int k) {
-    FSDP_TRY(check_unit("fsdp_unit_reshard", s, k));
-    drop_secondary(&s->units[k]);
-    return reshard(s, &s->units[k]);
-}
-
-/* After ranks were brought back in step (the REPL's rejoin) every
- * schedule starts from its shards on every rank: a chunk that failed on
- * some ranks may have left units gathered, gathers issued or hpZ parts kept
- * there only. A gather that the rejoin cancelled is done (failed) and just
- * freed; one that is still running keeps its unit gathered and is named. */
-fsdp_status fsdp_sched_reshard_all(void) {
-    fsdp_status first = FSDP_OK;
-    char msg[512] = "";
-    pthread_mutex_lock(&g_live_mu);
-    for (fsdp_sched *s = g_live; s; s = s->live_next)
-        for (int k = 0; k < s->n_units; k++) {
-            unit *u = &s->units[k];
-            drop_secondary(u);
-            (void)reshard(s, u);   /* a cancelled gather's error is expected */
-            if (u->gathered && first == FSDP_OK) {
-                first = FSDP_ERR_STATE;
-                snprintf(msg, sizeof msg, "unit %s: its gather is still running (%s)", u->name, fsdp_last_error());
-            }
-        }
-    pthread_mutex_unlock(&g_live_mu);
-    if (first != FSDP_OK) return fsdp_set_error(first, "fsdp_sched_reshard_all: %s", msg);
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_sched_set_reshard_group(fsdp_sched *s, fsdp_comm *group) {
-    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_reshard_group: schedule is NULL");
-    int rank = 0, size = 0;
-    if (group) FSDP_TRY(fsdp_comm_info(group, &rank, &size));
-    if (group && (size < 1 || s->shard_size % size != 0))
-        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_reshard_group: a group of %d ranks does not divide "
-                              "the shard group of %d (rank %d of it)", size, s->shard_size, s->shard_rank);
-    for (int k = 0; k < s->n_units; k++)
-        if (s->units[k].secondary || s->units[k].gathered)
-            return fsdp_set_error(FSDP_ERR_STATE, "fsdp_sched_set_reshard_group: unit %s is gathered or keeps a part "
-                                  "for its backward; change the group between steps", s->units[k].name);
-    fsdp_comm *dup = NULL;
-    if (group) FSDP_TRY(comm_dup(&dup, group));
-    if (s->reshard_comm) fsdp_comm_free(s->reshard_comm);
-    s->reshard_comm = dup;
-    s->reshard_rank = rank;
-    s->reshard_size = size;
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_unit_unshard_async(fsdp_sched *s, int k) {
-    FSDP_TRY(check_unit("fsdp_unit_unshard_async", s, k));
-    return issue_gather(s, &s->units[k], false);
-}
-
-fsdp_status fsdp_unit_wait(fsdp_sched *s, int k) {
-    FSDP_TRY(check_unit("fsdp_unit_wait", s, k));
-    return wait_gather(s, &s->units[k]);
-}
-
-fsdp_status fsdp_unit_set_prefetch(fsdp_sched *s, int k, int backward, int n, const int *units) {
-    FSDP_TRY(check_unit("fsdp_unit_set_prefetch", s, k));
-    unit *u = &s->units[k];
-    const char *phase = backward ? "backward" : "forward";
-    if (backward != 0 && backward != 1)
-        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s): phase %d (expected 0 forward, 1 "
-                              "backward)", u->name, backward);
-    if (n < -1 || (n > 0 && !units))
-        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s, %s): %d units%s", u->name, phase, n,
-                              n > 0 ? " but no list" : " (expected a count >= 0, or -1 for the default)");
-    for (int i = 0; i < n; i++) {
-        if (units[i] < 0 || units[i] >= s->n_units)
-            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s, %s): unit %d is not in the "
-                                  "schedule (it has %d units)", u->name, phase, units[i], s->n_units);
-        if (units[i] == k)
-            return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_unit_set_prefetch(%s, %s): a unit cannot prefetch itself",
-                                  u->name, phase);
-    }
-    int *list = NULL;
-    if (n > 0) {
-        list = malloc((size_t)n * sizeof *list);
-        if (!list) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_unit_set_prefetch: out of host memory");
-        memcpy(list, units, (size_t)n * sizeof *list);
-    }
-    free(u->prefetch_list[backward]);
-    u->prefetch_list[backward] = list;
-    u->n_prefetch[backward] = n;
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_sched_set_recompute(fsdp_sched *s, fsdp_recompute_mode mode) {
-    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_recompute: schedule is NULL");
-    if (mode < FSDP_RECOMPUTE_NONE || mode > FSDP_RECOMPUTE_REPLAY)
-        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_recompute: mode %d (expected 0, 1 or 2)", mode);
-    s->recompute = mode;
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_sched_set_sync(fsdp_sched *s, int sync) {
-    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_sync: schedule is NULL");
-    s->sync = sync != 0;
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_sched_zero_grad(fsdp_sched *s) {
-    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_zero_grad: schedule is NULL");
-    for (int k = 0; k < s->n_units; k++) {
-        unit *u = &s->units[k];
-        if (u->flat_grad) {
-            unlink_grads(u);
-            tensor_release(u->flat_grad);
-            u->flat_grad = NULL;
-        }
-        if (u->grad) FSDP_TRY(fsdp_fill(u->grad, 0.0));
-    }
-    return FSDP_OK;
-}
-
-fsdp_status fsdp_sched_stats(fsdp_sched *s, int *gathered_now, int *gathered_peak, int reset) {
-    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_stats: schedule is NULL");
-    if (gathered_now) *gathered_now = s->n_gathered;
-    if (gathered_peak) *gathered_peak = s->peak_gathered;
-    if (reset) s->peak_gathered = s->n_gathered;
+    if (!replay && (!u->keep || !backward_comes)) FSDP_TRY(sched_reshard_unit(s, u));
     return FSDP_OK;
 }

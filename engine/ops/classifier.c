@@ -22,8 +22,6 @@ typedef struct {
     int64_t rows, n_slices;         /* rows per run of a full slice */
 } table_slices;
 
-static float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
-
 /* The checks every chunked op makes: the table (n = 0) may be a sliced
  * unit's resharded parameter, the other tensors must hold data. */
 static fsdp_status check_args(const char *op, void *out, int n, const char *const *names, fsdp_tensor *const *ts,

@@ -157,4 +157,31 @@ static inline fsdp_node *op_record(fsdp_status *st, const char *op, fsdp_backwar
     return node;
 }
 
+/* A tensor's data as float *, NULL for none. */
+static inline float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
+
+/* The common tail of every forward: converts the f32 result r to dtype,
+ * records the node when the tape wants it and moves saved[] into it (they
+ * are released when nothing is recorded). Takes r and saved[] on every
+ * path. *node_out (optional) is the node, or NULL when not recorded. */
+static inline fsdp_status op_done(fsdp_tensor **out, fsdp_node **node_out, fsdp_tensor *r, int dtype, const char *name,
+                                  fsdp_backward_fn fn, int n_in, fsdp_tensor *const *in, int n_saved,
+                                  fsdp_tensor *const *saved) {
+    fsdp_tensor *res = NULL;
+    fsdp_node *node = NULL;
+    fsdp_status st = op_finish(&res, r, dtype);
+    if (st == FSDP_OK) node = op_record(&st, name, fn, n_in, in, 1, &res);
+    for (int i = 0; i < n_saved; i++) {
+        if (node) node->saved[i] = saved[i];
+        else tensor_release(saved[i]);
+    }
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    if (node_out) *node_out = node;
+    *out = res;
+    return FSDP_OK;
+}
+
 #endif

@@ -1,0 +1,90 @@
+/* sched_internal.h: the schedule's state, shared by sched.c (units, the
+ * FSDP schedule) and sched_slice.c (sliced units). */
+#ifndef FSDP_SCHED_INTERNAL_H
+#define FSDP_SCHED_INTERNAL_H
+
+#include "ops_util.h"
+#include "comm_internal.h"
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+typedef struct unit {
+    char name[128];
+    int n_params;
+    int64_t *numels, *offsets;     /* (n_params) */
+    int64_t total, padded, shard_n, shard_off;
+    bool keep;                     /* stays gathered from forward to backward */
+    bool frozen;                   /* no gradient: no grad shard, no flat gradient, no reduce-scatter */
+    int partner;                   /* the other unit of the same module (trainable <-> frozen), or -1 */
+    bool used;                     /* has run a forward (then it can no longer be frozen) */
+    fsdp_tensor *master;           /* (shard_n) f32, tag param */
+    fsdp_tensor *grad;             /* (shard_n) f32, tag grad; NULL when frozen */
+    fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
+    fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
+    bool gathered;                 /* data allocated and its gather issued */
+    fsdp_work *gather;             /* in flight, or NULL */
+    fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
+    fsdp_tensor *secondary;        /* (padded / G) compute dtype, tag param: this rank's part of the unit kept
+                                      from forward to backward for a gather within a group of G (hpZ), or NULL */
+    int *prefetch_list[2];         /* explicit prefetch when forward [0] / backward [1] starts, or NULL */
+    int n_prefetch[2];             /* their lengths; -1: the default (the last forward's order) */
+    fsdp_row_slicer *slicer;       /* a sliced unit: read and reduced by slices (set on full's storage), or NULL */
+} unit;
+
+typedef struct pending {
+    int unit;
+    fsdp_work *work;
+    fsdp_tensor *reduced;          /* (shard_n) reduce dtype; NULL for an all-reduce in place (direct) */
+} pending;
+
+struct fsdp_sched {
+    atomic_int refcount;
+    fsdp_comm *shard_comm, *replica_comm;
+    fsdp_comm *reshard_comm;       /* hpZ: the backward regathers within this subgroup of the shard group, or NULL */
+    int reshard_rank, reshard_size;
+    int shard_rank, shard_size, replica_size;
+    bool local_one;                /* a shard group of one copies locally (unless FSDP_FORCE_COLLECTIVES=1) */
+    int device;                    /* where gathered buffers and gradients during backward live */
+    int shard_device;              /* where master and gradient shards live: device, or the CPU (offload) */
+    int compute_dtype, reduce_dtype;
+    int backward_prefetch, forward_prefetch, limit;
+    bool sync;
+    int recompute;                 /* FSDP_RECOMPUTE_*: the forward hooks' context */
+    bool direct;                   /* a shard group of one: views of the masters, no gathers, gradients
+                                      straight into the gradient shard, all-reduced there across replicas
+                                      (fsdp_sched_set_direct) */
+    unit *units;
+    int n_units, cap_units;
+    int *order;                    /* units in the order of their last post_forward */
+    int n_order;
+    int *fwd_order;                /* units in the order of their last pre_forward */
+    int n_fwd_order, fwd_pos;
+    int n_gathered, peak_gathered;
+    pending *pend;
+    int n_pend, cap_pend;
+    bool finish_registered;
+    struct fsdp_sched *live_prev, *live_next;   /* the live schedules (fsdp_sched_reshard_all) */
+};
+
+/* *t becomes its dtype (cast) or device (copy) in a new tensor. */
+fsdp_status sched_convert_to(fsdp_tensor **t, int dtype, int device);
+/* The gradient shard of a trainable unit, made zeroed on first use. */
+fsdp_status sched_ensure_grad(fsdp_sched *s, unit *u);
+fsdp_status sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
+                           int64_t row, int *index);
+void sched_unit_clear(unit *u);
+
+/* sched.c's pieces that sched_control.c (unshard on request, resharding,
+ * FSDP2 controls, settings) builds on */
+extern pthread_mutex_t sched_live_mu;   /* guards sched_live */
+extern struct fsdp_sched *sched_live;   /* every schedule not yet freed */
+fsdp_status sched_check_unit(const char *op, fsdp_sched *s, int k);
+fsdp_status sched_wait_gather(fsdp_sched *s, unit *u);
+fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part);
+fsdp_status sched_gather_now(fsdp_sched *s, unit *u, bool from_part);
+fsdp_status sched_reshard_unit(fsdp_sched *s, unit *u);
+void sched_drop_secondary(unit *u);
+void sched_unlink_grads(unit *u);
+
+#endif
