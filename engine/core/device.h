@@ -128,6 +128,18 @@ typedef struct fsdp_device_kernels {
     void (*attention_qkv_backward_bf16)(uint16_t *dqkv, float *dprobs, uint16_t *dscores, const uint16_t *dout,
                                         const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,
                                         int64_t D, int causal, float scale);
+    /* Fused (flash-style) attention on the tensor cores from the same packed
+     * qkv: no (T, T) buffer at all. The forward writes out (B, T, C) bf16 and
+     * lse (B, H, T) f32 (log sum exp of the scaled scores of each query row);
+     * the backward recomputes the scores tile by tile from qkv and lse,
+     * writes all of dqkv (B, T, 3C) bf16, and uses drow (B, H, T) f32,
+     * scratch the caller provides, for dO . O. Optional; takes only the shapes
+     * attention_flash_covers accepts, with 16-byte aligned bf16 buffers. */
+    void (*attention_flash_forward_bf16)(uint16_t *out, float *lse, const uint16_t *qkv, int64_t B, int64_t H,
+                                         int64_t T, int64_t D, int causal, float scale);
+    void (*attention_flash_backward_bf16)(uint16_t *dqkv, float *drow, const uint16_t *dout, const uint16_t *qkv,
+                                          const uint16_t *out, const float *lse, int64_t B, int64_t H, int64_t T,
+                                          int64_t D, int causal, float scale);
     /* cross-entropy on bf16 logits (optional): losses and lse f32, dlogits bf16 */
     int64_t (*cross_entropy_forward_bf16)(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
                                           int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
@@ -197,6 +209,16 @@ typedef struct fsdp_device_kernels {
     void (*embedding_backward_acc_bf16)(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
                                         int64_t dim);
 } fsdp_device_kernels;
+
+/* The shapes of attention_flash_*_bf16: head dim D a multiple of 16 up to
+ * 128, any T, B, H >= 1, with element offsets within int64 and at most
+ * 2^31 - 1 blocks of 64 rows. */
+static inline int attention_flash_covers(int64_t B, int64_t H, int64_t T, int64_t D) {
+    if (B < 1 || H < 1 || T < 1 || D < 16 || D > 128 || D % 16 != 0) return 0;
+    if (B > INT64_MAX / H / T / (3 * D)) return 0;
+    int64_t tiles = (T + 63) / 64;
+    return H <= INT32_MAX / tiles && B <= INT32_MAX / tiles / H;
+}
 
 /* The table of a device, or NULL when it is not built or has no hardware. */
 const fsdp_device_kernels *device_kernels(int device);

@@ -422,6 +422,12 @@ void cuda_attention_qkv_forward_bf16(uint16_t *out, uint16_t *probs, float *scor
 void cuda_attention_qkv_backward_bf16(uint16_t *dqkv, float *dprobs, uint16_t *dscores, const uint16_t *dout,
                                       const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,
                                       int64_t D, int causal, float scale);
+/* cuda_attention_flash.cu */
+void cuda_attention_flash_forward_bf16(uint16_t *out, float *lse, const uint16_t *qkv, int64_t B, int64_t H,
+                                       int64_t T, int64_t D, int causal, float scale);
+void cuda_attention_flash_backward_bf16(uint16_t *dqkv, float *drow, const uint16_t *dout, const uint16_t *qkv,
+                                        const uint16_t *out, const float *lse, int64_t B, int64_t H, int64_t T,
+                                        int64_t D, int causal, float scale);
 void cuda_cross_entropy_rows_f32(float *losses, float *lse, const float *logits, const int64_t *targets, int64_t N,
                                  int64_t V, int64_t valid_v, int64_t ignore_index);
 void cuda_cross_entropy_rows_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets, int64_t N,

@@ -89,6 +89,15 @@ static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight
     return n + 2;
 }
 
+/* Rows of K and V the flash attention (cuda_attention_flash.cu) reads: each
+ * query tile of 64 rows walks the key tiles up to its diagonal (causal) or
+ * all of them; the backward's dQ kernel walks the same, its dK, dV kernel
+ * walks the query tiles from its diagonal on (or all): as many rows. */
+static int64_t flash_walked_rows(int64_t T, int causal) {
+    int64_t n = (T + 63) / 64;
+    return causal ? 32 * n * (n - 1) + T : n * T;
+}
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -262,6 +271,21 @@ static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight
       BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T,                                               \
       BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D,  \
       6, 0, )                                                                                                     \
+    /* fused flash attention (cuda_attention_flash.cu): q once and k, v once per query tile walked (the      \
+     * recompute reads); the backward: dO . O, then the dK, dV kernel (k, v once, q, dO, lse, drow per key   \
+     * tile walked) and the dQ kernel (q, dO, lse, drow once, k, v per query tile walked). FLOPs: the        \
+     * model's, as the GEMM path counts them; the backward computes the scores and dP twice (once per        \
+     * kernel), which tools/gpu_model.lua prices */                                                        \
+    X(void, attention_flash_forward_bf16, "attention_bf16", (uint16_t *out, float *lse, const uint16_t *qkv,   \
+      int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                                     \
+      BF16 * B * H * D * (T + 2 * flash_walked_rows(T, causal)), BF16 * B * H * T * D + F32 * B * H * T,        \
+      (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )                                                            \
+    X(void, attention_flash_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *drow,                    \
+      const uint16_t *dout, const uint16_t *qkv, const uint16_t *out, const float *lse, int64_t B, int64_t H,  \
+      int64_t T, int64_t D, int causal, float scale),                                                          \
+      B * H * (BF16 * 2 * T * D + BF16 * 2 * T * D + flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32) +  \
+      BF16 * 2 * T * D + 2 * F32 * T + flash_walked_rows(T, causal) * BF16 * 2 * D),                \
+      B * H * (F32 * T + BF16 * 3 * T * D), (causal ? 4 : 8) * B * H * T * T * D, 3, 0, )                      \
     X(void, classifier_lse_f32, "loss", (float *m, float *s, float *tlogit, const float *logits,                \
       const int64_t *targets, int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,   \
       int64_t valid_v, int64_t ignore_index), F32 * N * blocks * block_rows + 8 * N + 3 * F32 * N, 3 * F32 * N,     \

@@ -23,7 +23,8 @@
  *   activations, softmax, norms, cross-entropy: rtol 1e-5, atol 1e-6 (the
  *   GPU's expf is within 2 ulp, glibc's within 1; norm weight gradients sum
  *   rows in another order: atol 1e-5).
- *   attention: rtol 1e-4, atol 1e-4 (flash tiling and exp differ).
+ *   attention: rtol 1e-4, atol 1e-4 (flash tiling and exp differ); the bf16
+ *   packed and flash attention: see their tests.
  *   normal init: within 4 ulp (cuda_internal.h: equal but where glibc's
  *   logf/cosf are not correctly rounded, ~0.8% of values, <= 3 ulp).
  * Outputs start as NaN on both sides, so a skipped element fails.
@@ -1217,6 +1218,159 @@ static void test_attention_qkv(void) {
         }
 }
 
+/* Flash attention (cuda_attention_flash.cu) against attention in double
+ * precision on the same bf16 values, and against the GEMM path above.
+ * Tolerance (bf16): P is rounded to bf16 (2^-9 relative) before P V and
+ * every result once more, so
+ *   out:  |err| <= 2^-8 (|want| + max|v|)  (twice the bound: f32 sums)
+ *   lse:  |err| <= 2^-8                    (l sums the rounded P: 2^-9)
+ *   dq, dk, dv: |err| <= 2^-6 (|want| + max|want|)  (dS rounded to bf16, O
+ *   to bf16 in Drow = dO . O, then sums of them; as the GEMM path's bound)
+ * A wrong mask, index or transpose is off by O(1). The GEMM path and the
+ * flash path agree within the sum of their bounds, and the flash backward
+ * repeats bit for bit (no atomics). */
+static void ref_attention(double *o, double *lse, double *dq, double *dk, double *dv, const float *q, const float *k,
+                          const float *v, const float *dout, int64_t BH, int64_t T, int64_t D, int causal,
+                          double scale) {   /* (BH, T, D) each; lse (BH, T) */
+    double *p = malloc((size_t)T * sizeof(double)), *dp = malloc((size_t)T * sizeof(double));
+    for (int64_t i = 0; i < BH * T * D; i++) dq[i] = dk[i] = dv[i] = 0.0;
+    for (int64_t bh = 0; bh < BH; bh++) {
+        const float *Q = q + bh * T * D, *K = k + bh * T * D, *V = v + bh * T * D, *dO = dout + bh * T * D;
+        double *O = o + bh * T * D, *dQ = dq + bh * T * D, *dK = dk + bh * T * D, *dV = dv + bh * T * D;
+        for (int64_t i = 0; i < T; i++) {
+            int64_t seen = causal ? i + 1 : T;
+            double mx = -INFINITY, sum = 0.0, drow = 0.0;
+            for (int64_t j = 0; j < seen; j++) {
+                double s = 0.0;
+                for (int64_t d = 0; d < D; d++) s += (double)Q[i * D + d] * K[j * D + d];
+                p[j] = scale * s;
+                if (p[j] > mx) mx = p[j];
+            }
+            for (int64_t j = 0; j < seen; j++) sum += (p[j] = exp(p[j] - mx));
+            lse[bh * T + i] = mx + log(sum);
+            for (int64_t d = 0; d < D; d++) {
+                double acc = 0.0;
+                for (int64_t j = 0; j < seen; j++) acc += p[j] / sum * V[j * D + d];
+                O[i * D + d] = acc;
+            }
+            for (int64_t j = 0; j < seen; j++) {
+                p[j] /= sum;
+                double x = 0.0;
+                for (int64_t d = 0; d < D; d++) x += (double)dO[i * D + d] * V[j * D + d];
+                dp[j] = x;
+                drow += p[j] * x;
+            }
+            for (int64_t j = 0; j < seen; j++) {
+                double ds = scale * p[j] * (dp[j] - drow);
+                for (int64_t d = 0; d < D; d++) {
+                    dQ[i * D + d] += ds * K[j * D + d];
+                    dK[j * D + d] += ds * Q[i * D + d];
+                    dV[j * D + d] += p[j] * dO[i * D + d];
+                }
+            }
+        }
+    }
+    free(p);
+    free(dp);
+}
+
+static float *to_f32(const double *x, int64_t n) {
+    float *y = halloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) y[i] = (float)x[i];
+    return y;
+}
+
+static double max_abs(const float *x, int64_t n) {
+    double m = 0.0;
+    for (int64_t i = 0; i < n; i++) m = fabs(x[i]) > m ? fabs(x[i]) : m;
+    return m;
+}
+
+static void test_attention_flash(void) {
+    test_check(G->attention_flash_forward_bf16 && G->attention_flash_backward_bf16, "CUDA has the flash attention");
+    if (!G->attention_flash_forward_bf16 || !G->attention_flash_backward_bf16) return;
+    /* shapes: covered and not */
+    test_check(attention_flash_covers(1, 1, 1, 16) && attention_flash_covers(3, 5, 1000003, 128) &&
+                   attention_flash_covers(1, 1, 17, 80),
+               "flash covers D = 16, 80, 128 and any T");
+    test_check(!attention_flash_covers(1, 1, 17, 8) && !attention_flash_covers(1, 1, 17, 72) &&
+                   !attention_flash_covers(1, 1, 17, 144) && !attention_flash_covers(0, 1, 17, 64) &&
+                   !attention_flash_covers(1, 1, 0, 64) && !attention_flash_covers((int64_t)1 << 30, 64, 1 << 12, 64),
+               "flash refuses D = 8, 72, 144, an empty batch or sequence, more than 2^31 - 1 blocks");
+    int64_t cs[][4] = {{1, 1, 1, 16}, {1, 3, 17, 16}, {3, 1, 127, 64}, {1, 1, 65, 80}, {1, 2, 33, 128},
+                       BIG({2, 4, 257, 64}, {2, 12, 1024, 64})};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+        for (int causal = 0; causal < 2; causal++) {
+            int64_t B = cs[i][0], H = cs[i][1], T = cs[i][2], D = cs[i][3], C = H * D, n = B * H * T * D;
+            int64_t nqkv = B * T * 3 * C, nl = B * H * T, ntt = B * H * T * T;
+            float scale = 1.0f / sqrtf((float)D);
+            uint16_t *qkv = bf16_rand(nqkv), *dout16 = bf16_rand(B * T * C);
+            float *q = halloc((size_t)n * 4), *k = halloc((size_t)n * 4), *v = halloc((size_t)n * 4);
+            float *dout = halloc((size_t)n * 4);
+            unpack_heads(q, qkv, B, H, T, D, 3 * C, 0);
+            unpack_heads(k, qkv, B, H, T, D, 3 * C, C);
+            unpack_heads(v, qkv, B, H, T, D, 3 * C, 2 * C);
+            unpack_heads(dout, dout16, B, H, T, D, C, 0);
+            double *o = malloc((size_t)n * 8), *lse = malloc((size_t)nl * 8), *dq = malloc((size_t)n * 8);
+            double *dk = malloc((size_t)n * 8), *dv = malloc((size_t)n * 8);
+            ref_attention(o, lse, dq, dk, dv, q, k, v, dout, B * H, T, D, causal, scale);
+            float *wo = to_f32(o, n), *wlse = to_f32(lse, nl), *wdq = to_f32(dq, n), *wdk = to_f32(dk, n);
+            float *wdv = to_f32(dv, n);
+            free(o);
+            free(lse);
+            free(dq);
+            free(dk);
+            free(dv);
+            uint16_t *gqkv = dup(qkv, (size_t)nqkv * 2), *gdout = dup(dout16, (size_t)B * T * C * 2);
+            uint16_t *gout = dnan16(B * T * C), *gdqkv = dnan16(nqkv), *gdqkv2 = dnan16(nqkv);
+            float *glse = dnan(nl), *drow = dnan(nl);
+            G->attention_flash_forward_bf16(gout, glse, gqkv, B, H, T, D, causal, scale);
+            G->attention_flash_backward_bf16(gdqkv, drow, gdout, gqkv, gout, glse, B, H, T, D, causal, scale);
+            G->attention_flash_backward_bf16(gdqkv2, drow, gdout, gqkv, gout, glse, B, H, T, D, causal, scale);
+            uint16_t *o16 = halloc((size_t)B * T * C * 2), *dqkv16 = halloc((size_t)nqkv * 2);
+            uint16_t *dqkv16b = halloc((size_t)nqkv * 2);
+            G->copy_to_host(o16, gout, (size_t)B * T * C * 2);
+            G->copy_to_host(dqkv16, gdqkv, (size_t)nqkv * 2);
+            G->copy_to_host(dqkv16b, gdqkv2, (size_t)nqkv * 2);
+            float *go = halloc((size_t)n * 4), *gdq = halloc((size_t)n * 4), *gdk = halloc((size_t)n * 4);
+            float *gdv = halloc((size_t)n * 4);
+            unpack_heads(go, o16, B, H, T, D, C, 0);
+            unpack_heads(gdq, dqkv16, B, H, T, D, 3 * C, 0);
+            unpack_heads(gdk, dqkv16, B, H, T, D, 3 * C, C);
+            unpack_heads(gdv, dqkv16, B, H, T, D, 3 * C, 2 * C);
+            char tag[64], name[160];
+            snprintf(tag, sizeof tag, "(%lld, %lld, %lld, %lld)%s", (long long)B, (long long)H, (long long)T,
+                     (long long)D, causal ? " causal" : "");
+            snprintf(name, sizeof name, "attention_flash_forward_bf16 out %s", tag);
+            check_f(name, go, wo, n, 1.0 / 256, 1.0 / 256, max_abs(v, n));
+            snprintf(name, sizeof name, "attention_flash_forward_bf16 lse %s", tag);
+            check_f(name, back(glse, nl), wlse, nl, 0.0, 1.0 / 256, 1.0);
+            snprintf(name, sizeof name, "attention_flash_backward_bf16 dq %s", tag);
+            check_f(name, gdq, wdq, n, 1.0 / 64, 1.0 / 64, -1);
+            snprintf(name, sizeof name, "attention_flash_backward_bf16 dk %s", tag);
+            check_f(name, gdk, wdk, n, 1.0 / 64, 1.0 / 64, -1);
+            snprintf(name, sizeof name, "attention_flash_backward_bf16 dv %s", tag);
+            check_f(name, gdv, wdv, n, 1.0 / 64, 1.0 / 64, -1);
+            snprintf(name, sizeof name, "attention_flash_backward_bf16 %s repeats bit for bit", tag);
+            check_bits(name, dqkv16b, dqkv16, (size_t)nqkv * 2);
+            /* the GEMM path on the same inputs: within both bounds of each other */
+            if (G->attention_qkv_forward_bf16 && G->attention_qkv_backward_bf16) {
+                uint16_t *mout = dnan16(B * T * C), *probs = dalloc((size_t)ntt * 2), *dscores = dalloc((size_t)ntt * 2);
+                uint16_t *mdqkv = dnan16(nqkv);
+                float *scores = dnan(ntt), *dprobs = dnan(ntt);
+                G->attention_qkv_forward_bf16(mout, probs, scores, gqkv, B, H, T, D, causal, scale);
+                G->attention_qkv_backward_bf16(mdqkv, dprobs, dscores, gdout, gqkv, probs, B, H, T, D, causal, scale);
+                float *mo = back_bf16(mout, B * T * C), *md = back_bf16(mdqkv, nqkv);
+                float *fo = back_bf16(gout, B * T * C), *fd = back_bf16(gdqkv, nqkv);
+                snprintf(name, sizeof name, "flash vs GEMM attention out %s", tag);
+                check_f(name, fo, mo, B * T * C, 1.0 / 128 + 1.0 / 256, 1.0 / 128 + 1.0 / 256, max_abs(v, n));
+                snprintf(name, sizeof name, "flash vs GEMM attention dqkv %s", tag);
+                check_f(name, fd, md, nqkv, 1.0 / 32, 1.0 / 32, -1);
+            }
+            free_case();
+        }
+}
+
 /* ---- random ---- */
 
 static void test_random(void) {
@@ -1570,6 +1724,7 @@ int main(int argc, char **argv) {
     test_classifier();
     test_attention();
     test_attention_qkv();
+    test_attention_flash();
     test_bf16_elementwise();
     test_bf16_nn();
     test_random();

@@ -637,6 +637,7 @@ struct emu_fiber {
     char *stack;
     int state;
     uint3 idx;
+    const char *collective;   /* the warp-collective call it waits at (F_WARP_WAIT) */
 };
 static const size_t STACK = 256 * 1024;
 static std::vector<emu_fiber> g_fibers;
@@ -711,12 +712,30 @@ uint3 emu_thread_idx(void) {
 uint3 emu_block_idx(void) { return g_block_idx; }
 dim3 emu_block_dim(void) { return g_block_dim; }
 dim3 emu_grid_dim(void) { return g_grid_dim; }
-void *emu_dyn_smem(void) { return g_smem.data(); }
+/* 128-byte aligned, as a GPU's shared memory window (wmma needs 32) */
+void *emu_dyn_smem(void) { return (void *)(((uintptr_t)g_smem.data() + 127) & ~(uintptr_t)127); }
 
-static void wait_at(int kind) {
+static void wait_at(int kind, const char *collective = NULL) {
     emu_fiber &f = g_fibers[g_cur];
     f.state = kind;
+    f.collective = collective;
     to_scheduler(f);
+}
+
+int emu_lane(void) {
+    need_kernel("a lane index");
+    return g_cur & 31;
+}
+
+void emu_warp_collective(const char *what) {
+    need_kernel(what);
+    int lane = g_cur & 31, base = g_cur - lane;
+    if ((unsigned)base + 32 > g_nt) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "%s in a partial warp (threads per block not a multiple of 32)", what);
+        emu_fail(buf);
+    }
+    wait_at(F_WARP_WAIT, what);
 }
 
 void __syncthreads(void) {
@@ -727,7 +746,7 @@ void __syncthreads(void) {
 void __syncwarp(unsigned mask) {
     need_kernel("__syncwarp");
     if (mask != 0xffffffffu) emu_fail("__syncwarp with a partial mask is not emulated");
-    wait_at(F_WARP_WAIT);
+    wait_at(F_WARP_WAIT, "__syncwarp");
 }
 
 void emu_shuffle(const void *mine, void *out, size_t size, int mode, int arg, unsigned mask) {
@@ -737,11 +756,11 @@ void emu_shuffle(const void *mine, void *out, size_t size, int mode, int arg, un
     if ((unsigned)base + 32 > g_nt) emu_fail("a shuffle in a partial warp (threads per block not a multiple of 32)");
     if (size > sizeof g_xslot[0]) emu_fail("a shuffle of more than 16 bytes");
     memcpy(g_xslot[t], mine, size);
-    wait_at(F_WARP_WAIT);
+    wait_at(F_WARP_WAIT, "a shuffle");
     int src = mode == EMU_SHFL_XOR ? (lane ^ arg) & 31 : mode == EMU_SHFL_DOWN ? (lane + arg > 31 ? lane : lane + arg)
                                                                                : arg & 31;
     memcpy(out, g_xslot[base + src], size);
-    wait_at(F_WARP_WAIT);
+    wait_at(F_WARP_WAIT, "a shuffle");
 }
 
 static void run_block(void) {
@@ -788,6 +807,17 @@ static void run_block(void) {
             }
             if (waiting == 0 || waiting + wdone < hi - lo) continue;
             if (wdone > 0) emu_fail("a warp barrier or shuffle: some lanes exited while others wait");
+            for (unsigned t = lo + 1; t < hi; t++) {
+                const char *a = g_fibers[lo].collective, *b = g_fibers[t].collective;
+                if (a != b && (!a || !b || strcmp(a, b) != 0)) {
+                    char buf[256];
+                    snprintf(buf, sizeof buf,
+                             "the lanes of a warp are at different warp-collective calls: lane 0 at %s, lane %u at %s "
+                             "(every lane of the warp must make the same call)",
+                             a ? a : "?", t - lo, b ? b : "?");
+                    emu_fail(buf);
+                }
+            }
             for (unsigned t = lo; t < hi; t++) g_fibers[t].state = F_READY;
             released = true;
         }
@@ -817,7 +847,7 @@ void emu_run(const emu_launch_cfg &c, const std::function<void()> &body) {
         }
     }
     if (g_cur >= 0) emu_fail("a launch from inside a kernel");
-    g_smem.assign(c.smem ? c.smem : 1, (char)0xff);
+    g_smem.assign(c.smem + 128, (char)0xff);
     g_block_dim = c.block;
     g_grid_dim = c.grid;
     g_nt = (unsigned)nt;

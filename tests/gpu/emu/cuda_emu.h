@@ -11,6 +11,8 @@
  *   shuffles are real barriers: a thread that reaches a different barrier
  *   than its block or warp, or exits while others wait, is reported (the
  *   divergent-barrier bugs that hang or corrupt on a GPU).
+ * - Tensor cores: nvcuda::wmma's 16x16x16 bf16 fragments (include/mma.h),
+ *   warp-collective, with the result of the real operation.
  * - Launch limits: threads per block, grid dims, dynamic shared memory above
  *   48 KiB only after cudaFuncSetAttribute.
  * - Device memory is a separate address range: every pointer argument of a
@@ -69,6 +71,12 @@ dim3 emu_grid_dim(void);
 
 void __syncthreads(void);
 void __syncwarp(unsigned mask = 0xffffffffu);
+/* A warp-collective call (the wmma operations of include/mma.h): a barrier
+ * of the warp that every one of its 32 lanes must reach at the same call;
+ * lanes at different collective calls, a lane that exits instead, or a
+ * partial warp are reported. */
+void emu_warp_collective(const char *what);
+int emu_lane(void);   /* threadIdx's lane in its warp, 0..31 */
 /* The value of another lane of this warp: lane arg (IDX), lane ^ arg (XOR),
  * lane + arg or its own past 31 (DOWN). Every lane of the warp must call. */
 enum { EMU_SHFL_IDX, EMU_SHFL_XOR, EMU_SHFL_DOWN };
