@@ -18,6 +18,9 @@
 --   f32 GEMM        50 TFLOP/s (SGEMM on the CUDA cores; TF32 off, as the
 --                   engine sets cuBLAS by default; 67 TFLOP/s peak)
 --   bf16 attention  790 TFLOP/s for its batched GEMMs (B x H of T x T x D)
+--   flash attention the fused kernels of cuda_attention_flash.cu: 25% of
+--                   790 TFLOP/s forward, 20% backward, for the products they
+--                   compute (see compute_rate)
 --   f32 attention   8 TFLOP/s (the engine's CUDA-core attention kernels:
 --                   two shared-memory loads per FMA, 25% occupancy, as
 --                   estimated by review)
@@ -50,6 +53,17 @@ local compute_rate = {
   -- scores, the counts hold the useful (causal: half) FLOPs: half the GEMM rate
   attention_qkv_forward_bf16 = function() return H200.gemm_bf16 / 2 end,
   attention_qkv_backward_bf16 = function() return H200.gemm_bf16 / 2 end,
+  -- the fused flash attention: plain wmma (mma.sync) tiles, the softmax and
+  -- the output's rescaling through shared memory, no asynchronous copies or
+  -- pipelining, 4 warps a block. FlashAttention-2's hand-tuned kernels reach
+  -- 35-50% of the dense peak forward on H100 (about 45-60% of the 790 here)
+  -- and less backward; assumed, conservatively, about half of that: 25% of
+  -- 790 forward, 20% backward. The counts hold the model's FLOPs (the causal
+  -- half, as for the GEMM path); the forward computes those (plus the masked
+  -- halves of the diagonal tiles, inside the 25%), the backward 7 products of
+  -- T^2 D per 4 counted (scores and dP once in each of its two kernels)
+  attention_flash_forward_bf16 = function() return H200.gemm_bf16 * 0.25 end,
+  attention_flash_backward_bf16 = function() return H200.gemm_bf16 * 0.20 * 4 / 7 end,
 }
 -- Entries whose FLOPs count as the model's (for MFU).
 local model_flops = { gemm_bf16 = true, gemm_f32 = true, attention = true, attention_bf16 = true }

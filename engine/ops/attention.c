@@ -1,6 +1,10 @@
 /* attention.c: scaled dot-product attention, from separate q, k, v or from
- * a packed qkv buffer (the tensor-core path: batched bf16 GEMMs and a
- * fused causal softmax), forward and backward. */
+ * a packed qkv buffer, forward and backward. A bf16 qkv on a device with
+ * tensor-core kernels takes the fused flash kernels when they cover the
+ * shape (attention_flash_covers), else the batched bf16 GEMMs with a fused
+ * causal softmax; anything else unpacks q, k, v to f32.
+ * FSDP_CUDA_ATTENTION=gemm sends bf16 to the GEMM path even where flash
+ * covers it (to compare the two); =flash, or unset, is the default. */
 #include "ops_util.h"
 #include "trace.h"
 #include <math.h>
@@ -127,12 +131,56 @@ static bool attention_qkv_fast(const fsdp_tensor *qkv, int64_t H) {
     return T == 0 || B * H <= ATTN_QKV_MAX_SCORES / T / T;
 }
 
+/* The kernels a packed qkv runs on (node->i[1]) */
+enum { ATTN_QKV_F32 = 0, ATTN_QKV_GEMM = 1, ATTN_QKV_FLASH = 2 };
+
+static fsdp_status attention_qkv_path(int *path, fsdp_tensor *qkv, int64_t H, const char *op, const char *const *names,
+                                      fsdp_tensor *const *ts) {
+    const fsdp_device_kernels *k = KERNELS(qkv);
+    bool flash = qkv->dtype == FSDP_BF16 && k->attention_flash_forward_bf16 && k->attention_flash_backward_bf16;
+    *path = ATTN_QKV_F32;
+    if (flash) {
+        const char *want = getenv("FSDP_CUDA_ATTENTION");
+        if (want && *want && strcmp(want, "flash") != 0 && strcmp(want, "gemm") != 0)
+            return op_fail(FSDP_ERR_INVALID, op, 1, names, ts,
+                           "FSDP_CUDA_ATTENTION is \"%s\", expected flash (the default) or gemm", want);
+        int64_t B = qkv->shape[0], T = qkv->shape[1], D = qkv->shape[2] / 3 / H;
+        if (!(want && strcmp(want, "gemm") == 0) && attention_flash_covers(B, H, T, D)) {
+            *path = ATTN_QKV_FLASH;
+            return FSDP_OK;
+        }
+    }
+    if (attention_qkv_fast(qkv, H)) *path = ATTN_QKV_GEMM;
+    return FSDP_OK;
+}
+
+/* A contiguous tensor of t's values at a 16-byte aligned address (the
+ * flash kernels' vector accesses): t itself, retained, when it is one. */
+static fsdp_status aligned_contiguous(fsdp_tensor **out, fsdp_tensor *t) {
+    fsdp_tensor *c = NULL, *a = NULL;
+    FSDP_TRY(tensor_contiguous(&c, t));
+    if (((uintptr_t)tensor_data(c) & 15u) == 0) {
+        *out = c;
+        return FSDP_OK;
+    }
+    fsdp_status st = tensor_new(&a, c->dtype, c->ndim, c->shape, tensor_device(c), fsdp_default_tag(), false);
+    if (st == FSDP_OK) st = fsdp_copy(a, c);
+    tensor_release(c);
+    if (st != FSDP_OK) {
+        tensor_release(a);
+        return st;
+    }
+    *out = a;
+    return FSDP_OK;
+}
+
 static fsdp_status new_scratch(fsdp_tensor **out, int dtype, const int64_t *bhtt) {
     return tensor_new(out, dtype, 4, bhtt, fsdp_op_device(), fsdp_default_tag(), false);
 }
 
-/* in[0] qkv; i[0] causal, i[1] 1 on the packed bf16 path, i[2] H; f[0] scale.
- * Packed path: saved[0] probs (B, H, T, T). f32 path: saved[0] lse (B, H, T),
+/* in[0] qkv; i[0] causal, i[1] the path (ATTN_QKV_*), i[2] H; f[0] scale.
+ * GEMM path: saved[0] probs (B, H, T, T). Flash: saved[0] lse (B, H, T),
+ * saved[1] the output (B, T, C) bf16. f32 path: saved[0] lse (B, H, T),
  * saved[1] the output as (B, H, T, D) f32. */
 static fsdp_status attention_qkv_backward(fsdp_node *node) {
     fsdp_tensor *g = node_grad_out(node, 0), *qkv_in = node->in[0];
@@ -141,7 +189,31 @@ static fsdp_status attention_qkv_backward(fsdp_node *node) {
     int causal = (int)node->i[0];
     float scale = (float)node->f[0];
     fsdp_status st;
-    if (node->i[1]) {
+    if (node->i[1] == ATTN_QKV_FLASH) {
+        fsdp_tensor *dout16 = NULL, *dout = NULL, *qkv = NULL, *out = NULL, *dqkv = NULL, *drow = NULL;
+        int64_t bht[3] = {B, H, T};
+        st = tensor_from_f32(&dout16, g, FSDP_BF16);   /* bf16 contiguous, a copy only when it is not */
+        if (st == FSDP_OK) st = aligned_contiguous(&dout, dout16);
+        if (st == FSDP_OK) st = aligned_contiguous(&qkv, qkv_in);
+        if (st == FSDP_OK) st = aligned_contiguous(&out, node->saved[1]);
+        if (st == FSDP_OK) st = tensor_new(&dqkv, FSDP_BF16, 3, qkv_in->shape, fsdp_op_device(), fsdp_default_tag(), false);
+        if (st == FSDP_OK) st = op_new_f32(&drow, 3, bht);
+        if (st == FSDP_OK)
+            KERNELS(dqkv)->attention_flash_backward_bf16(tensor_data(dqkv), f32p(drow), tensor_data(dout),
+                                                         tensor_data(qkv), tensor_data(out), f32p(node->saved[0]), B,
+                                                         H, T, D, causal, scale);
+        tensor_release(dout16);
+        tensor_release(dout);
+        tensor_release(qkv);
+        tensor_release(out);
+        tensor_release(drow);
+        if (st != FSDP_OK) {
+            tensor_release(dqkv);
+            return st;
+        }
+        return op_give_grad(node, 0, dqkv);
+    }
+    if (node->i[1] == ATTN_QKV_GEMM) {
         fsdp_tensor *dout = NULL, *qkv = NULL, *dqkv = NULL, *dprobs = NULL, *dscores = NULL;
         int64_t bhtt[4] = {B, H, T, T};
         st = tensor_from_f32(&dout, g, FSDP_BF16);   /* bf16 contiguous, a copy only when it is not */
@@ -214,11 +286,26 @@ fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_he
     int64_t B = qkv->shape[0], T = qkv->shape[1], C = qkv->shape[2] / 3, H = n_head, D = C / H;
     if (scale <= 0) scale = D > 0 ? 1.0 / sqrt((double)D) : 1.0;
     int64_t oshape[3] = {B, T, C};
-    bool fast = attention_qkv_fast(qkv, H);
+    int path;
+    FSDP_TRY(attention_qkv_path(&path, qkv, H, op, names, ts));
     fsdp_tensor *r = NULL, *saved[2] = {NULL, NULL};
     int n_saved = 0;
     fsdp_status st = FSDP_OK;
-    if (fast) {
+    if (path == ATTN_QKV_FLASH) {
+        /* bf16 in and out, no (T, T) buffer: out and lse, which the backward
+         * keeps with a view of the output */
+        fsdp_tensor *c = NULL, *lse = NULL;
+        int64_t bht[3] = {B, H, T};
+        st = aligned_contiguous(&c, qkv);
+        if (st == FSDP_OK) st = tensor_new(&r, FSDP_BF16, 3, oshape, fsdp_op_device(), fsdp_default_tag(), false);
+        if (st == FSDP_OK) st = op_new_f32(&lse, 3, bht);
+        if (st == FSDP_OK)
+            KERNELS(c)->attention_flash_forward_bf16(tensor_data(r), f32p(lse), tensor_data(c), B, H, T, D,
+                                                     causal != 0, (float)scale);
+        tensor_release(c);
+        saved[0] = lse;
+        n_saved = 1;
+    } else if (path == ATTN_QKV_GEMM) {
         /* bf16 in and out: r is the output itself (op_done's cast is a no-op) */
         fsdp_tensor *c = NULL, *scores = NULL, *probs = NULL;
         int64_t bhtt[4] = {B, H, T, T};
@@ -267,8 +354,18 @@ fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_he
     if (node) {
         node->f[0] = scale;
         node->i[0] = causal != 0;
-        node->i[1] = fast;
+        node->i[1] = path;
         node->i[2] = H;
+        if (path == ATTN_QKV_FLASH) {
+            /* a second tensor object over the output's storage (see fsdp_attention) */
+            fsdp_tensor *res = *out;
+            node->saved[1] = tensor_view(res, res->ndim, res->shape, res->strides, res->offset);
+            if (!node->saved[1]) {
+                tensor_release(res);
+                *out = NULL;
+                return op_fail(FSDP_ERR_OOM, op, 1, names, ts, "out of host memory for a saved view");
+            }
+        }
     }
     return FSDP_OK;
 }

@@ -13,6 +13,8 @@
 -- rows (its tied embedding gathered and reduced by chunks).
 -- --offload keeps shards and optimizer state on the CPU (the model computes
 -- on the default device: the GPU where there is one).
+-- --n-head=N: N heads instead of 2 (1: head dim 16, which the fused flash
+-- attention covers on CUDA in bf16; 2 heads of 8 take the GEMM path).
 --   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_equiv.lua --strategy=full_shard --policy=block
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
@@ -28,7 +30,7 @@ local dtype = opts.compute or "f32"
 local TOL = dtype == "f32" and 1e-5 or 2e-2
 local rank, world = fsdp.rank(), fsdp.world()
 
-local cfg = { vocab_size = 96, n_layer = 2, n_head = 2, n_embd = 16, block_size = 8 }
+local cfg = { vocab_size = 96, n_layer = 2, n_head = tonumber(opts.n_head) or 2, n_embd = 16, block_size = 8 }
 local B, T, STEPS, MICRO, SEED = 24, 8, 20, 2, 7
 
 local policies = {

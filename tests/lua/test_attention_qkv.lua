@@ -1,8 +1,11 @@
 -- fsdp.attention_qkv: attention from a packed (B, T, 3C) projection, forward
 -- and backward, against fsdp.attention on the split heads (f32 on the CPU,
 -- the reference), on every device and float dtype at hand. On CUDA in bf16
--- it runs on the tensor cores with bf16 probabilities; elsewhere it unpacks
--- and runs the f32 kernel, which must give the same values as the split.
+-- it runs on the tensor cores with bf16 probabilities: the fused flash
+-- kernels where they cover the shape (head dim a multiple of 16 up to 128),
+-- else, or with FSDP_CUDA_ATTENTION=gemm, the batched GEMMs; elsewhere it
+-- unpacks and runs the f32 kernel, which must give the same values as the
+-- split. Which kernels run is checked on the counting device.
 package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
@@ -45,7 +48,7 @@ end
 local devices = { "cpu" }
 if pcall(function() return fsdp.zeros(1, { device = "cpu" }):cuda() end) then devices[2] = "cuda" end
 
-local shapes = { { 1, 1, 1, 1 }, { 2, 3, 7, 4 }, { 1, 2, 16, 8 }, { 2, 1, 5, 3 } }
+local shapes = { { 1, 1, 1, 1 }, { 2, 3, 7, 4 }, { 1, 2, 16, 8 }, { 2, 1, 5, 3 }, { 1, 3, 17, 16 }, { 1, 1, 70, 32 } }
 for _, sh in ipairs(shapes) do
   local B, H, T, D = sh[1], sh[2], sh[3], sh[4]
   local C = H * D
@@ -70,6 +73,39 @@ for _, sh in ipairs(shapes) do
       end
     end
   end
+end
+
+-- which kernels a bf16 qkv runs on a device with the CUDA set, by the
+-- counting device: flash where it covers the shape unless
+-- FSDP_CUDA_ATTENTION=gemm, the GEMM path otherwise
+local meta = require "fsdp.meta"
+if pcall(meta.mimic, "cuda") then
+  local want_gemm = os.getenv("FSDP_CUDA_ATTENTION") == "gemm"
+  local function entries(B, H, T, D)
+    local qkv = fsdp.randn(B, T, 3 * H * D, { seed = 3, device = "meta" }):cast("bf16"):requires_grad(true)
+    meta.reset()
+    fsdp.attention_qkv(qkv, H, { causal = true }):sum():backward()
+    return meta.by_name()
+  end
+  local e = entries(2, 3, 70, 16)
+  local flash = e.attention_flash_forward_bf16.calls == 1 and e.attention_flash_backward_bf16.calls == 1
+  local gemm = e.attention_qkv_forward_bf16.calls == 1 and e.attention_qkv_backward_bf16.calls == 1
+  t.ok(want_gemm and gemm and e.attention_flash_forward_bf16.calls == 0 or
+    not want_gemm and flash and e.attention_qkv_forward_bf16.calls == 0,
+    "head dim 16: " .. (want_gemm and "the GEMM path (FSDP_CUDA_ATTENTION=gemm)" or "the flash kernels"))
+  if flash then
+    -- bytes by hand: B H = 6 heads, T = 70 (two tiles of 64 rows), causal:
+    -- query tile 0 walks 64 key rows, tile 1 all 70
+    local walked = 64 + 70
+    t.eq(e.attention_flash_forward_bf16.bytes_read, 2 * 6 * 16 * (70 + 2 * walked), "flash forward: q, then k, v per tile")
+    t.eq(e.attention_flash_forward_bf16.bytes_written, 6 * (2 * 70 * 16 + 4 * 70), "flash forward: out and lse")
+    t.eq(e.attention_flash_backward_bf16.bytes_written, 6 * (4 * 70 + 2 * 3 * 70 * 16), "flash backward: drow, dqkv")
+    t.eq(e.attention_flash_forward_bf16.flops, 2 * 6 * 70 * 70 * 16, "flash forward: the causal half of 4 B H T^2 D")
+  end
+  e = entries(1, 2, 9, 8)
+  t.ok(e.attention_qkv_forward_bf16.calls == 1 and e.attention_flash_forward_bf16.calls == 0,
+    "head dim 8 (not covered): the GEMM path")
+  meta.mimic("cpu")
 end
 
 -- a custom scale is passed through
