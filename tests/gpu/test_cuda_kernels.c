@@ -1592,6 +1592,27 @@ static int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulat
           G->attention_forward_f32(o, lse, q, k, v, B, H, T, D, 1, 0.125f));
     BENCH("attention backward (8,12,1024,64) causal", 2.5 * att, "GFLOP/s",
           G->attention_backward_f32(dq, dk, dv, o, q, k, v, o, lse, B, H, T, D, 1, 0.125f));
+    /* bf16 attention from a packed qkv, in the same run: the flash kernels and the GEMM path (model
+     * FLOPs: the backward counts twice the forward's products, whatever it recomputes) */
+    uint16_t *qkv16 = dalloc((size_t)N * 3 * Cd * 2), *o16 = dalloc((size_t)N * Cd * 2);
+    uint16_t *do16 = dalloc((size_t)N * Cd * 2), *dqkv16 = dalloc((size_t)N * 3 * Cd * 2);
+    G->cast_any(qkv16, FSDP_BF16, x, FSDP_F32, N * 3 * Cd);
+    G->cast_any(do16, FSDP_BF16, y, FSDP_F32, N * Cd);
+    float *lse16 = dev_uniform(B * H * T), *drow16 = dev_uniform(B * H * T);
+    if (G->attention_flash_forward_bf16 && G->attention_flash_backward_bf16) {
+        BENCH("flash attention forward bf16 (8,12,1024,64) causal", att, "GFLOP/s",
+              G->attention_flash_forward_bf16(o16, lse16, qkv16, B, H, T, D, 1, 0.125f));
+        BENCH("flash attention backward bf16 (8,12,1024,64) causal", 2 * att, "GFLOP/s",
+              G->attention_flash_backward_bf16(dqkv16, drow16, do16, qkv16, o16, lse16, B, H, T, D, 1, 0.125f));
+    }
+    if (G->attention_qkv_forward_bf16 && G->attention_qkv_backward_bf16) {
+        uint16_t *probs = dalloc((size_t)B * H * T * T * 2), *dscores = dalloc((size_t)B * H * T * T * 2);
+        float *scores = dalloc((size_t)B * H * T * T * 4);
+        BENCH("GEMM attention forward bf16 (8,12,1024,64) causal", att, "GFLOP/s",
+              G->attention_qkv_forward_bf16(o16, probs, scores, qkv16, B, H, T, D, 1, 0.125f));
+        BENCH("GEMM attention backward bf16 (8,12,1024,64) causal", 2 * att, "GFLOP/s",
+              G->attention_qkv_backward_bf16(dqkv16, scores, dscores, do16, qkv16, probs, B, H, T, D, 1, 0.125f));
+    }
     float *mean = dev_uniform(N), *rstd = dev_uniform(N), *g = dev_uniform(Cd), *bb = dev_uniform(Cd);
     BENCH("layernorm forward (8192, 768)", 8.0 * N * Cd, "GB/s",
           G->layernorm_forward_f32(y, mean, rstd, x, g, bb, N, Cd, 1e-5f));
