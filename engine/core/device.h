@@ -60,6 +60,10 @@ typedef struct fsdp_device_kernels {
      * double in an order fixed by the sizes. Optional: NULL where the op
      * layer calls sumsq_f32 per tensor. */
     double (*sumsq_many_f32)(const float *const *ptrs, const int64_t *counts, int n);
+    /* y (f32) += alpha * x (bf16), x widened in registers: a bf16 gradient
+     * added into an f32 gradient shard without a widened copy. Optional
+     * (NULL: the op layer widens x into a staging tensor and calls axpy_f32). */
+    void (*axpy_f32_bf16)(float *y, const uint16_t *x, float alpha, int64_t n);
     /* activation.c, softmax.c */
     void (*gelu_forward_f32)(float *out, const float *x, int64_t n);
     void (*gelu_backward_f32)(float *dx, const float *x, const float *dout, int64_t n);

@@ -156,8 +156,12 @@ void cpu_copy_strided(void *dst, const int64_t *dst_strides, const void *src, co
 typedef struct { float *out; float v; } fill_ctx;
 
 static void fill_range(void *p, int64_t begin, int64_t end) {
-    fill_ctx *c = p;
-    for (int64_t i = begin; i < end; i++) c->out[i] = c->v;
+    const fill_ctx *c = p;
+    /* locals: a store through c->out could change c itself as far as the
+     * compiler knows, which kept this loop scalar */
+    float *out = c->out;
+    const float v = c->v;
+    for (int64_t i = begin; i < end; i++) out[i] = v;
 }
 
 void cpu_fill_f32(float *out, float v, int64_t n) {

@@ -28,6 +28,7 @@ const fsdp_device_kernels cpu_device_kernels = {
     .scale_f32 = cpu_scale_f32,
     .add_scalar_f32 = cpu_add_scalar_f32,
     .axpy_f32 = cpu_axpy_f32,
+    .axpy_f32_bf16 = cpu_axpy_f32_bf16,
     .sum_dim_f32 = cpu_sum_dim_f32,
     .sum_dim_bf16 = cpu_sum_dim_bf16,
     .sum_dim_acc_bf16 = cpu_sum_dim_acc_bf16,

@@ -93,6 +93,8 @@ void cpu_binary_f32(int op, float *out, const float *a, const int64_t *a_strides
 void cpu_scale_f32(float *out, const float *a, float s, int64_t n);          /* out = a * s */
 void cpu_add_scalar_f32(float *out, const float *a, float s, int64_t n);     /* out = a + s */
 void cpu_axpy_f32(float *y, const float *x, float alpha, int64_t n);         /* y += alpha * x */
+/* y (f32) += alpha * x (bf16), x widened in registers; y and x do not overlap */
+void cpu_axpy_f32_bf16(float *y, const uint16_t *x, float alpha, int64_t n);
 
 /* ---- reductions (reduce.c) ---- */
 /* in (outer, red, inner) -> out (outer, inner): sum over the middle dim. */

@@ -229,6 +229,18 @@ static void axpy_range(void *p, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i++) y[i] += alpha * x[i];
 }
 
+/* y (f32) += alpha * x (bf16): x widened in registers (a bf16 value is the
+ * top half of its f32), one FMA per element */
+typedef struct { float *y; const uint16_t *x; float alpha; } axpy16_ctx;
+
+static void axpy_f32_bf16_range(void *p, int64_t begin, int64_t end) {
+    const axpy16_ctx *c = p;
+    float *restrict y = c->y;
+    const uint16_t *restrict x = c->x;
+    const float alpha = c->alpha;
+    for (int64_t i = begin; i < end; i++) y[i] += alpha * bf16_to_f32(x[i]);
+}
+
 void cpu_scale_f32(float *out, const float *a, float s, int64_t n) {
     scalar_ctx c = {out, a, s};
     cpu_parallel_for(n, EW_GRAIN, scale_range, &c);
@@ -242,4 +254,9 @@ void cpu_add_scalar_f32(float *out, const float *a, float s, int64_t n) {
 void cpu_axpy_f32(float *y, const float *x, float alpha, int64_t n) {
     scalar_ctx c = {y, x, alpha};
     cpu_parallel_for(n, EW_GRAIN, axpy_range, &c);
+}
+
+void cpu_axpy_f32_bf16(float *y, const uint16_t *x, float alpha, int64_t n) {
+    axpy16_ctx c = {y, x, alpha};
+    cpu_parallel_for(n, EW_GRAIN, axpy_f32_bf16_range, &c);
 }

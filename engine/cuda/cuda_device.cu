@@ -163,6 +163,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .axpy_bf16 = cuda_axpy_bf16,
     .sum_dim_bf16 = cuda_sum_dim_bf16,
     .sumsq_many_f32 = cuda_sumsq_many_f32,
+    .axpy_f32_bf16 = NULL,   /* widened into a staging tensor, then axpy_f32 */
     .gelu_forward_f32 = cuda_gelu_forward_f32,
     .gelu_backward_f32 = cuda_gelu_backward_f32,
     .silu_forward_f32 = cuda_silu_forward_f32,

@@ -360,9 +360,14 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
         tensor_retain(g32);
         /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
         if (s->shard_device != s->device) r = sched_convert_to(&g32, -1, s->shard_device);
-        if (r == FSDP_OK) r = sched_convert_to(&g32, FSDP_F32, -1);
         if (r == FSDP_OK) r = sched_ensure_grad(s, u);
-        if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+        /* a bf16 gradient is widened as it is added where the device can */
+        bool widen_in_add = r == FSDP_OK && g32->dtype == FSDP_BF16 && KERNELS(u->grad)->axpy_f32_bf16;
+        if (r == FSDP_OK && !widen_in_add) r = sched_convert_to(&g32, FSDP_F32, -1);
+        if (r == FSDP_OK && widen_in_add)
+            KERNELS(u->grad)->axpy_f32_bf16(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+        else if (r == FSDP_OK)
+            KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
         tensor_release(g32);
     }
     if (q->work) fsdp_work_free(q->work);
@@ -414,6 +419,18 @@ static fsdp_status grow_pending(fsdp_sched *s, const unit *u) {
     return FSDP_OK;
 }
 
+/* A shard group of one whose flat gradient can stand for its reduction
+ * (the average over one rank is the gradient itself): the values are the
+ * reduce dtype's already (the same dtype, or bf16 gradients and f32
+ * reduction, exact) and no replica all-reduce reads it in the reduce dtype;
+ * the gradient shard is on the compute device. */
+static bool local_reduce_in_place(const fsdp_sched *s) {
+    if (!s->local_one || s->shard_device != s->device) return false;
+    if (s->compute_dtype == s->reduce_dtype) return true;
+    bool replicas = s->replica_comm && s->replica_size > 1;
+    return s->compute_dtype == FSDP_BF16 && s->reduce_dtype == FSDP_F32 && !replicas;
+}
+
 /* The walk reached the start of unit k's forward: its gradients are complete. */
 static fsdp_status after_backward(void *p) {
     marker_ctx *m = p;
@@ -433,6 +450,14 @@ static fsdp_status after_backward(void *p) {
             FSDP_TRY(fsdp_all_reduce(&w, s->replica_comm, u->grad, FSDP_REDUCE_AVG, u->name));
             s->pend[s->n_pend++] = (pending){m->unit, w, NULL};
         }
+    } else if (s->sync && u->flat_grad && local_reduce_in_place(s)) {
+        /* a group of one whose gradient values the reduce dtype holds as
+         * they are: the flat gradient itself is the reduction, added into
+         * the gradient shard later (no copy, nothing widened first) */
+        FSDP_TRY(grow_pending(s, u));
+        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad};
+        sched_unlink_grads(u);
+        u->flat_grad = NULL;   /* the pending entry holds its reference */
     } else if (s->sync && u->flat_grad) {
         fsdp_tensor *src = u->flat_grad, *dst;
         tensor_retain(src);

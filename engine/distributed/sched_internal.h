@@ -35,7 +35,9 @@ typedef struct unit {
 typedef struct pending {
     int unit;
     fsdp_work *work;
-    fsdp_tensor *reduced;          /* (shard_n) reduce dtype; NULL for an all-reduce in place (direct) */
+    fsdp_tensor *reduced;          /* (shard_n) reduce dtype, or a group of one's flat gradient itself (its
+                                    * values in the reduce dtype's range: local_reduce_in_place); NULL for an
+                                    * all-reduce in place (direct) */
 } pending;
 
 struct fsdp_sched {

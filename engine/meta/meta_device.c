@@ -161,6 +161,8 @@ static int64_t flash_walked_rows(int64_t T, int causal) {
       sum_dim_launches(outer, red, inner, 0), 0, )                                                                 \
     X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
       F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 2, 1, 0)                          \
+    X(void, axpy_f32_bf16, "elementwise", (float *y, const uint16_t *x, float alpha, int64_t n),                 \
+      (F32 + BF16) * n, F32 * n, 2 * n, 1, 0, )                                                                    \
     X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
     X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
       2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \

@@ -53,6 +53,11 @@ fsdp_status fsdp_scale_(fsdp_tensor *t, double s) {
 fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha) {
     FSDP_TRY(check_flat("fsdp_axpy_", "y", y, -1, false, NULL, NULL));
     FSDP_TRY(check_flat("fsdp_axpy_", "x", x, tensor_numel(y), false, y, "y"));
+    if (y->dtype == FSDP_F32 && x->dtype == FSDP_BF16 && KERNELS(y)->axpy_f32_bf16 &&
+        y->storage != x->storage) {   /* widened in registers, no staged copy */
+        KERNELS(y)->axpy_f32_bf16(tensor_data(y), tensor_data(x), (float)alpha, tensor_numel(y));
+        return FSDP_OK;
+    }
     fsdp_tensor *x32, *y32;
     FSDP_TRY(tensor_as_f32(&x32, x));
     fsdp_status st = tensor_as_f32(&y32, y);

@@ -1,6 +1,6 @@
 /* test_kernels_bf16.c: the CPU's bf16-native kernels (the `<op>_bf16` table
  * entries: elementwise, GELU, LayerNorm, cross-entropy, the embedding's
- * backward, sum over a dim) against two
+ * backward, sum over a dim, the f32 += bf16 gradient add) against two
  * references, at awkward sizes, with 1 and 3 threads:
  *
  * 1. exactly the f32 kernel on the same (widened) inputs, rounded once to
@@ -290,6 +290,48 @@ static void test_sum_dim(void) {
     }
 }
 
+/* axpy_f32_bf16: y (f32) += alpha * x (bf16), the gradient add of a group
+ * of one. Bit for bit axpy_f32 on the widened x (the same FMA per element),
+ * and within f32 rounding of the double reference: |got - want| <= 1e-6
+ * (|y| + |alpha x|) per element (one rounding of the sum, cancellation
+ * allowed for). */
+static void test_axpy_f32_bf16(void) {
+    static const int64_t sizes[] = {1, 15, 16, 17, 1009, 100003};
+    const float alpha = -0.37f;
+    test_rng saved = rng;   /* its own inputs: the other tests' draws stay as they were */
+    test_rng_seed(&rng, 2029 + (uint64_t)nthreads);
+    for (size_t t = 0; t < sizeof sizes / sizeof *sizes; t++) {
+        int64_t n = sizes[t];
+        char name[64];
+        snprintf(name, sizeof name, "axpy_f32_bf16 n=%lld", (long long)n);
+        bvec x = bvec_new(n, 3.0f);
+        float *y = xmalloc(n * sizeof(float)), *y32 = xmalloc(n * sizeof(float));
+        double *want = xmalloc(n * sizeof(double)), *scale = xmalloc(n * sizeof(double));
+        test_fill_nonzero(&rng, y, n, 2.0f);
+        memcpy(y32, y, n * sizeof(float));
+        for (int64_t i = 0; i < n; i++) {
+            want[i] = (double)y[i] + (double)alpha * x.d[i];
+            scale[i] = fabs((double)y[i]) + fabs((double)alpha * x.d[i]);
+        }
+        cpu_axpy_f32_bf16(y, x.h, alpha, n);
+        cpu_axpy_f32(y32, x.f, alpha, n);
+        test_check(memcmp(y, y32, n * sizeof(float)) == 0, "%s: == axpy_f32 on the widened x [threads %d]", name,
+                   nthreads);
+        int64_t wrong = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (!(fabs((double)y[i] - want[i]) <= 1e-6 * scale[i])) {
+                if (wrong < 3)
+                    fprintf(stderr, "  %s[%lld]: %.9g, want %.9g\n", name, (long long)i, y[i], want[i]);
+                wrong++;
+            }
+        test_check(wrong == 0, "%s: within f32 rounding of the double reference [threads %d] (%lld of %lld out)",
+                   name, nthreads, (long long)wrong, (long long)n);
+        bvec_free(&x);
+        free(y); free(y32); free(want); free(scale);
+    }
+    rng = saved;
+}
+
 int main(void) {
     test_rng_seed(&rng, 1612);
     static const int thread_counts[] = {1, 3};
@@ -302,6 +344,7 @@ int main(void) {
         test_cross_entropy();
         test_embedding_backward();
         test_sum_dim();
+        test_axpy_f32_bf16();
     }
     return test_summary();
 }
