@@ -353,7 +353,10 @@ fsdp_status fsdp_attention(fsdp_tensor **out, fsdp_tensor *q, fsdp_tensor *k, fs
  * (C = n_head D); out (B, T, C) holds head h at columns [h D, (h+1) D), the
  * layout an output projection reads. The same values as fsdp_attention on
  * the split heads, without the split and permute copies; on CUDA in bf16 it
- * runs on the tensor cores. scale <= 0 means 1/sqrt(D). */
+ * runs on the tensor cores: fused flash kernels that keep no (T, T) matrix
+ * where the head dim is a multiple of 16 up to 128, batched GEMMs otherwise
+ * (or everywhere with FSDP_CUDA_ATTENTION=gemm in the environment).
+ * scale <= 0 means 1/sqrt(D). */
 fsdp_status fsdp_attention_qkv(fsdp_tensor **out, fsdp_tensor *qkv, int64_t n_head, int causal, double scale);
 /* Inverted dropout; the mask depends only on (seed, offset + i). */
 fsdp_status fsdp_dropout(fsdp_tensor **out, fsdp_tensor *x, double p, uint64_t seed, int64_t offset);
