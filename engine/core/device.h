@@ -212,6 +212,21 @@ typedef struct fsdp_device_kernels {
      * are touched (old + each id's sum, one rounding) */
     void (*embedding_backward_acc_bf16)(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
                                         int64_t dim);
+    /* fused.c: a Linear's bias with what follows it, in one pass (after
+     * llm.c). x (rows, cols) is the matmul's output without its bias, bias
+     * (cols) broadcast over the rows. Optional (NULL: the op layer adds the
+     * bias and runs the next op on its own).
+     * bias_gelu_forward: out = gelu(x + bias), x + bias kept in f32. */
+    void (*bias_gelu_forward_f32)(float *out, const float *x, const float *bias, int64_t rows, int64_t cols);
+    void (*bias_gelu_forward_bf16)(uint16_t *out, const uint16_t *x, const uint16_t *bias, int64_t rows,
+                                   int64_t cols);
+    /* dx = dout gelu'(x + bias), rounded to the dtype; dbias (NULL: none)
+     * gets the column sums of that dx in double, rounded once (acc: added
+     * onto dbias's values, one rounding) */
+    void (*bias_gelu_backward_f32)(float *dx, float *dbias, const float *dout, const float *x, const float *bias,
+                                   int64_t rows, int64_t cols, int acc);
+    void (*bias_gelu_backward_bf16)(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,
+                                    const uint16_t *bias, int64_t rows, int64_t cols, int acc);
 } fsdp_device_kernels;
 
 /* The shapes of attention_flash_*_bf16: head dim D a multiple of 16 up to

@@ -71,4 +71,8 @@ const fsdp_device_kernels cpu_device_kernels = {
     .dropout_f32 = cpu_dropout_f32,
     .adamw_f32 = cpu_adamw_f32,
     .sgd_f32 = cpu_sgd_f32,
+    .bias_gelu_forward_f32 = cpu_bias_gelu_forward_f32,
+    .bias_gelu_forward_bf16 = cpu_bias_gelu_forward_bf16,
+    .bias_gelu_backward_f32 = cpu_bias_gelu_backward_f32,
+    .bias_gelu_backward_bf16 = cpu_bias_gelu_backward_bf16,
 };

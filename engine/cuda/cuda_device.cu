@@ -217,6 +217,10 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .sum_dim_acc_bf16 = cuda_sum_dim_acc_bf16,
     .layernorm_backward_acc_bf16 = cuda_layernorm_backward_acc_bf16,
     .embedding_backward_acc_bf16 = nullptr,
+    .bias_gelu_forward_f32 = cuda_bias_gelu_forward_f32,
+    .bias_gelu_forward_bf16 = cuda_bias_gelu_forward_bf16,
+    .bias_gelu_backward_f32 = cuda_bias_gelu_backward_f32,
+    .bias_gelu_backward_bf16 = cuda_bias_gelu_backward_bf16,
 };
 
 /* ---- start-up ---- */

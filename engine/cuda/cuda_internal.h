@@ -345,6 +345,14 @@ double cuda_sum_all_f32(const float *in, int64_t n);
 double cuda_sumsq_f32(const float *in, int64_t n);
 void cuda_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
 void cuda_sum_dim_acc_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
+/* cuda_fused.cu */
+void cuda_bias_gelu_forward_f32(float *out, const float *x, const float *bias, int64_t rows, int64_t cols);
+void cuda_bias_gelu_forward_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, int64_t rows,
+                                 int64_t cols);
+void cuda_bias_gelu_backward_f32(float *dx, float *dbias, const float *dout, const float *x, const float *bias,
+                                 int64_t rows, int64_t cols, int acc);
+void cuda_bias_gelu_backward_bf16(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,
+                                  const uint16_t *bias, int64_t rows, int64_t cols, int acc);
 double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n);
 /* cuda_nn.cu */
 void cuda_gelu_forward_f32(float *out, const float *x, int64_t n);

@@ -98,6 +98,29 @@ static int64_t flash_walked_rows(int64_t T, int causal) {
     return causal ? 32 * n * (n - 1) + T : n * T;
 }
 
+/* ... and of its bias + GELU backward (cuda_fused.cu): one kernel over
+ * tiles of 32 packs of columns (16 bytes a pack when cols allows) by chunks
+ * of rows, some 4 blocks per SM (132 SMs: the H200 tools/gpu-model prices),
+ * then one that adds the chunks' partial bias sums (double, written and read
+ * once); a memset for an empty, non-accumulating bias sum. */
+static int64_t gelu_bwd_chunks(int64_t rows, int64_t cols, int64_t elem) {
+    int64_t v = cols % (16 / elem) == 0 ? 16 / elem : 1, tiles = (cols + 32 * v - 1) / (32 * v);
+    int64_t want = (132 * 4 + tiles - 1) / tiles, most = (rows + 63) / 64, chunks = want < most ? want : most;
+    if (chunks < 1) chunks = 1;
+    int64_t len = (rows + chunks - 1) / chunks;
+    return (rows + len - 1) / len;
+}
+static int64_t gelu_bwd_partial_bytes(int64_t rows, int64_t cols, int64_t elem, const void *dbias) {
+    if (!dbias || rows <= 0 || cols <= 0) return 0;
+    int64_t chunks = gelu_bwd_chunks(rows, cols, elem);
+    return chunks > 1 ? 8 * chunks * cols : 0;
+}
+static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const void *dbias, int acc) {
+    if (cols <= 0) return 0;
+    if (rows <= 0) return dbias && !acc;
+    return 1 + (dbias && gelu_bwd_chunks(rows, cols, elem) > 1);
+}
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -332,7 +355,22 @@ static int64_t flash_walked_rows(int64_t T, int causal) {
       BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                  \
       norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )                                                       \
     X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
-      const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )
+      const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )         \
+    X(void, bias_gelu_forward_f32, "activation", (float *out, const float *x, const float *bias, int64_t rows,    \
+      int64_t cols), F32 * (rows * cols + cols), F32 * rows * cols, 9 * rows * cols, rows > 0 && cols > 0, 0, )     \
+    X(void, bias_gelu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, const uint16_t *bias,       \
+      int64_t rows, int64_t cols), BF16 * (rows * cols + cols), BF16 * rows * cols, 9 * rows * cols,               \
+      rows > 0 && cols > 0, 0, )                                                                                   \
+    X(void, bias_gelu_backward_f32, "activation", (float *dx, float *dbias, const float *dout, const float *x,    \
+      const float *bias, int64_t rows, int64_t cols, int acc),                                                     \
+      F32 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, F32, dbias),     \
+      F32 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, F32, dbias),               \
+      14 * rows * cols, gelu_bwd_launches(rows, cols, F32, dbias, acc), 0, )                                      \
+    X(void, bias_gelu_backward_bf16, "activation", (uint16_t *dx, uint16_t *dbias, const uint16_t *dout,        \
+      const uint16_t *x, const uint16_t *bias, int64_t rows, int64_t cols, int acc),                               \
+      BF16 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias),   \
+      BF16 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias),             \
+      14 * rows * cols, gelu_bwd_launches(rows, cols, BF16, dbias, acc), 0, )
 
 /* ---- counters ---- */
 

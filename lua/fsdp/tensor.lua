@@ -458,6 +458,11 @@ function M.gelu(x) return methods.gelu(T(x, "gelu")) end
 function M.silu(x) return methods.silu(T(x, "silu")) end
 function M.softmax(x) return methods.softmax(T(x, "softmax")) end
 function M.log_softmax(x) return methods.log_softmax(T(x, "log_softmax")) end
+--- fsdp.bias_gelu(x (..., C), bias (C)): gelu(x + bias) in one pass (a Linear's bias and the GELU after it)
+function M.bias_gelu(x, b)
+  if C.fsdp_bias_gelu(out, T(x, "bias_gelu"), T(b, "bias_gelu bias")) ~= 0 then raise() end
+  return wrap()
+end
 function M.add(a, b) return mt.__add(a, b) end
 function M.sub(a, b) return mt.__sub(a, b) end
 function M.mul(a, b) return mt.__mul(a, b) end

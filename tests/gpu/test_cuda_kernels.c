@@ -960,6 +960,104 @@ static void test_bf16_elementwise(void) {
     }
 }
 
+/* The fused bias entries (cuda_fused.cu) against the CPU's (fused.c, itself
+ * checked against the unfused kernels and a double reference in
+ * tests/c/test_kernels_fused.c), f32 and bf16: the 16-byte paths (rows of a
+ * multiple of 8 bf16 or 4 f32), the element paths (odd rows, a pointer off
+ * by one element), and enough rows for the bias sum to be cut into chunks.
+ * Tolerances: GELU and its gradient as the activations (f32 rtol 1e-5, bf16 one ulp); the bias
+ * gradient within 1e-6 (f32) or one bf16 ulp of sum |dx| over its column. */
+/* a device copy of n values (bf16 when bf16) starting off elements into its allocation */
+static void *dev_at(const float *h, int64_t n, int64_t off, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+    char *d = dalloc((size_t)(n + off) * es);
+    if (bf16) {
+        uint16_t *t = halloc((size_t)(n > 0 ? n : 1) * 2);
+        for (int64_t i = 0; i < n; i++) t[i] = f32_to_bf16(h[i]);
+        if (n) G->copy_from_host(d + off * es, t, (size_t)n * es);
+    } else if (n) {
+        G->copy_from_host(d + off * es, h, (size_t)n * es);
+    }
+    return d + off * es;
+}
+
+static void test_fused(void) {
+    test_check(G->bias_gelu_forward_f32 && G->bias_gelu_forward_bf16 && G->bias_gelu_backward_f32 &&
+                   G->bias_gelu_backward_bf16,
+               "CUDA has the fused bias entries");
+    if (!G->bias_gelu_forward_f32 || !G->bias_gelu_forward_bf16 || !G->bias_gelu_backward_f32 ||
+        !G->bias_gelu_backward_bf16)
+        return;
+    /* rows, cols, element offset of every pointer (0: aligned) */
+    static const int64_t cs[][3] = {{1, 1, 0}, {3, 7, 0}, {5, 8, 0}, {4, 12, 0}, {33, 37, 0},
+                                    {70, 256, 0}, {600, 40, 0}, {9, 16, 1}, {130, 264, 0}};
+    char name[128];
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
+        int64_t rows = cs[c][0], cols = cs[c][1], off = cs[c][2], n = rows * cols;
+        for (int bf16 = 0; bf16 < 2; bf16++) {
+            const char *dt = bf16 ? "bf16" : "f32";
+            float *x = hrand16(n, 3), *b = hrand16(cols, 1), *d = hrand16(n, 1), *old = hrand16(cols, 2);
+            float *y = hnan(n), *dx = hnan(n), *db = hnan(cols), *dacc = hcopy(old, cols);
+            C->bias_gelu_forward_f32(y, x, b, rows, cols);
+            C->bias_gelu_backward_f32(dx, db, d, x, b, rows, cols, 0);
+            C->bias_gelu_backward_f32(dx, dacc, d, x, b, rows, cols, 1);
+            double *bound = halloc((size_t)cols * sizeof(double)), *bound_acc = halloc((size_t)cols * sizeof(double));
+            for (int64_t j = 0; j < cols; j++) bound[j] = 1e-30;
+            for (int64_t i = 0; i < n; i++) bound[i % cols] += fabsf(dx[i]);
+            for (int64_t j = 0; j < cols; j++) bound_acc[j] = bound[j] + fabsf(old[j]);
+            /* device copies at element offset off */
+#define DEV(h, count) dev_at(h, count, off, bf16)
+            void *gx = DEV(x, n), *gb = DEV(b, cols), *gd = DEV(d, n);
+            void *gy = DEV(hnan(n), n), *gdx = DEV(hnan(n), n), *gdx2 = DEV(hnan(n), n), *gdb = DEV(hnan(cols), cols);
+            void *gacc = DEV(old, cols);
+#undef DEV
+            if (bf16) {
+                G->bias_gelu_forward_bf16(gy, gx, gb, rows, cols);
+                G->bias_gelu_backward_bf16(gdx, gdb, gd, gx, gb, rows, cols, 0);
+                G->bias_gelu_backward_bf16(gdx2, gacc, gd, gx, gb, rows, cols, 1);
+            } else {
+                G->bias_gelu_forward_f32(gy, gx, gb, rows, cols);
+                G->bias_gelu_backward_f32(gdx, gdb, gd, gx, gb, rows, cols, 0);
+                G->bias_gelu_backward_f32(gdx2, gacc, gd, gx, gb, rows, cols, 1);
+            }
+            float *(*get)(const void *, int64_t) = bf16 ? back_bf16 : back;
+            double tol = bf16 ? ULP16 : 1e-5, sum_tol = bf16 ? ULP16 : 1e-6;
+            snprintf(name, sizeof name, "bias_gelu_forward_%s (%lld, %lld)%s", dt, (long long)rows, (long long)cols,
+                     off ? " unaligned" : "");
+            check_f(name, get(gy, n), bf16 ? round_bf16_host(y, n) : y, n, tol, 1e-6, -1);
+            snprintf(name, sizeof name, "bias_gelu_backward_%s dx (%lld, %lld)%s", dt, (long long)rows,
+                     (long long)cols, off ? " unaligned" : "");
+            float *gdx_h = get(gdx, n);
+            check_f(name, gdx_h, bf16 ? round_bf16_host(hcopy(dx, n), n) : dx, n, tol, 1e-6, -1);
+            snprintf(name, sizeof name, "bias_gelu_backward_%s dx accumulating (%lld, %lld)", dt, (long long)rows,
+                     (long long)cols);
+            check_f(name, get(gdx2, n), gdx_h, n, 0, 0, 0);
+            snprintf(name, sizeof name, "bias_gelu_backward_%s dbias (%lld, %lld)%s", dt, (long long)rows,
+                     (long long)cols, off ? " unaligned" : "");
+            check_bound(name, get(gdb, cols), db, bound, cols, sum_tol);
+            snprintf(name, sizeof name, "bias_gelu_backward_%s dbias accumulated (%lld, %lld)", dt, (long long)rows,
+                     (long long)cols);
+            check_bound(name, get(gacc, cols), dacc, bound_acc, cols, sum_tol);
+            free_case();
+        }
+    }
+    /* without a bias gradient, and with no rows (0, or left as it was) */
+    float *x = hrand16(40, 3), *b = hrand16(8, 1), *d = hrand16(40, 1), *want = hnan(40);
+    C->bias_gelu_backward_f32(want, NULL, d, x, b, 5, 8, 0);
+    uint16_t *gx = dup16(x, 40), *gb = dup16(b, 8), *gd = dup16(d, 40), *gdx = dnan16(40);
+    G->bias_gelu_backward_bf16(gdx, NULL, gd, gx, gb, 5, 8, 0);
+    check_f("bias_gelu_backward_bf16 without dbias", back_bf16(gdx, 40), round_bf16_host(want, 40), 40, ULP16, 1e-6,
+            -1);
+    float ones[3] = {1, 2, 3};
+    uint16_t *z = dup16(ones, 3), *keep = dup16(ones, 3);
+    G->bias_gelu_backward_bf16(NULL, z, NULL, NULL, NULL, 0, 3, 0);
+    G->bias_gelu_backward_bf16(NULL, keep, NULL, NULL, NULL, 0, 3, 1);
+    float zero[3] = {0, 0, 0};
+    check_f("bias_gelu_backward_bf16 no rows: dbias 0", back_bf16(z, 3), zero, 3, 0, 0, 0);
+    check_f("bias_gelu_backward_bf16 no rows, accumulating: dbias unchanged", back_bf16(keep, 3), ones, 3, 0, 0, 0);
+    free_case();
+}
+
 typedef void (*unary16_fn)(uint16_t *, const uint16_t *, int64_t);
 typedef void (*unary16_bwd_fn)(uint16_t *, const uint16_t *, const uint16_t *, int64_t);
 typedef void (*rows16_fn)(uint16_t *, const uint16_t *, int64_t, int64_t);
@@ -1749,6 +1847,7 @@ int main(int argc, char **argv) {
     test_attention_flash();
     test_bf16_elementwise();
     test_bf16_nn();
+    test_fused();
     test_random();
     test_optim();
     test_adamw_many();

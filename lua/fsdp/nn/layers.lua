@@ -20,9 +20,16 @@ function Linear:__init(n_in, n_out, opts)
   self:param("weight", { n_out, n_in }, init.normal(opts.std or 0.02))
   if opts.bias ~= false then self:param("bias", { n_out }, init.zeros()) end
 end
-function Linear:forward(x)
+-- linear(x, {gelu = true}): gelu(x W^T + b). With a bias, the bias and the
+-- GELU are one pass over the output (fsdp.bias_gelu) instead of two.
+function Linear:forward(x, opts)
   local y = x:matmul(self.weight, { tb = true })
-  if self.bias then y = y + self.bias end
+  local gelu = opts and opts.gelu
+  if self.bias then
+    if gelu then return fsdp.bias_gelu(y, self.bias) end
+    y = y + self.bias
+  end
+  if gelu then y = y:gelu() end
   return y
 end
 M.Linear = Linear

@@ -15,7 +15,7 @@ function MLP:__init(dim, opts)
   self:add("c_fc", layers.Linear(dim, hidden, { bias = opts.bias }))
   self:add("c_proj", layers.Linear(hidden, dim, { bias = opts.bias, std = opts.proj_std }))
 end
-function MLP:forward(x) return self.c_proj(self.c_fc(x):gelu()) end
+function MLP:forward(x) return self.c_proj(self.c_fc(x, { gelu = true })) end
 M.MLP = MLP
 
 --- SwiGLU(dim, {hidden=, proj_std=}): w2(silu(w1 x) * w3 x), no biases.

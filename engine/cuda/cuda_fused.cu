@@ -1,0 +1,167 @@
+/* cuda_fused.cu: a Linear's bias with the op that follows it, in one pass
+ * (after llm.c), with the semantics of engine/cpu/fused.c:
+ *   bias_gelu_forward   out = gelu(x + bias)                      (B, T, 4C)
+ *   bias_gelu_backward  dx = dout gelu'(x + bias), dbias = sum_rows dx
+ * x (rows, cols) is the matmul's output without its bias. bf16 in memory,
+ * f32 in registers; rows of a multiple of 16 bytes take 16-byte loads and
+ * stores (8 bf16 or 4 f32 per access). The bias gradient adds the stored
+ * (rounded) dx in double: per block a tile of columns over a chunk of rows,
+ * then the chunks in order (cuda_sum_slices), so results repeat bit for bit. */
+#include "cuda_internal.h"
+
+#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+
+/* V elements of T in one access (16 bytes, or one element) */
+template <class T, int V> struct alignas(sizeof(T) * V) pack_t {
+    T v[V];
+};
+
+__device__ __forceinline__ float fused_sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+/* GELU, tanh form, through 0.5 (1 + tanh u) = sigmoid(2u), as cuda_nn.cu */
+__device__ __forceinline__ float fused_gelu(float v) {
+    float u = GELU_C * (v + GELU_A * v * v * v);
+    return v * fused_sigmoid(2.0f * u);
+}
+__device__ __forceinline__ float fused_gelu_grad(float v) {
+    float u = GELU_C * (v + GELU_A * v * v * v);
+    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
+    float s = fused_sigmoid(2.0f * u);
+    return s + 2.0f * v * s * (1.0f - s) * du;
+}
+
+static bool fused_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* Elements per access for rows of cols elements at these pointers (NULL ones pass). */
+template <class T> static int fused_width(int64_t cols, const void *a, const void *b, const void *c, const void *d) {
+    const int v = 16 / (int)sizeof(T);
+    bool ok = cols % v == 0;
+    const void *ps[] = {a, b, c, d};
+    for (const void *p : ps) ok = ok && (!p || fused_aligned16(p));
+    return ok ? v : 1;
+}
+
+/* ---- bias + GELU, forward ---- */
+
+template <class T, int V>
+__global__ void bias_gelu_fwd_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ bias,
+                                     int64_t n_packs, int64_t row_packs) {
+    typedef pack_t<T, V> P;
+    GRID_STRIDE(i, n_packs) {
+        P xv = ((const P *)x)[i], bv = ((const P *)bias)[i % row_packs], r;
+#pragma unroll
+        for (int k = 0; k < V; k++) stf(&r.v[k], fused_gelu(ldf(xv.v[k]) + ldf(bv.v[k])));
+        ((P *)out)[i] = r;
+    }
+}
+
+template <class T> static void bias_gelu_forward(T *out, const T *x, const T *bias, int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    int64_t n = rows * cols;
+    int v = fused_width<T>(cols, out, x, bias, NULL);
+    void (*kernel)(T *, const T *, const T *, int64_t, int64_t) =
+        v > 1 ? bias_gelu_fwd_kernel<T, 16 / sizeof(T)> : bias_gelu_fwd_kernel<T, 1>;
+    LAUNCH(kernel, cuda_blocks(n / v, CUDA_THREADS), CUDA_THREADS, 0)(out, x, bias, n / v, cols / v);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---- bias + GELU, backward, with the bias gradient ----
+ * Block (32, 8): threadIdx.x picks a pack of V columns of the block's tile
+ * of 32 V columns, the 8 rows of threads stride over the block's chunk of
+ * rows; their column sums meet in shared memory in row-lane order. */
+#define GB_LANES 8
+#define GB_PACKS 32
+
+template <class T, int V>
+__global__ void bias_gelu_bwd_kernel(T *__restrict__ dx, T *dbias, double *__restrict__ partial,
+                                     const T *__restrict__ dout, const T *__restrict__ x,
+                                     const T *__restrict__ bias, int64_t rows, int64_t cols, int64_t tiles,
+                                     int64_t chunk_rows, int acc) {
+    typedef pack_t<T, V> P;
+    __shared__ double part[GB_LANES][GB_PACKS * V];
+    int64_t tile = blockIdx.x % tiles, chunk = blockIdx.x / tiles;
+    int64_t c0 = (tile * GB_PACKS + threadIdx.x) * V;   /* this thread's first column */
+    int64_t r0 = chunk * chunk_rows, r1 = cuda_min64(r0 + chunk_rows, rows);
+    double s[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) s[k] = 0.0;
+    if (c0 < cols) {
+        P bv = *(const P *)(bias + c0);
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += GB_LANES) {
+            int64_t at = r * cols + c0;   /* (r, c0) of (rows, cols) */
+            P gv = *(const P *)(dout + at), xv = *(const P *)(x + at), d;
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                stf(&d.v[k], ldf(gv.v[k]) * fused_gelu_grad(ldf(xv.v[k]) + ldf(bv.v[k])));
+                s[k] += (double)ldf(d.v[k]);   /* the sum of dx as stored */
+            }
+            *(P *)(dx + at) = d;
+        }
+    }
+    if (!dbias) return;   /* (the same for every thread of the launch) */
+#pragma unroll
+    for (int k = 0; k < V; k++) part[threadIdx.y][threadIdx.x * V + k] = s[k];
+    __syncthreads();
+    if (threadIdx.y != 0 || c0 >= cols) return;
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        double sum = 0.0;
+        for (int l = 0; l < GB_LANES; l++) sum += part[l][threadIdx.x * V + k];
+        int64_t j = c0 + k;
+        if (partial) partial[chunk * cols + j] = sum;
+        else stf(dbias + j, acc ? (float)((double)ldf(dbias[j]) + sum) : (float)sum);
+    }
+}
+
+template <class T>
+static void bias_gelu_backward(T *dx, T *dbias, const T *dout, const T *x, const T *bias, int64_t rows,
+                               int64_t cols, int acc) {
+    if (cols <= 0) return;
+    if (rows <= 0) {   /* empty sums: 0, or nothing to add */
+        if (dbias && !acc) CUDA_CHECK(cudaMemsetAsync(dbias, 0, (size_t)cols * sizeof(T), cuda_stream()));
+        return;
+    }
+    int v = fused_width<T>(cols, dx, dout, x, bias);
+    int64_t tiles = cuda_ceil_div(cols, (int64_t)GB_PACKS * v);
+    /* chunks of rows so that some 4 blocks per SM run, each of 64 rows at least */
+    int64_t want = cuda_ceil_div((int64_t)cuda_sm_count() * 4, tiles);
+    int64_t chunks = cuda_min64(want, cuda_ceil_div(rows, 64));
+    if (chunks < 1) chunks = 1;
+    int64_t chunk_rows = cuda_ceil_div(rows, chunks);
+    chunks = cuda_ceil_div(rows, chunk_rows);
+    if (tiles * chunks >= ((int64_t)1 << 31))
+        cuda_fail(__func__, __FILE__, __LINE__, "bias_gelu_backward", "more than 2^31 blocks");
+    double *partial = dbias && chunks > 1 ? (double *)cuda_tmp_alloc((size_t)(chunks * cols) * sizeof(double)) : NULL;
+    unsigned blocks = (unsigned)(tiles * chunks);
+    void (*kernel)(T *, T *, double *, const T *, const T *, const T *, int64_t, int64_t, int64_t, int64_t, int) =
+        v > 1 ? bias_gelu_bwd_kernel<T, 16 / sizeof(T)> : bias_gelu_bwd_kernel<T, 1>;
+    LAUNCH(kernel, blocks, dim3(GB_PACKS, GB_LANES), 0)(dx, dbias, partial, dout, x, bias, rows, cols, tiles,
+                                                        chunk_rows, acc);
+    CUDA_CHECK_LAUNCH();
+    if (partial) {
+        cuda_sum_slices(dbias, partial, chunks, cols, acc);
+        cuda_tmp_free(partial);
+    }
+}
+
+/* ---- the table's entries ---- */
+
+void cuda_bias_gelu_forward_f32(float *out, const float *x, const float *bias, int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    bias_gelu_forward(out, x, bias, rows, cols);
+}
+void cuda_bias_gelu_forward_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, int64_t rows,
+                                 int64_t cols) {
+    CUDA_ENTER();
+    bias_gelu_forward(out, x, bias, rows, cols);
+}
+void cuda_bias_gelu_backward_f32(float *dx, float *dbias, const float *dout, const float *x, const float *bias,
+                                 int64_t rows, int64_t cols, int acc) {
+    CUDA_ENTER();
+    bias_gelu_backward(dx, dbias, dout, x, bias, rows, cols, acc);
+}
+void cuda_bias_gelu_backward_bf16(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,
+                                  const uint16_t *bias, int64_t rows, int64_t cols, int acc) {
+    CUDA_ENTER();
+    bias_gelu_backward(dx, dbias, dout, x, bias, rows, cols, acc);
+}

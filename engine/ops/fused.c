@@ -1,0 +1,128 @@
+/* fused.c: a Linear's bias with the op that follows it (after llm.c):
+ * fsdp_bias_gelu (GPT-2's MLP: gelu(x W^T + b)), one pass over the
+ * activations where the unfused ops take two.
+ *
+ * x is the matmul's output (..., C) without its bias, bias (C). The device's
+ * bias_gelu_* entries do the work in the dtype of the tensors; where a
+ * device has none for it, the ops are the unfused ones (add, then gelu), so the result never depends on which ran beyond
+ * the rounding of x + bias (kept in f32 by the fused kernels). */
+#include "ops_util.h"
+#include "trace.h"
+
+#define SLOT(name) offsetof(fsdp_device_kernels, name)
+
+typedef void (*bias_gelu_fwd_f32_fn)(float *, const float *, const float *, int64_t, int64_t);
+typedef void (*bias_gelu_fwd_bf16_fn)(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t);
+typedef void (*bias_gelu_bwd_f32_fn)(float *, float *, const float *, const float *, const float *, int64_t, int64_t,
+                                     int);
+typedef void (*bias_gelu_bwd_bf16_fn)(uint16_t *, uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *,
+                                      int64_t, int64_t, int);
+
+/* The table entry at the f32 or bf16 slot for tensors like t, or NULL. */
+static void *entry_for(const fsdp_tensor *t, size_t slot_f32, size_t slot_bf16) {
+    size_t slot = t->dtype == FSDP_BF16 ? slot_bf16 : slot_f32;
+    void *fn;
+    memcpy(&fn, (const char *)KERNELS(t) + slot, sizeof fn);
+    return fn;
+}
+
+/* x (..., C) float, bias (C) of x's dtype */
+static fsdp_status check_fused(const char *op, void *out, int n, const char *const *names, fsdp_tensor *const *ts) {
+    FSDP_TRY(op_check(op, out, n, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, n, names, ts));
+    const fsdp_tensor *x = ts[0], *b = ts[1];
+    if (x->ndim < 1)
+        return op_fail(FSDP_ERR_SHAPE, op, n, names, ts, "x must have at least 1 dim (the bias's)");
+    int64_t C = x->shape[x->ndim - 1];
+    if (b->ndim != 1 || b->shape[0] != C)
+        return op_fail(FSDP_ERR_SHAPE, op, n, names, ts, "bias must be 1-D with %lld elements (the last dim of x)",
+                       (long long)C);
+    return FSDP_OK;
+}
+
+static void rows_cols(const fsdp_tensor *x, int64_t *rows, int64_t *cols) {
+    *cols = x->shape[x->ndim - 1];
+    *rows = *cols ? tensor_numel(x) / *cols : 0;
+}
+
+/* ---- bias + GELU ---- */
+
+static fsdp_status bias_gelu_backward(fsdp_node *node) {
+    fsdp_tensor *x = node->in[0], *b = node->in[1];
+    int dt = x->dtype;
+    bool want_b = node_needs_grad(node, 1);
+    fsdp_tensor *dout, *xs = NULL, *bs = NULL, *dx = NULL, *db = NULL;
+    FSDP_TRY(op_grad_out_as(node, 0, dt, &dout));
+    if (!dout) return FSDP_OK;
+    int64_t rows, cols;
+    rows_cols(x, &rows, &cols);
+    /* the bias gradient goes straight into a .grad that exists (an FSDP
+     * unit's gradient slice), else into a new tensor given to it */
+    fsdp_tensor *acc = want_b ? node_grad_accumulator(node, 1, dt) : NULL;
+    fsdp_status st = tensor_contiguous(&xs, x);
+    if (st == FSDP_OK) st = tensor_contiguous(&bs, b);
+    if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
+    if (st == FSDP_OK && want_b && !acc) st = op_new_as(&db, dt, b->ndim, b->shape);
+    if (st == FSDP_OK) {
+        void *dbias = acc ? tensor_data(acc) : db ? tensor_data(db) : NULL;
+        void *fn = entry_for(xs, SLOT(bias_gelu_backward_f32), SLOT(bias_gelu_backward_bf16));
+        if (dt == FSDP_BF16)
+            ((bias_gelu_bwd_bf16_fn)fn)(tensor_data(dx), dbias, tensor_data(dout), tensor_data(xs), tensor_data(bs),
+                                        rows, cols, acc != NULL);
+        else
+            ((bias_gelu_bwd_f32_fn)fn)(tensor_data(dx), dbias, tensor_data(dout), tensor_data(xs), tensor_data(bs),
+                                       rows, cols, acc != NULL);
+    }
+    tensor_release(xs);
+    tensor_release(bs);
+    tensor_release(dout);
+    if (st != FSDP_OK) {
+        tensor_release(dx);
+        tensor_release(db);
+        return st;
+    }
+    if (db) st = node_add_grad(node, 1, db);
+    if (st != FSDP_OK) {
+        tensor_release(dx);
+        return st;
+    }
+    return op_give_grad(node, 0, dx);
+}
+
+/* the unfused ops: gelu(x + bias) */
+static fsdp_status bias_then(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias) {
+    fsdp_tensor *t;
+    FSDP_TRY(fsdp_add(&t, x, bias));
+    fsdp_status st = fsdp_gelu(out, t);
+    tensor_release(t);
+    return st;
+}
+
+fsdp_status fsdp_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias) {
+    TRACE_OP("bias_gelu", out);
+    const char *names[] = {"x", "bias"};
+    fsdp_tensor *ts[] = {x, bias};
+    FSDP_TRY(check_fused("fsdp_bias_gelu", out, 2, names, ts));
+    void *fwd = entry_for(x, SLOT(bias_gelu_forward_f32), SLOT(bias_gelu_forward_bf16));
+    void *bwd = entry_for(x, SLOT(bias_gelu_backward_f32), SLOT(bias_gelu_backward_bf16));
+    if (!fwd || !bwd) return bias_then(out, x, bias);
+    int64_t rows, cols;
+    rows_cols(x, &rows, &cols);
+    fsdp_tensor *xs, *bs = NULL, *r = NULL;
+    FSDP_TRY(tensor_contiguous(&xs, x));
+    fsdp_status st = tensor_contiguous(&bs, bias);
+    if (st == FSDP_OK) st = op_new_as(&r, x->dtype, x->ndim, x->shape);
+    if (st == FSDP_OK) {
+        if (x->dtype == FSDP_BF16)
+            ((bias_gelu_fwd_bf16_fn)fwd)(tensor_data(r), tensor_data(xs), tensor_data(bs), rows, cols);
+        else
+            ((bias_gelu_fwd_f32_fn)fwd)(tensor_data(r), tensor_data(xs), tensor_data(bs), rows, cols);
+    }
+    tensor_release(xs);
+    tensor_release(bs);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        return st;
+    }
+    return op_done(out, NULL, r, x->dtype, "bias_gelu", bias_gelu_backward, 2, ts, 0, NULL);
+}
