@@ -11,6 +11,7 @@
  *         the double forward reference: rtol 1e-3, atol 1e-4.
  * Outputs are prefilled with NaN, so a kernel that skips an element fails. */
 #include "cpu_kernels.h"
+#include "vec512.h"
 #include "ref_nn.h"
 #include "testutil.h"
 #include <math.h>
@@ -504,8 +505,54 @@ static void test_determinism(void) {
     free_all();
 }
 
+#ifdef FSDP_VEC512
+/* v16_exp (the activations' exp on AVX-512) against exp in double: 2^19
+ * points evenly over [-104, 89] (normal and subnormal results) within 1 ulp of the result's binade (the smallest
+ * subnormal below 2^-126), results past FLT_MAX infinite; and the edges: NaN
+ * stays NaN, exp(+inf) = inf, exp(-inf) = 0, exp(0) = 1 exactly, a masked
+ * load's unused lanes never reach memory. */
+static void test_vexp(void) {
+    double worst = 0;
+    float worst_x = 0;
+    int64_t count = 0, bad_inf = 0;
+    float lanes[16], out[16];
+    int nl = 0;
+    const int64_t samples = 1 << 19;
+    for (int64_t k = 0; k < samples; k++) {
+        lanes[nl++] = (float)(-104.0 + 193.0 * ((double)k + 0.37) / (double)samples);
+        if (nl < 16 && k + 1 < samples) continue;
+        v16_store(out, v16_mask(nl), v16_exp(v16_load(lanes, v16_mask(nl))));
+        for (int j = 0; j < nl; j++, count++) {
+            double want = exp((double)lanes[j]);
+            if (want > 3.4028234663852886e38) {
+                bad_inf += !isinf(out[j]);
+                continue;
+            }
+            double ulp = want < 1.1754943508222875e-38 ? ldexp(1.0, -149) : ldexp(1.0, ilogb(want) - 23);
+            double e = fabs((double)out[j] - want) / ulp;
+            if (!(e <= worst)) worst = e, worst_x = lanes[j];
+        }
+        nl = 0;
+    }
+    test_check(worst <= 1.0 && bad_inf == 0, "v16_exp: %lld values within 1 ulp of exp (worst %.3f ulp at %.9g), %lld "
+               "past FLT_MAX not infinite", (long long)count, worst, worst_x, (long long)bad_inf);
+    float edge[5] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f}, guard[16];
+    for (int j = 0; j < 16; j++) guard[j] = -7.0f;
+    v16_store(guard, v16_mask(5), v16_exp(v16_load(edge, v16_mask(5))));
+    int untouched = 1;
+    for (int j = 5; j < 16; j++) untouched &= guard[j] == -7.0f;
+    test_check(isnan(guard[0]) && isinf(guard[1]) && guard[1] > 0 && guard[2] == 0.0f && guard[3] == 1.0f &&
+                   guard[4] == 1.0f && untouched,
+               "v16_exp edges: exp(nan) %g, exp(inf) %g, exp(-inf) %g, exp(0) %g, exp(-0) %g, tail lanes untouched %d",
+               guard[0], guard[1], guard[2], guard[3], guard[4], untouched);
+}
+#endif
+
 int main(void) {
     test_rng_seed(&rng, 20240611);
+#ifdef FSDP_VEC512
+    test_vexp();
+#endif
     const int threads[2] = {1, 3};
     for (int t = 0; t < 2; t++) {
         nthreads = threads[t];
