@@ -9,6 +9,10 @@
 #     engine f32, engine bf16 compute, PyTorch f32, PyTorch bf16 autocast;
 #   FSDP: 2 ranks x 1 thread (full_shard, per-block units) vs 1 rank x 2
 #     threads (the engine f32 run), the same global batch, f32.
+# Each run also gives its CPU seconds (user + system, /usr/bin/time) and, for
+# the engine, the matmuls' share of its steps (FSDP_MATMUL_STATS: the wall
+# time inside matmul calls over the sum of the steps' times, all steps, the
+# first included; FSDP_PEAK_TFLOPS skips the MFU calibration's matmuls).
 # Usage: tools/bench_gpt2.sh [steps] [rounds]   (from the repo root, after building)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +21,9 @@ ROUNDS=${2:-3}
 LAUNCHER=build/fsdp-lua
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
 common=(--batch=4 --ctx=64 --steps="$STEPS" --eval-every=0 --sample=0 --log-every=1 --warmup=1)
+# per-product matmul statistics at exit; a stated peak instead of the MFU
+# calibration (whose matmuls would count as the steps')
+stats=(FSDP_MATMUL_STATS=1 FSDP_PEAK_TFLOPS=1)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -24,6 +31,11 @@ trap 'rm -rf "$out"' EXIT
 median_ms() { grep -E '^step +[0-9]+ \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' |
   sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
 median_of() { sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
+# matmul share (%) of the steps: matmul ms (averaged over ranks) / sum of step ms
+matmul_share() { awk -F'|' '/^step +[0-9]+ \|/ { sub(/ ms\/step/, "", $5); steps += $5 }
+  /^matmul total:/ { split($0, w, " "); mm += w[3]; nr++ }
+  END { if (nr == 0 || steps == 0) print "nan"; else printf "%.0f", 100 * mm / nr / steps }'; }
+pct() { if [[ $1 == - || $1 == nan ]]; then echo "-"; else echo "$1%"; fi; }
 peak_rss_mb() { grep 'Maximum resident' | awk '{ printf "%.0f", $6 / 1024 }'; }
 # CPU seconds of the whole run (user + system, every process and thread)
 cpu_s() { awk -F': ' '/User time|System time/ { s += $2 } END { printf "%.1f", s }'; }
@@ -37,28 +49,30 @@ declare -A label=(
   [fsdp_2x1]="FSDP: 2 ranks x 1 thread, full_shard, f32"
 )
 run_one() {   # name round -> appends "ms rss" to $out/name
-  local name=$1 log=$out/$1.$2.log ms
+  local name=$1 log=$out/$1.$2.log ms share
   # PyTorch gets the OpenMP wait policy the engine uses by default (workers
   # sleep when idle), which on a shared host is its faster setting
   local torch=(env OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 tools/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2
                --steps "$((STEPS - 1))")
   case $name in
-    engine_f32)  /usr/bin/time -v env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;
-    engine_bf16) /usr/bin/time -v env FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small --dtype=bf16 \
+    engine_f32)  /usr/bin/time -v env "${stats[@]}" FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;
+    engine_bf16) /usr/bin/time -v env "${stats[@]}" FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small --dtype=bf16 \
                    "${common[@]}" ;;
     torch_f32)   /usr/bin/time -v "${torch[@]}" ;;
     torch_bf16)  /usr/bin/time -v "${torch[@]}" --dtype bf16 ;;
-    fsdp_2x1)    /usr/bin/time -v env FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "${MPIRUN[@]}" -np 2 \
+    fsdp_2x1)    /usr/bin/time -v env "${stats[@]}" FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "${MPIRUN[@]}" -np 2 \
                    $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;
   esac > "$log" 2>&1 || { cat "$log"; exit 1; }
   if [[ $name == torch_* ]]; then
     ms=$(grep '^torch:' "$log" | sed 's/.*ms_per_step=\([0-9.]*\).*/\1/')
+    share=-
   else
     ms=$(median_ms < "$log")
+    share=$(matmul_share < "$log")
   fi
-  echo "$ms $(peak_rss_mb < "$log") $(cpu_s < "$log")" >> "$out/$name"
-  printf '  round %d  %-44s %9s ms/step  %7s CPU s  (load %s)\n' "$2" "${label[$name]}" "$ms" "$(cpu_s < "$log")" \
-    "$(cut -d' ' -f1 /proc/loadavg)"
+  echo "$ms $(peak_rss_mb < "$log") $(cpu_s < "$log") $share" >> "$out/$name"
+  printf '  round %d  %-44s %9s ms/step  %7s CPU s  matmuls %4s  (load %s)\n' "$2" "${label[$name]}" "$ms" \
+    "$(cpu_s < "$log")" "$(pct "$share")" "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
 echo "== machine: $(lscpu | grep 'Model name' | sed 's/ *Model name: *//'), $(nproc) cores," \
@@ -71,10 +85,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
 done
 
 med() { cut -d' ' -f1 "$out/$1" | median_of; }
-echo "== medians over rounds (ms/step, peak RSS of the last round)"
+col_med() { cut -d' ' -f"$2" "$out/$1" | median_of; }
+echo "== medians over rounds (ms/step, CPU seconds per run, matmul share of the steps; peak RSS of the last round)"
 for n in "${names[@]}"; do
-  printf '%-44s %9s ms/step  peak RSS %6s MB  (rounds: %s)\n' "${label[$n]}" "$(med "$n")" \
-    "$(tail -1 "$out/$n" | cut -d' ' -f2)" "$(cut -d' ' -f1 "$out/$n" | tr '\n' ' ')"
+  printf '%-44s %9s ms/step  %6s CPU s  matmuls %4s  peak RSS %6s MB  (rounds: %s)\n' "${label[$n]}" "$(med "$n")" \
+    "$(col_med "$n" 3)" "$(pct "$(col_med "$n" 4)")" "$(tail -1 "$out/$n" | cut -d' ' -f2)" \
+    "$(cut -d' ' -f1 "$out/$n" | tr '\n' ' ')"
 done
 ratio() { awk -v a="$(med "$1")" -v b="$(med "$2")" 'BEGIN { printf "%.2f", a / b }'; }
 verdict() { awk -v r="$1" -v t="$2" 'BEGIN { print (r <= t ? "met" : "NOT met") }'; }

@@ -60,10 +60,16 @@ void cpu_fill_f32(float *out, float v, int64_t n);
 /* For each batch b: C_b = alpha * op(A_b) @ op(B_b) + beta * C_b, where
  * op(A) is (M, K) (A stored (K, M) when trans_a), op(B) is (K, N) (B stored
  * (N, K) when trans_b), C is (M, N). Batch strides in elements; a stride of 0
- * shares one matrix over the batch. oneDNN or OpenBLAS by shape class. */
+ * shares one matrix over the batch. oneDNN or OpenBLAS by shape class.
+ * FSDP_MATMUL_STATS=1: each distinct product's calls, time and GFLOP/s
+ * (f32 and bf16) go to stderr at exit. */
 void cpu_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                     int trans_a, int trans_b, float alpha, float beta,
                     int64_t stride_a, int64_t stride_b, int64_t stride_c);
+/* What FSDP_MATMUL_STATS has counted so far (zeros when it is off). */
+void cpu_matmul_stats_totals(int64_t *calls, double *flop, double *seconds);
+/* 1 when cpu_matmul_f32 gives this product to oneDNN, 0 for OpenBLAS. */
+int cpu_matmul_f32_route(int64_t batch, int64_t M, int64_t N, int64_t K, int trans_a, int trans_b);
 /* The same, always OpenBLAS sgemm. */
 void cpu_matmul_f32_blas(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                          int trans_a, int trans_b, float alpha, float beta,

@@ -8,10 +8,16 @@
  * one after another; where the batch can be folded into one bigger gemm
  * (shared B, contiguous A and C) it is, since one (batch*M, K) @ (K, N) gemm
  * runs much closer to peak than many small ones. */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime */
+#endif
 #include "cpu_kernels.h"
 #include <cblas.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* oneDNN f32 from this many multiply-adds (M*N*K) up; OpenBLAS below. */
 #define DNNL_F32_MIN_MNK (1LL << 18)
@@ -56,24 +62,156 @@ void cpu_matmul_f32_blas(float *c, const float *a, const float *b, int64_t batch
  * benchmark and for tests). */
 static int f32_route = -1;   /* -1 not read yet, 0 by shape, 1 OpenBLAS, 2 oneDNN */
 
-static int f32_use_dnnl(int64_t batch, int64_t M, int64_t N, int64_t K) {
+int cpu_matmul_f32_route(int64_t batch, int64_t M, int64_t N, int64_t K, int trans_a, int trans_b) {
     if (f32_route < 0) {
         const char *s = getenv("FSDP_MATMUL_F32");
         f32_route = s && !strcmp(s, "blas") ? 1 : s && !strcmp(s, "dnnl") ? 2 : 0;
     }
     if (f32_route) return f32_route == 2;
-    (void)batch;
+    (void)batch, (void)trans_a, (void)trans_b;
     return M * N * K >= DNNL_F32_MIN_MNK;
+}
+
+enum { PATH_BLAS, PATH_DNNL, PATH_BF16_VIA_F32, PATH_BF16_NAIVE, PATH_EMPTY };
+
+static int matmul_f32_run(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                          int trans_a, int trans_b, float alpha, float beta,
+                          int64_t stride_a, int64_t stride_b, int64_t stride_c) {
+    if (K > 0 && cpu_matmul_f32_route(batch, M, N, K, trans_a, trans_b) &&
+        cpu_matmul_dnnl(0, c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c) == 0)
+        return PATH_DNNL;
+    cpu_matmul_f32_blas(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
+    return PATH_BLAS;
+}
+
+/* ---- per-product statistics (FSDP_MATMUL_STATS=1) ----
+ * Calls and wall time of every distinct product (dtype, library, shape,
+ * transposes, accumulation), printed to stderr at exit: what a training
+ * step's matmuls take and the rate each reaches. Off, it costs one test. */
+#define STATS_SLOTS 256
+
+typedef struct {
+    int bf16, path, ta, tb, acc;
+    int64_t batch, M, N, K;
+    int64_t calls;
+    double seconds;
+} mm_stat;
+
+static struct {
+    pthread_once_t once;
+    int on;
+    pthread_mutex_t lock;
+    int n;
+    mm_stat slot[STATS_SLOTS];
+    int64_t other_calls;   /* products past the slots: counted together */
+    double other_flop, other_seconds;
+} stats = {.once = PTHREAD_ONCE_INIT, .lock = PTHREAD_MUTEX_INITIALIZER};
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const char *path_name(int path) {
+    static const char *names[] = {"OpenBLAS", "oneDNN", "f32 OpenBLAS/oneDNN (widened)", "naive", "empty"};
+    return names[path];
+}
+
+static void stats_print(void) {
+    double total_s = 0, total_flop = 0;
+    int64_t total_calls = 0;
+    pthread_mutex_lock(&stats.lock);
+    fprintf(stderr, "matmul stats: dtype | library | batch x M x K x N | op(A) op(B) | C | calls | ms | GFLOP/s\n");
+    for (int i = 0; i < stats.n; i++) {
+        const mm_stat *e = &stats.slot[i];
+        double flop = 2.0 * (double)e->batch * (double)e->M * (double)e->N * (double)e->K * (double)e->calls;
+        fprintf(stderr, "matmul stats: %s | %s | %lld x %lld x %lld x %lld | %s %s | %s | %lld | %.2f | %.1f\n",
+                e->bf16 ? "bf16" : "f32", path_name(e->path), (long long)e->batch, (long long)e->M, (long long)e->K,
+                (long long)e->N, e->ta ? "A^T" : "A", e->tb ? "B^T" : "B", e->acc ? "+=" : "=",
+                (long long)e->calls, e->seconds * 1e3, e->seconds > 0 ? flop / e->seconds * 1e-9 : 0.0);
+        total_s += e->seconds;
+        total_flop += flop;
+        total_calls += e->calls;
+    }
+    if (stats.other_calls) {
+        fprintf(stderr, "matmul stats: (other products, %d distinct ones shown) | | | | | %lld | %.2f | %.1f\n",
+                STATS_SLOTS, (long long)stats.other_calls, stats.other_seconds * 1e3,
+                stats.other_seconds > 0 ? stats.other_flop / stats.other_seconds * 1e-9 : 0.0);
+        total_s += stats.other_seconds;
+        total_flop += stats.other_flop;
+        total_calls += stats.other_calls;
+    }
+    fprintf(stderr, "matmul total: %.1f ms in %lld calls, %.2f GFLOP, %.1f GFLOP/s\n", total_s * 1e3,
+            (long long)total_calls, total_flop * 1e-9, total_s > 0 ? total_flop / total_s * 1e-9 : 0.0);
+    pthread_mutex_unlock(&stats.lock);
+}
+
+void cpu_matmul_stats_totals(int64_t *calls, double *flop, double *seconds) {
+    *calls = 0;
+    *flop = *seconds = 0;
+    pthread_mutex_lock(&stats.lock);
+    for (int i = 0; i < stats.n; i++) {
+        const mm_stat *e = &stats.slot[i];
+        *calls += e->calls;
+        *flop += 2.0 * (double)e->batch * (double)e->M * (double)e->N * (double)e->K * (double)e->calls;
+        *seconds += e->seconds;
+    }
+    *calls += stats.other_calls;
+    *flop += stats.other_flop;
+    *seconds += stats.other_seconds;
+    pthread_mutex_unlock(&stats.lock);
+}
+
+static void stats_init(void) {
+    const char *s = getenv("FSDP_MATMUL_STATS");
+    stats.on = s && atoi(s) > 0;
+    if (stats.on) atexit(stats_print);
+}
+
+static int stats_on(void) {
+    pthread_once(&stats.once, stats_init);
+    return stats.on;
+}
+
+static void stats_add(int bf16, int path, int64_t batch, int64_t M, int64_t N, int64_t K, int ta, int tb, float beta,
+                      double seconds) {
+    mm_stat key = {.bf16 = bf16, .path = path, .ta = ta != 0, .tb = tb != 0, .acc = beta != 0.0f,
+                   .batch = batch, .M = M, .N = N, .K = K};
+    pthread_mutex_lock(&stats.lock);
+    mm_stat *e = NULL;
+    for (int i = 0; i < stats.n && !e; i++) {
+        mm_stat *s = &stats.slot[i];
+        if (s->bf16 == key.bf16 && s->path == key.path && s->ta == key.ta && s->tb == key.tb && s->acc == key.acc &&
+            s->batch == key.batch && s->M == key.M && s->N == key.N && s->K == key.K)
+            e = s;
+    }
+    if (!e && stats.n < STATS_SLOTS) {
+        e = &stats.slot[stats.n++];
+        *e = key;
+    }
+    if (e) {
+        e->calls++;
+        e->seconds += seconds;
+    } else {
+        stats.other_calls++;
+        stats.other_flop += 2.0 * (double)batch * (double)M * (double)N * (double)K;
+        stats.other_seconds += seconds;
+    }
+    pthread_mutex_unlock(&stats.lock);
 }
 
 void cpu_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                     int trans_a, int trans_b, float alpha, float beta,
                     int64_t stride_a, int64_t stride_b, int64_t stride_c) {
     if (batch <= 0 || M <= 0 || N <= 0) return;
-    if (K > 0 && f32_use_dnnl(batch, M, N, K) &&
-        cpu_matmul_dnnl(0, c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c) == 0)
+    if (!stats_on()) {
+        matmul_f32_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
         return;
-    cpu_matmul_f32_blas(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
+    }
+    double t0 = seconds_now();
+    int path = matmul_f32_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
+    stats_add(0, K > 0 ? path : PATH_EMPTY, batch, M, N, K, trans_a, trans_b, beta, seconds_now() - t0);
 }
 
 /* ---- bf16 ---- */
@@ -93,11 +231,12 @@ static void matmul_bf16_naive(uint16_t *c, const uint16_t *a, const uint16_t *b,
 
 /* Without bf16 oneDNN: each batch widened to f32, one f32 matmul (oneDNN or
  * OpenBLAS by shape), narrowed once. */
-static void matmul_bf16_via_f32(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M,
+static int matmul_bf16_via_f32(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M,
                                 int64_t N, int64_t K, int ta, int tb, float alpha, float beta, int64_t sa,
                                 int64_t sb, int64_t sc) {
     float *wa = malloc((size_t)(M * K) * sizeof *wa), *wb = malloc((size_t)(K * N) * sizeof *wb);
     float *wc = malloc((size_t)(M * N) * sizeof *wc);
+    int path = wa && wb && wc ? PATH_BF16_VIA_F32 : PATH_BF16_NAIVE;
     for (int64_t i = 0; i < batch; i++) {
         const uint16_t *ai = a + i * sa, *bi = b + i * sb;
         uint16_t *ci = c + i * sc;
@@ -108,12 +247,13 @@ static void matmul_bf16_via_f32(uint16_t *c, const uint16_t *a, const uint16_t *
         if (i == 0 || sa) cpu_cast_bf16_to_f32(wa, ai, M * K);
         if (i == 0 || sb) cpu_cast_bf16_to_f32(wb, bi, K * N);
         if (beta != 0.0f) cpu_cast_bf16_to_f32(wc, ci, M * N);
-        cpu_matmul_f32(wc, wa, wb, 1, M, N, K, ta, tb, alpha, beta, 0, 0, 0);
+        matmul_f32_run(wc, wa, wb, 1, M, N, K, ta, tb, alpha, beta, 0, 0, 0);
         cpu_cast_f32_to_bf16(ci, wc, M * N);
     }
     free(wa);
     free(wb);
     free(wc);
+    return path;
 }
 
 /* Does oneDNN run bf16 on bf16 hardware here (AVX512-BF16 dot products or
@@ -130,12 +270,24 @@ static int dnnl_bf16_is_native(void) {
     return bf16_native;
 }
 
+static int matmul_bf16_run(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
+                           int64_t K, int trans_a, int trans_b, float alpha, float beta,
+                           int64_t stride_a, int64_t stride_b, int64_t stride_c) {
+    if (K > 0 && dnnl_bf16_is_native() && cpu_matmul_dnnl(1, c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta,
+                                                           stride_a, stride_b, stride_c) == 0)
+        return PATH_DNNL;
+    return matmul_bf16_via_f32(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
+}
+
 void cpu_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                      int64_t K, int trans_a, int trans_b, float alpha, float beta,
                      int64_t stride_a, int64_t stride_b, int64_t stride_c) {
     if (batch <= 0 || M <= 0 || N <= 0) return;
-    if (K > 0 && dnnl_bf16_is_native() && cpu_matmul_dnnl(1, c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b,
-                                 stride_c) == 0)
+    if (!stats_on()) {
+        matmul_bf16_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
         return;
-    matmul_bf16_via_f32(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
+    }
+    double t0 = seconds_now();
+    int path = matmul_bf16_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
+    stats_add(1, K > 0 ? path : PATH_EMPTY, batch, M, N, K, trans_a, trans_b, beta, seconds_now() - t0);
 }

@@ -24,6 +24,9 @@
 
 static test_rng rng;
 static int nthreads;
+/* what went through cpu_matmul_f32 / cpu_matmul_bf16 (FSDP_MATMUL_STATS must count it) */
+static int64_t engine_calls;
+static double engine_flop;
 
 #define EPS_F32 (1.0 / 16777216.0)
 #define RTOL_BF16 (1.0 / 256.0)
@@ -78,6 +81,10 @@ static void run(int path, const char *tag, int64_t batch, int64_t M, int64_t N, 
     default:
         cpu_matmul_bf16(c16, a16, b16, batch, M, N, K, ta, tb, alpha, beta, sa, sb, sc);
         cpu_cast_bf16_to_f32(c, c16, nc);
+    }
+    if (path == PATH_ENGINE || path == PATH_BF16) {
+        engine_calls++;
+        engine_flop += 2.0 * batch * M * N * K;
     }
     int64_t wrong = 0;
     if (rc == 0)
@@ -154,5 +161,16 @@ int main(void) {
         test_check(cpu_matmul_dnnl(0, &c, &a, &b, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0) != 0 && c == 5,
                    "cpu_matmul_dnnl without oneDNN returns non-zero and leaves C alone");
     }
+    /* FSDP_MATMUL_STATS=1 (its own ctest variant): every engine call counted once, with its FLOPs */
+    int64_t calls;
+    double flop, seconds;
+    cpu_matmul_stats_totals(&calls, &flop, &seconds);
+    const char *st = getenv("FSDP_MATMUL_STATS");
+    if (st && atoi(st) > 0)
+        test_check(calls == engine_calls && fabs(flop - engine_flop) <= 1e-9 * engine_flop && seconds > 0,
+                   "FSDP_MATMUL_STATS counted %lld calls, %.0f FLOP, %.3g s (made: %lld calls, %.0f FLOP)",
+                   (long long)calls, flop, seconds, (long long)engine_calls, engine_flop);
+    else
+        test_check(calls == 0 && flop == 0 && seconds == 0, "without FSDP_MATMUL_STATS nothing is counted");
     return test_summary();
 }
