@@ -227,6 +227,12 @@ typedef struct fsdp_device_kernels {
                                    int64_t rows, int64_t cols, int acc);
     void (*bias_gelu_backward_bf16)(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,
                                     const uint16_t *bias, int64_t rows, int64_t cols, int acc);
+    /* out = res + (x + bias), one rounding: a projection's bias and the
+     * residual add after it (res (rows, cols)) */
+    void (*bias_residual_f32)(float *out, const float *x, const float *bias, const float *res, int64_t rows,
+                              int64_t cols);
+    void (*bias_residual_bf16)(uint16_t *out, const uint16_t *x, const uint16_t *bias, const uint16_t *res,
+                               int64_t rows, int64_t cols);
 } fsdp_device_kernels;
 
 /* The shapes of attention_flash_*_bf16: head dim D a multiple of 16 up to

@@ -75,4 +75,6 @@ const fsdp_device_kernels cpu_device_kernels = {
     .bias_gelu_forward_bf16 = cpu_bias_gelu_forward_bf16,
     .bias_gelu_backward_f32 = cpu_bias_gelu_backward_f32,
     .bias_gelu_backward_bf16 = cpu_bias_gelu_backward_bf16,
+    .bias_residual_f32 = cpu_bias_residual_f32,
+    .bias_residual_bf16 = cpu_bias_residual_bf16,
 };

@@ -232,7 +232,7 @@ void cpu_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, floa
  * x (rows, cols) without its bias, bias (cols) over the rows; x + bias in f32.
  * bias_gelu_backward: dx = dout gelu'(x + bias) rounded to the dtype; dbias
  * (NULL: none) = column sums of that dx in double, rounded once (acc: onto
- * dbias's values). */
+ * dbias's values). bias_residual: out = res + (x + bias). */
 void cpu_bias_gelu_forward_f32(float *out, const float *x, const float *bias, int64_t rows, int64_t cols);
 void cpu_bias_gelu_forward_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, int64_t rows,
                                 int64_t cols);
@@ -240,5 +240,9 @@ void cpu_bias_gelu_backward_f32(float *dx, float *dbias, const float *dout, cons
                                 int64_t rows, int64_t cols, int acc);
 void cpu_bias_gelu_backward_bf16(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,
                                  const uint16_t *bias, int64_t rows, int64_t cols, int acc);
+void cpu_bias_residual_f32(float *out, const float *x, const float *bias, const float *res, int64_t rows,
+                           int64_t cols);
+void cpu_bias_residual_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, const uint16_t *res,
+                            int64_t rows, int64_t cols);
 
 #endif

@@ -1,5 +1,6 @@
 /* fused.c: a Linear's bias with the op that follows it, in one pass (after
- * llm.c): bias + GELU (GPT-2's MLP).
+ * llm.c): bias + GELU (GPT-2's MLP), and bias + the residual add (the
+ * attention's and the MLP's output projections).
  *
  * x (rows, cols) is the matmul's output without its bias, bias (cols) is
  * broadcast over the rows. The sums x + bias stay in f32 (the unfused ops
@@ -31,7 +32,7 @@ static inline float gelu_grad(float v) {
 
 typedef struct {
     void *out, *dbias;
-    const void *x, *bias, *other;   /* other: dout (GELU backward) */
+    const void *x, *bias, *other;   /* other: dout (GELU backward) or res (residual) */
     int64_t rows, cols;
     int bf16, acc;
 } fused_ctx;
@@ -117,4 +118,31 @@ void cpu_bias_gelu_backward_bf16(uint16_t *dx, uint16_t *dbias, const uint16_t *
     fused_ctx c = {.out = dx, .dbias = dbias, .x = x, .bias = bias, .other = dout, .rows = rows, .cols = cols,
                    .bf16 = 1, .acc = acc};
     bias_gelu_backward(&c);
+}
+
+/* ---- bias + residual ---- */
+
+CPU_INLINE void residual_rows(fused_ctx *c, int64_t r0, int64_t r1, int bf16) {
+    for (int64_t r = r0; r < r1; r++) {
+        const void *xr = cpu_at(c->x, r * c->cols, bf16), *rr = cpu_at(c->other, r * c->cols, bf16);   // (cols)
+        void *yr = cpu_at_w(c->out, r * c->cols, bf16);
+        for (int64_t j = 0; j < c->cols; j++)
+            cpu_st(yr, j, cpu_ld(rr, j, bf16) + (cpu_ld(xr, j, bf16) + cpu_ld(c->bias, j, bf16)), bf16);
+    }
+}
+static void residual_f32(void *p, int64_t r0, int64_t r1) { residual_rows(p, r0, r1, 0); }
+static void residual_bf16(void *p, int64_t r0, int64_t r1) { residual_rows(p, r0, r1, 1); }
+
+void cpu_bias_residual_f32(float *out, const float *x, const float *bias, const float *res, int64_t rows,
+                           int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    fused_ctx c = {.out = out, .x = x, .bias = bias, .other = res, .rows = rows, .cols = cols};
+    cpu_parallel_for(rows, 4 * row_grain(cols), residual_f32, &c);
+}
+
+void cpu_bias_residual_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, const uint16_t *res,
+                            int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    fused_ctx c = {.out = out, .x = x, .bias = bias, .other = res, .rows = rows, .cols = cols, .bf16 = 1};
+    cpu_parallel_for(rows, 4 * row_grain(cols), residual_bf16, &c);
 }

@@ -221,6 +221,8 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .bias_gelu_forward_bf16 = cuda_bias_gelu_forward_bf16,
     .bias_gelu_backward_f32 = cuda_bias_gelu_backward_f32,
     .bias_gelu_backward_bf16 = cuda_bias_gelu_backward_bf16,
+    .bias_residual_f32 = cuda_bias_residual_f32,
+    .bias_residual_bf16 = cuda_bias_residual_bf16,
 };
 
 /* ---- start-up ---- */

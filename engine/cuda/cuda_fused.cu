@@ -2,6 +2,7 @@
  * (after llm.c), with the semantics of engine/cpu/fused.c:
  *   bias_gelu_forward   out = gelu(x + bias)                      (B, T, 4C)
  *   bias_gelu_backward  dx = dout gelu'(x + bias), dbias = sum_rows dx
+ *   bias_residual       out = res + (x + bias)                    (B, T, C)
  * x (rows, cols) is the matmul's output without its bias. bf16 in memory,
  * f32 in registers; rows of a multiple of 16 bytes take 16-byte loads and
  * stores (8 bf16 or 4 f32 per access). The bias gradient adds the stored
@@ -144,6 +145,31 @@ static void bias_gelu_backward(T *dx, T *dbias, const T *dout, const T *x, const
     }
 }
 
+/* ---- bias + residual ---- */
+
+template <class T, int V>
+__global__ void bias_residual_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ bias,
+                                     const T *__restrict__ res, int64_t n_packs, int64_t row_packs) {
+    typedef pack_t<T, V> P;
+    GRID_STRIDE(i, n_packs) {
+        P xv = ((const P *)x)[i], bv = ((const P *)bias)[i % row_packs], rv = ((const P *)res)[i], o;
+#pragma unroll
+        for (int k = 0; k < V; k++) stf(&o.v[k], ldf(rv.v[k]) + (ldf(xv.v[k]) + ldf(bv.v[k])));
+        ((P *)out)[i] = o;
+    }
+}
+
+template <class T>
+static void bias_residual(T *out, const T *x, const T *bias, const T *res, int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    int64_t n = rows * cols;
+    int v = fused_width<T>(cols, out, x, bias, res);
+    void (*kernel)(T *, const T *, const T *, const T *, int64_t, int64_t) =
+        v > 1 ? bias_residual_kernel<T, 16 / sizeof(T)> : bias_residual_kernel<T, 1>;
+    LAUNCH(kernel, cuda_blocks(n / v, CUDA_THREADS), CUDA_THREADS, 0)(out, x, bias, res, n / v, cols / v);
+    CUDA_CHECK_LAUNCH();
+}
+
 /* ---- the table's entries ---- */
 
 void cuda_bias_gelu_forward_f32(float *out, const float *x, const float *bias, int64_t rows, int64_t cols) {
@@ -164,4 +190,14 @@ void cuda_bias_gelu_backward_bf16(uint16_t *dx, uint16_t *dbias, const uint16_t 
                                   const uint16_t *bias, int64_t rows, int64_t cols, int acc) {
     CUDA_ENTER();
     bias_gelu_backward(dx, dbias, dout, x, bias, rows, cols, acc);
+}
+void cuda_bias_residual_f32(float *out, const float *x, const float *bias, const float *res, int64_t rows,
+                            int64_t cols) {
+    CUDA_ENTER();
+    bias_residual(out, x, bias, res, rows, cols);
+}
+void cuda_bias_residual_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, const uint16_t *res,
+                             int64_t rows, int64_t cols) {
+    CUDA_ENTER();
+    bias_residual(out, x, bias, res, rows, cols);
 }

@@ -353,6 +353,10 @@ void cuda_bias_gelu_backward_f32(float *dx, float *dbias, const float *dout, con
                                  int64_t rows, int64_t cols, int acc);
 void cuda_bias_gelu_backward_bf16(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,
                                   const uint16_t *bias, int64_t rows, int64_t cols, int acc);
+void cuda_bias_residual_f32(float *out, const float *x, const float *bias, const float *res, int64_t rows,
+                            int64_t cols);
+void cuda_bias_residual_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, const uint16_t *res,
+                             int64_t rows, int64_t cols);
 double cuda_sumsq_many_f32(const float *const *ptrs, const int64_t *counts, int n);
 /* cuda_nn.cu */
 void cuda_gelu_forward_f32(float *out, const float *x, int64_t n);

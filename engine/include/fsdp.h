@@ -326,9 +326,11 @@ fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weigh
 fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, double eps);
 /* A Linear's bias with what follows it, one pass over x (..., C), the
  * matmul's output without its bias, with bias (C) (after llm.c):
- * bias_gelu: gelu(x + bias) (tanh form). The same values as fsdp_add then
- * fsdp_gelu, but for x + bias, kept in f32 (not rounded to bf16 first). */
+ * bias_gelu: gelu(x + bias) (tanh form); bias_residual: res + (x + bias),
+ * res of x's shape. The same values as fsdp_add then fsdp_gelu or fsdp_add,
+ * but for x + bias, kept in f32 (not rounded to bf16 first). */
 fsdp_status fsdp_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias);
+fsdp_status fsdp_bias_residual(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias, fsdp_tensor *res);
 /* table (V, C), ids integer (...): out (..., C). */
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids);
 /* logits (N, V), targets integer (N): mean loss over targets != ignore_index.

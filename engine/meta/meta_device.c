@@ -370,7 +370,13 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       const uint16_t *x, const uint16_t *bias, int64_t rows, int64_t cols, int acc),                               \
       BF16 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias),   \
       BF16 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias),             \
-      14 * rows * cols, gelu_bwd_launches(rows, cols, BF16, dbias, acc), 0, )
+      14 * rows * cols, gelu_bwd_launches(rows, cols, BF16, dbias, acc), 0, )                                     \
+    X(void, bias_residual_f32, "elementwise", (float *out, const float *x, const float *bias, const float *res,  \
+      int64_t rows, int64_t cols), F32 * (2 * rows * cols + cols), F32 * rows * cols, 2 * rows * cols,             \
+      rows > 0 && cols > 0, 0, )                                                                                   \
+    X(void, bias_residual_bf16, "elementwise", (uint16_t *out, const uint16_t *x, const uint16_t *bias,          \
+      const uint16_t *res, int64_t rows, int64_t cols), BF16 * (2 * rows * cols + cols), BF16 * rows * cols,       \
+      2 * rows * cols, rows > 0 && cols > 0, 0, )
 
 /* ---- counters ---- */
 

@@ -226,6 +226,7 @@ fsdp_status fsdp_layernorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weigh
 fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, double eps);
 
 fsdp_status fsdp_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias);
+fsdp_status fsdp_bias_residual(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias, fsdp_tensor *res);
 
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids);
 

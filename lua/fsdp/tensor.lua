@@ -463,6 +463,15 @@ function M.bias_gelu(x, b)
   if C.fsdp_bias_gelu(out, T(x, "bias_gelu"), T(b, "bias_gelu bias")) ~= 0 then raise() end
   return wrap()
 end
+--- fsdp.bias_residual(x (..., C), bias (C), res (..., C)): res + (x + bias) in one pass (a projection's bias and
+-- the residual add after it)
+function M.bias_residual(x, b, res)
+  if C.fsdp_bias_residual(out, T(x, "bias_residual"), T(b, "bias_residual bias"), T(res, "bias_residual res")) ~= 0
+  then
+    raise()
+  end
+  return wrap()
+end
 function M.add(a, b) return mt.__add(a, b) end
 function M.sub(a, b) return mt.__sub(a, b) end
 function M.mul(a, b) return mt.__mul(a, b) end

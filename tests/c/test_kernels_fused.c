@@ -1,7 +1,8 @@
 /* test_kernels_fused.c: the CPU's fused bias kernels (fused.c: bias + GELU
- * forward and backward with the bias gradient), f32 and bf16, at awkward sizes, with 1 and 3 threads, against
+ * forward and backward with the bias gradient, bias + residual), f32 and
+ * bf16, at awkward sizes, with 1 and 3 threads, against
  * 1. the unfused kernels: in f32 the same values bit for bit (add, then
- *    gelu); in bf16 exactly the f32 kernel on the widened inputs,
+ *    gelu or add); in bf16 exactly the f32 kernel on the widened inputs,
  *    rounded once;
  * 2. the double-precision reference (ref_nn.c) of gelu(x + b) and its
  *    gradient: f32 within 1e-5 relative (+ 1e-6 of the largest value),
@@ -167,6 +168,33 @@ static void test_bias_gelu(void) {
                "no rows, accumulating: the bias gradient is unchanged");
 }
 
+static void test_bias_residual(void) {
+    static const int64_t shp[][2] = {{1, 1}, {3, 7}, {5, 8}, {37, 769}, {2, 3001}};
+    for (size_t s = 0; s < sizeof shp / sizeof shp[0]; s++) {
+        int64_t rows = shp[s][0], cols = shp[s][1], n = rows * cols;
+        bvec x = bvec_new(n, 3.0f), b = bvec_new(cols, 1.0f), r = bvec_new(n, 2.0f);
+        float *f = xmalloc((size_t)n * 4), *u = xmalloc((size_t)n * 4), *t = xmalloc((size_t)n * 4);
+        uint16_t *h = xmalloc((size_t)n * 2);
+        double *want = xmalloc((size_t)n * 8);
+        for (int64_t i = 0; i < n; i++) want[i] = r.d[i] + (x.d[i] + b.d[i % cols]);
+        int64_t sx[2] = {cols, 1}, sb[2] = {0, 1}, shape[2] = {rows, cols};
+        char name[128];
+        cpu_bias_residual_f32(f, x.f, b.f, r.f, rows, cols);
+        cpu_binary_f32(FSDP_ADD, t, x.f, sx, b.f, sb, 2, shape);
+        cpu_binary_f32(FSDP_ADD, u, r.f, sx, t, sx, 2, shape);
+        snprintf(name, sizeof name, "bias_residual f32 (%lld, %lld)", (long long)rows, (long long)cols);
+        check_same_f32(name, f, u, n);
+        check_ref(name, f, want, n, 1e-6, 1e-7);
+        cpu_bias_residual_bf16(h, x.h, b.h, r.h, rows, cols);
+        snprintf(name, sizeof name, "bias_residual bf16 (%lld, %lld)", (long long)rows, (long long)cols);
+        check_rounded(name, h, f, n);
+        widen(t, h, n);
+        check_ref(name, t, want, n, 1.0 / 256, 1.0 / 256);   /* (x + b and r cancel) */
+        bvec_free(&x); bvec_free(&b); bvec_free(&r);
+        free(f); free(u); free(t); free(h); free(want);
+    }
+}
+
 int main(void) {
     static const int thread_counts[] = {1, 3};
     for (int k = 0; k < 2; k++) {
@@ -174,6 +202,7 @@ int main(void) {
         cpu_threads_set(nthreads);
         test_rng_seed(&rng, 20240611u + (uint64_t)k);
         test_bias_gelu();
+        test_bias_residual();
     }
     return test_summary();
 }

@@ -965,7 +965,8 @@ static void test_bf16_elementwise(void) {
  * tests/c/test_kernels_fused.c), f32 and bf16: the 16-byte paths (rows of a
  * multiple of 8 bf16 or 4 f32), the element paths (odd rows, a pointer off
  * by one element), and enough rows for the bias sum to be cut into chunks.
- * Tolerances: GELU and its gradient as the activations (f32 rtol 1e-5, bf16 one ulp); the bias
+ * Tolerances: bias_residual bit for bit (the same two f32 adds); GELU and
+ * its gradient as the activations (f32 rtol 1e-5, bf16 one ulp); the bias
  * gradient within 1e-6 (f32) or one bf16 ulp of sum |dx| over its column. */
 /* a device copy of n values (bf16 when bf16) starting off elements into its allocation */
 static void *dev_at(const float *h, int64_t n, int64_t off, int bf16) {
@@ -983,10 +984,10 @@ static void *dev_at(const float *h, int64_t n, int64_t off, int bf16) {
 
 static void test_fused(void) {
     test_check(G->bias_gelu_forward_f32 && G->bias_gelu_forward_bf16 && G->bias_gelu_backward_f32 &&
-                   G->bias_gelu_backward_bf16,
+                   G->bias_gelu_backward_bf16 && G->bias_residual_f32 && G->bias_residual_bf16,
                "CUDA has the fused bias entries");
     if (!G->bias_gelu_forward_f32 || !G->bias_gelu_forward_bf16 || !G->bias_gelu_backward_f32 ||
-        !G->bias_gelu_backward_bf16)
+        !G->bias_gelu_backward_bf16 || !G->bias_residual_f32 || !G->bias_residual_bf16)
         return;
     /* rows, cols, element offset of every pointer (0: aligned) */
     static const int64_t cs[][3] = {{1, 1, 0}, {3, 7, 0}, {5, 8, 0}, {4, 12, 0}, {33, 37, 0},
@@ -996,29 +997,33 @@ static void test_fused(void) {
         int64_t rows = cs[c][0], cols = cs[c][1], off = cs[c][2], n = rows * cols;
         for (int bf16 = 0; bf16 < 2; bf16++) {
             const char *dt = bf16 ? "bf16" : "f32";
-            float *x = hrand16(n, 3), *b = hrand16(cols, 1), *d = hrand16(n, 1), *old = hrand16(cols, 2);
-            float *y = hnan(n), *dx = hnan(n), *db = hnan(cols), *dacc = hcopy(old, cols);
+            float *x = hrand16(n, 3), *b = hrand16(cols, 1), *d = hrand16(n, 1), *r = hrand16(n, 2);
+            float *old = hrand16(cols, 2);
+            float *y = hnan(n), *dx = hnan(n), *db = hnan(cols), *dacc = hcopy(old, cols), *res = hnan(n);
             C->bias_gelu_forward_f32(y, x, b, rows, cols);
             C->bias_gelu_backward_f32(dx, db, d, x, b, rows, cols, 0);
             C->bias_gelu_backward_f32(dx, dacc, d, x, b, rows, cols, 1);
+            C->bias_residual_f32(res, x, b, r, rows, cols);
             double *bound = halloc((size_t)cols * sizeof(double)), *bound_acc = halloc((size_t)cols * sizeof(double));
             for (int64_t j = 0; j < cols; j++) bound[j] = 1e-30;
             for (int64_t i = 0; i < n; i++) bound[i % cols] += fabsf(dx[i]);
             for (int64_t j = 0; j < cols; j++) bound_acc[j] = bound[j] + fabsf(old[j]);
             /* device copies at element offset off */
 #define DEV(h, count) dev_at(h, count, off, bf16)
-            void *gx = DEV(x, n), *gb = DEV(b, cols), *gd = DEV(d, n);
+            void *gx = DEV(x, n), *gb = DEV(b, cols), *gd = DEV(d, n), *gr = DEV(r, n);
             void *gy = DEV(hnan(n), n), *gdx = DEV(hnan(n), n), *gdx2 = DEV(hnan(n), n), *gdb = DEV(hnan(cols), cols);
-            void *gacc = DEV(old, cols);
+            void *gacc = DEV(old, cols), *gres = DEV(hnan(n), n);
 #undef DEV
             if (bf16) {
                 G->bias_gelu_forward_bf16(gy, gx, gb, rows, cols);
                 G->bias_gelu_backward_bf16(gdx, gdb, gd, gx, gb, rows, cols, 0);
                 G->bias_gelu_backward_bf16(gdx2, gacc, gd, gx, gb, rows, cols, 1);
+                G->bias_residual_bf16(gres, gx, gb, gr, rows, cols);
             } else {
                 G->bias_gelu_forward_f32(gy, gx, gb, rows, cols);
                 G->bias_gelu_backward_f32(gdx, gdb, gd, gx, gb, rows, cols, 0);
                 G->bias_gelu_backward_f32(gdx2, gacc, gd, gx, gb, rows, cols, 1);
+                G->bias_residual_f32(gres, gx, gb, gr, rows, cols);
             }
             float *(*get)(const void *, int64_t) = bf16 ? back_bf16 : back;
             double tol = bf16 ? ULP16 : 1e-5, sum_tol = bf16 ? ULP16 : 1e-6;
@@ -1038,6 +1043,9 @@ static void test_fused(void) {
             snprintf(name, sizeof name, "bias_gelu_backward_%s dbias accumulated (%lld, %lld)", dt, (long long)rows,
                      (long long)cols);
             check_bound(name, get(gacc, cols), dacc, bound_acc, cols, sum_tol);
+            snprintf(name, sizeof name, "bias_residual_%s (%lld, %lld)%s", dt, (long long)rows, (long long)cols,
+                     off ? " unaligned" : "");
+            check_f(name, get(gres, n), bf16 ? round_bf16_host(res, n) : res, n, 0, 0, 0);
             free_case();
         }
     }

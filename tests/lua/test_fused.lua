@@ -1,7 +1,7 @@
--- The fused bias op fsdp.bias_gelu on the default
+-- The fused bias ops (fsdp.bias_gelu, fsdp.bias_residual) on the default
 -- device (CUDA's fused kernels under fsdp-lua-emu or on a GPU, the CPU's
--- elsewhere): outputs and gradients against the unfused ops (add, then gelu)
--- in f32 on the CPU, the GELU's gradient by finite differences,
+-- elsewhere): outputs and gradients against the unfused ops (add, then gelu
+-- or add) in f32 on the CPU, the GELU's gradient by finite differences,
 -- bf16 against f32, bias gradients added into an existing .grad, the
 -- Linear options GPT-2's blocks use, and bad input.
 package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
@@ -45,13 +45,15 @@ end
 
 local fused_gelu = function(x, b) return fsdp.bias_gelu(x, b) end
 local plain_gelu = function(x, b) return (x + b):gelu() end
+local fused_res = function(x, b, r) return fsdp.bias_residual(x, b, r) end
+local plain_res = function(x, b, r) return r + (x + b) end
 
 -- shapes: one row, odd (prime) widths, a 16-byte multiple, 3-d
 local shapes = { { 1, 1 }, { 3, 7 }, { 5, 8 }, { 2, 3, 13 }, { 17, 64 } }
 for _, s in ipairs(shapes) do
   local C = s[#s]
   local tag = table.concat(s, "x")
-  local x, b = input(1, unpack(s)), input(2, C)
+  local x, b, r = input(1, unpack(s)), input(2, C), input(3, unpack(s))
   local w = input(4, unpack(s))
   -- f32 on the device against the unfused ops on the CPU: the same sums in f32
   local y0, g0 = run(plain_gelu, { x, b }, w, "cpu", "f32")
@@ -59,6 +61,12 @@ for _, s in ipairs(shapes) do
   close(y1, y0, 1e-6, "bias_gelu f32 out " .. tag .. " (" .. dev .. ")")
   close(g1[1], g0[1], 1e-5, "bias_gelu f32 dx " .. tag)
   close(g1[2], g0[2], 1e-5, "bias_gelu f32 dbias " .. tag)
+  y0, g0 = run(plain_res, { x, b, r }, w, "cpu", "f32")
+  y1, g1 = run(fused_res, { x, b, r }, w, dev, "f32")
+  close(y1, y0, 0, "bias_residual f32 out " .. tag .. " (" .. dev .. ")")
+  close(g1[1], g0[1], 0, "bias_residual f32 dx " .. tag)
+  close(g1[2], g0[2], 1e-6, "bias_residual f32 dbias " .. tag)
+  close(g1[3], g0[3], 0, "bias_residual f32 dres " .. tag)
   -- bf16 on the device against f32: every value rounded to bf16 once or twice
   y0, g0 = run(plain_gelu, { x, b }, w, "cpu", "f32")
   y1, g1 = run(fused_gelu, { x, b }, w, dev, "bf16")
@@ -66,6 +74,11 @@ for _, s in ipairs(shapes) do
   close(y1, y0, 1 / 64, "bias_gelu bf16 out " .. tag)
   close(g1[1], g0[1], 1 / 64, "bias_gelu bf16 dx " .. tag)
   close(g1[2], g0[2], 1 / 64, "bias_gelu bf16 dbias " .. tag)
+  y0, g0 = run(plain_res, { x, b, r }, w, "cpu", "f32")
+  y1, g1 = run(fused_res, { x, b, r }, w, dev, "bf16")
+  close(y1, y0, 1 / 64, "bias_residual bf16 out " .. tag)
+  close(g1[2], g0[2], 1 / 64, "bias_residual bf16 dbias " .. tag)
+  close(g1[3], g0[3], 1 / 64, "bias_residual bf16 dres " .. tag)
 end
 
 -- finite differences of sum(bias_gelu(x, b) * w) in f32: central, step 1e-2
@@ -99,6 +112,12 @@ for _, dt in ipairs({ "f32", "bf16" }) do
   local once = b:get_grad():float():cpu()
   fsdp.bias_gelu(x, b):float():sum():backward()
   close(b:get_grad(), once * 2, dt == "bf16" and 1 / 128 or 1e-6, "bias_gelu: dbias added into .grad (" .. dt .. ")")
+  b:zero_grad()
+  fsdp.bias_residual(x, b, x):float():sum():backward()
+  once = b:get_grad():float():cpu()
+  fsdp.bias_residual(x, b, x):float():sum():backward()
+  close(b:get_grad(), once * 2, dt == "bf16" and 1 / 128 or 1e-6, "bias_residual: dbias added into .grad (" .. dt .. ")")
+  close(once, fsdp.full({ 16 }, 6, { device = "cpu" }), 0, "bias_residual: dbias = the rows' count (" .. dt .. ")")
 end
 
 -- only some inputs need gradients
@@ -115,14 +134,15 @@ do
   close(bb:get_grad(), g[2], 1e-5, "bias_gelu: dbias alone (x without gradient)")
 end
 
--- the Linear option {gelu = true}, with and without a bias
+-- the Linear options: {gelu = true} and {residual = r}, with and without a bias
 for _, bias in ipairs({ true, false }) do
   local lin = nn.Linear(8, 12, { bias = bias }):materialize { seed = 1 }
   if bias then lin.bias:copy(input(14, 12):to(dev)) end
-  local x = input(15, 3, 8):to(dev)
+  local x, r = input(15, 3, 8):to(dev), input(16, 3, 12):to(dev)
   local plain = x:matmul(lin.weight, { tb = true })
   if bias then plain = plain + lin.bias end
   close(lin(x, { gelu = true }), plain:gelu(), 1e-6, "Linear {gelu = true} (bias " .. tostring(bias) .. ")")
+  close(lin(x, { residual = r }), r + plain, 1e-6, "Linear {residual = r} (bias " .. tostring(bias) .. ")")
 end
 
 -- a GPT-2 block: the fused path equals the same block's unfused ops
@@ -154,6 +174,9 @@ t.raises(function() return fsdp.bias_gelu(x, b:bf16()) end, { "fsdp_bias_gelu", 
   "bias_gelu: dtypes differ")
 t.raises(function() return fsdp.bias_gelu(fsdp.zeros(3, 4, { dtype = "i64" }), b) end,
   { "fsdp_bias_gelu", "f32 or bf16" }, "bias_gelu: an integer x")
+t.raises(function() return fsdp.bias_residual(x, b, fsdp.zeros(4, 3)) end,
+  { "fsdp_bias_residual", "res", "[4,3]", "shape of x" }, "bias_residual: res of another shape")
+t.raises(function() return fsdp.bias_residual(x, b, nil) end, { "bias_residual" }, "bias_residual: no res")
 if dev ~= "cpu" then
   t.raises(function() return fsdp.bias_gelu(x, b:cpu()) end, { "fsdp_bias_gelu", "different devices" },
     "bias_gelu: tensors on two devices")

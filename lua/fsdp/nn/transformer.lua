@@ -15,7 +15,8 @@ function MLP:__init(dim, opts)
   self:add("c_fc", layers.Linear(dim, hidden, { bias = opts.bias }))
   self:add("c_proj", layers.Linear(hidden, dim, { bias = opts.bias, std = opts.proj_std }))
 end
-function MLP:forward(x) return self.c_proj(self.c_fc(x, { gelu = true })) end
+-- mlp(x, res): res + mlp(x), the residual added by c_proj's bias pass
+function MLP:forward(x, res) return self.c_proj(self.c_fc(x, { gelu = true }), { residual = res }) end
 M.MLP = MLP
 
 --- SwiGLU(dim, {hidden=, proj_std=}): w2(silu(w1 x) * w3 x), no biases.
@@ -27,7 +28,7 @@ function SwiGLU:__init(dim, opts)
   self:add("w3", layers.Linear(dim, hidden, { bias = false }))
   self:add("w2", layers.Linear(hidden, dim, { bias = false, std = opts.proj_std }))
 end
-function SwiGLU:forward(x) return self.w2(self.w1(x):silu() * self.w3(x)) end
+function SwiGLU:forward(x, res) return self.w2(self.w1(x):silu() * self.w3(x), { residual = res }) end
 M.SwiGLU = SwiGLU
 
 -- Rotary embedding, rotate-half form: x cos + rotate_half(x) sin, where
@@ -80,12 +81,14 @@ function Attention:rope(x, T)
   return x * cos + x:matmul(rot) * sin
 end
 
-function Attention:forward(x)
+-- attn(x, res): res + attn(x), the residual added by c_proj's bias pass
+function Attention:forward(x, res)
   local s = x:shape()
   local B, T, C = s[1], s[2], s[3]
   local H, D = self.n_head, self.head_dim
+  local proj = { residual = res }
   if not self.rotary then   -- straight from the packed projection: no split or permute copies
-    return self.c_proj(fsdp.attention_qkv(self.c_attn(x), H, { causal = true }))   -- (B, T, C)
+    return self.c_proj(fsdp.attention_qkv(self.c_attn(x), H, { causal = true }), proj)   -- (B, T, C)
   end
   local qkv = self.c_attn(x):view(B, T, 3, H, D):permute(3, 1, 4, 2, 5)   -- (3, B, H, T, D)
   local q = qkv:narrow(1, 1, 1):reshape(B, H, T, D)
@@ -94,7 +97,7 @@ function Attention:forward(x)
   q, k = self:rope(q, T), self:rope(k, T)
   local y = fsdp.attention(q, k, v, { causal = true })                 -- (B, H, T, D)
   y = y:permute(1, 3, 2, 4):reshape(B, T, C)
-  return self.c_proj(y)
+  return self.c_proj(y, proj)
 end
 M.CausalSelfAttention = Attention
 
@@ -118,6 +121,10 @@ function Block:__init(dim, n_head, opts)
   if opts.dropout and opts.dropout > 0 then self:add("drop", layers.Dropout(opts.dropout)) end
 end
 function Block:forward(x)
+  if not self.drop then   -- the residual adds ride on the projections' bias passes
+    x = self.attn(self.ln_1(x), x)
+    return self.mlp(self.ln_2(x), x)
+  end
   local a = self.attn(self.ln_1(x))
   if self.drop then a = self.drop(a) end
   x = x + a
