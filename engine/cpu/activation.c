@@ -33,34 +33,13 @@ static inline float gelu_grad(float x) {
     return s + 2.0f * x * s * (1.0f - s) * du;
 }
 
-#ifdef FSDP_VEC512
-/* 16 lanes: the scalar loops are bound by one libm expf call per element.
- * The same expressions as gelu and gelu_grad with v16_exp for expf; the
- * f32 and bf16 kernels both run these (masked tails included), so they
- * agree bit for bit. */
-static inline __m512 gelu_v(__m512 x) {
-    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-    __m512 u = _mm512_mul_ps(_mm512_set1_ps(GELU_C), _mm512_fmadd_ps(_mm512_set1_ps(GELU_A), x3, x));
-    return _mm512_mul_ps(x, v16_sigmoid(_mm512_add_ps(u, u)));
-}
-
-static inline __m512 gelu_grad_v(__m512 x) {
-    __m512 x2 = _mm512_mul_ps(x, x);
-    __m512 u = _mm512_mul_ps(_mm512_set1_ps(GELU_C), _mm512_fmadd_ps(_mm512_set1_ps(GELU_A), _mm512_mul_ps(x2, x), x));
-    __m512 du = _mm512_mul_ps(_mm512_set1_ps(GELU_C), _mm512_fmadd_ps(_mm512_set1_ps(3.0f * GELU_A), x2,
-                                                                       _mm512_set1_ps(1.0f)));
-    __m512 s = v16_sigmoid(_mm512_add_ps(u, u));
-    __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(x, x), s), _mm512_sub_ps(_mm512_set1_ps(1.0f), s));
-    return _mm512_fmadd_ps(t, du, s);   /* s + 2 x s (1 - s) du */
-}
-#endif
 
 static void gelu_fwd_range(void *p, int64_t begin, int64_t end) {
     act_ctx *c = p;
 #ifdef FSDP_VEC512
     for (int64_t i = begin; i < end; i += 16) {
         __mmask16 k = v16_mask(end - i);
-        v16_store(c->out + i, k, gelu_v(v16_load(c->x + i, k)));
+        v16_store(c->out + i, k, v16_gelu(v16_load(c->x + i, k)));
     }
 #else
     for (int64_t i = begin; i < end; i++) c->out[i] = gelu(c->x[i]);
@@ -72,7 +51,7 @@ static void gelu_bwd_range(void *p, int64_t begin, int64_t end) {
 #ifdef FSDP_VEC512
     for (int64_t i = begin; i < end; i += 16) {
         __mmask16 k = v16_mask(end - i);
-        v16_store(c->out + i, k, _mm512_mul_ps(v16_load(c->dout + i, k), gelu_grad_v(v16_load(c->x + i, k))));
+        v16_store(c->out + i, k, _mm512_mul_ps(v16_load(c->dout + i, k), v16_gelu_grad(v16_load(c->x + i, k))));
     }
 #else
     for (int64_t i = begin; i < end; i++) c->out[i] = c->dout[i] * gelu_grad(c->x[i]);
@@ -90,7 +69,7 @@ static void gelu_fwd16_range(void *p, int64_t begin, int64_t end) {
 #ifdef FSDP_VEC512
     for (int64_t i = begin; i < end; i += 16) {
         __mmask16 k = v16_mask(end - i);
-        v16_store_bf16(c->out + i, k, gelu_v(v16_load_bf16(c->x + i, k)));
+        v16_store_bf16(c->out + i, k, v16_gelu(v16_load_bf16(c->x + i, k)));
     }
 #else
     for (int64_t i = begin; i < end; i++) c->out[i] = f32_to_bf16(gelu(bf16_to_f32(c->x[i])));
@@ -102,7 +81,7 @@ static void gelu_bwd16_range(void *p, int64_t begin, int64_t end) {
 #ifdef FSDP_VEC512
     for (int64_t i = begin; i < end; i += 16) {
         __mmask16 k = v16_mask(end - i);
-        __m512 g = gelu_grad_v(v16_load_bf16(c->x + i, k));
+        __m512 g = v16_gelu_grad(v16_load_bf16(c->x + i, k));
         v16_store_bf16(c->out + i, k, _mm512_mul_ps(v16_load_bf16(c->dout + i, k), g));
     }
 #else

@@ -64,6 +64,27 @@ static inline __m512 v16_sigmoid(__m512 z) {
     __m512 one = _mm512_set1_ps(1.0f);
     return _mm512_div_ps(one, _mm512_add_ps(one, v16_exp(_mm512_sub_ps(_mm512_setzero_ps(), z))));
 }
+/* GELU (tanh form) as activation.c writes it, x sigmoid(2u) with
+ * u = sqrt(2/pi) (x + 0.044715 x^3), and its derivative
+ * s + 2 x s (1 - s) du/dx, s = sigmoid(2u): shared by the plain and the
+ * bias-fused kernels (fused.c), f32 and bf16, so all four agree bit for bit */
+static inline __m512 v16_gelu(__m512 x) {
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), a = _mm512_set1_ps(0.044715f);
+    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    __m512 u = _mm512_mul_ps(c, _mm512_fmadd_ps(a, x3, x));
+    return _mm512_mul_ps(x, v16_sigmoid(_mm512_add_ps(u, u)));
+}
+
+static inline __m512 v16_gelu_grad(__m512 x) {
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), a = _mm512_set1_ps(0.044715f);
+    const __m512 a3 = _mm512_set1_ps(3.0f * 0.044715f), one = _mm512_set1_ps(1.0f);
+    __m512 x2 = _mm512_mul_ps(x, x);
+    __m512 u = _mm512_mul_ps(c, _mm512_fmadd_ps(a, _mm512_mul_ps(x2, x), x));
+    __m512 du = _mm512_mul_ps(c, _mm512_fmadd_ps(a3, x2, one));
+    __m512 s = v16_sigmoid(_mm512_add_ps(u, u));
+    __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(x, x), s), _mm512_sub_ps(one, s));
+    return _mm512_fmadd_ps(t, du, s);
+}
 #endif
 
 #endif
