@@ -22,7 +22,9 @@
  *   S = s Q K^T                    (16, 64) per warp, f32
  *   m' = max(m, rowmax S), P = exp(S - m') in bf16, l = l e^(m - m') + rowsum P
  *   O = O e^(m - m') + P V         (16, D) f32 in shared memory
- * then out = O / l (bf16) and lse = m + log l.
+ * then out = O / l (bf16) and lse = m + log l. The exps are taken in base 2
+ * with log2(e) folded into the scale (m and the backward's lse too): one
+ * ex2 instruction each on a GPU.
  * Backward, with Drow_i = dO_i . O_i first (its own kernel), and
  * P = exp(s Q K^T - lse), dS = s P (dO V^T - Drow) recomputed tile by tile:
  *   dV = P^T dO, dK = dS^T Q       a kernel per key tile, walking query tiles
@@ -48,6 +50,9 @@ using namespace nvcuda;
 #define FA_THREADS (FA_WARPS * 32)
 #define FA_LDF (FA_TILE + 4)          /* f32 (16, 64) tiles: row stride in floats */
 #define FA_LDP (FA_TILE + 8)          /* bf16 (16, 64) tiles: row stride in elements */
+/* exps in base 2 (one MUFU.EX2 on a GPU): e^(s x - m) = 2^(s log2(e) x - m log2(e)) */
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
 
 /* bf16 (64, D) tiles: rows padded by 8 elements, which keeps every fragment
  * 32-byte aligned and moves consecutive rows to other banks */
@@ -104,9 +109,9 @@ __device__ __forceinline__ void fa_load_tile(uint16_t *dst, const uint16_t *src,
     }
 }
 
-/* 64 floats of a (T) row vector from r0 into shared memory; 0 past T */
-__device__ __forceinline__ void fa_load_rows(float *dst, const float *src, int64_t r0, int64_t T) {
-    for (int i = threadIdx.x; i < FA_TILE; i += FA_THREADS) dst[i] = r0 + i < T ? src[r0 + i] : 0.0f;
+/* 64 floats of a (T) row vector from r0, times mul, into shared memory; 0 past T */
+__device__ __forceinline__ void fa_load_rows(float *dst, const float *src, int64_t r0, int64_t T, float mul) {
+    for (int i = threadIdx.x; i < FA_TILE; i += FA_THREADS) dst[i] = r0 + i < T ? src[r0 + i] * mul : 0.0f;
 }
 
 /* A warp's (16, 64) f32 tile out (row stride ldout) = A (16, K) B^T, with
@@ -208,7 +213,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(uint16_t *__rest
      * a score tile and [D/2 half, D/2 half + D/2) of the output */
     const int r = lane >> 1, half = lane & 1;
     const int64_t qi = q0 + warp * 16 + r;
-    float m = -INFINITY, l = 0.0f;   // running max and sum of this row
+    float m = -INFINITY, l = 0.0f;   // running max (base 2: of log2(e) s S) and sum of this row
+    const float scale2 = scale * FA_LOG2E;
     const int64_t kend = causal ? cuda_min64(T, q0 + FA_TILE) : T;
     for (int64_t k0 = 0; k0 < kend; k0 += FA_TILE) {
         __syncthreads();   // the last tile's readers are done (and Q is loaded)
@@ -221,18 +227,18 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(uint16_t *__rest
         float mx = -INFINITY;
         for (int c = 0; c < 32; c++) {
             int64_t kj = k0 + half * 32 + c;
-            float x = kj < T && (!causal || kj <= qi) ? scale * srow[c] : -INFINITY;
+            float x = kj < T && (!causal || kj <= qi) ? scale2 * srow[c] : -INFINITY;
             srow[c] = x;
             mx = fmaxf(mx, x);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         const float mnew = fmaxf(m, mx);
         /* mnew is finite from the first tile on (key 0 is seen by every row) */
-        const float alpha = mnew == -INFINITY ? 1.0f : expf(m - mnew);
+        const float alpha = mnew == -INFINITY ? 1.0f : exp2f(m - mnew);
         uint16_t *prow = Pw + r * FA_LDP + half * 32;
         float sum = 0.0f;
         for (int c = 0; c < 32; c++) {
-            uint16_t p = f32_to_bf16(mnew == -INFINITY ? 0.0f : expf(srow[c] - mnew));
+            uint16_t p = f32_to_bf16(mnew == -INFINITY ? 0.0f : exp2f(srow[c] - mnew));
             prow[c] = p;
             sum += bf16_to_f32(p);   // the sum of what P V multiplies
         }
@@ -251,7 +257,7 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(uint16_t *__rest
         __syncwarp();
     }
     fa_store_rows<D>(out + b * T * C + h * D, C, Ow, q0 + warp * 16, T, 1.0f / l);
-    if (half == 0 && qi < T) lse[bh * T + qi] = m + logf(l);
+    if (half == 0 && qi < T) lse[bh * T + qi] = (m + log2f(l)) * FA_LN2;   // natural log
 }
 
 /* ---- backward ---- */
@@ -272,6 +278,7 @@ __global__ void fa_drow_kernel(float *__restrict__ drow, const uint16_t *__restr
 }
 
 /* P = exp(s S - lse) and dS = s P (dP - Drow) on a warp's (16, 64) tiles
+ * (lse_q in base 2: log2(e) lse)
  * of raw scores S (row stride lds) and dP (FA_LDF), written bf16 to P (when
  * not NULL) and dS (FA_LDP). KEY_ROWS: rows are keys row0 + r and columns
  * queries col0 + c (the dK, dV kernel's S^T), else rows are queries and
@@ -286,7 +293,7 @@ __device__ __forceinline__ void fa_softmax_grad(uint16_t *P, uint16_t *dS, const
         const int64_t qi = KEY_ROWS ? col0 + c : row0 + r, kj = KEY_ROWS ? row0 + r : col0 + c;
         const int ql = KEY_ROWS ? c : r;
         const bool seen = qi < T && kj < T && (!causal || kj <= qi);
-        const float p = seen ? expf(scale * S[r * lds + c] - lse_q[ql]) : 0.0f;
+        const float p = seen ? exp2f(scale * FA_LOG2E * S[r * lds + c] - lse_q[ql]) : 0.0f;
         const float ds = scale * p * (dP[r * FA_LDF + c] - drow_q[ql]);
         if (P) P[r * FA_LDP + c] = f32_to_bf16(p);
         dS[r * FA_LDP + c] = f32_to_bf16(ds);
@@ -345,8 +352,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_dkdv_kernel(uint16_t *__restric
         __syncthreads();   // the last tile's readers are done (and K, V are loaded)
         fa_load_tile<D>(s.X, qg, ld3, i0, T);
         fa_load_tile<D>(s.Y, dog, C, i0, T);
-        fa_load_rows(s.lse, lse + bh * T, i0, T);
-        fa_load_rows(s.drow, drow + bh * T, i0, T);
+        fa_load_rows(s.lse, lse + bh * T, i0, T, FA_LOG2E);   // base 2
+        fa_load_rows(s.drow, drow + bh * T, i0, T, 1.0f);
         __syncthreads();
         fa_abt<D>(s.F, ldo, s.A + warp * 16 * ldh, ldh, s.X, ldh);   // S^T = K Q^T   (16 keys, 64 queries)
         fa_abt<D>(s.G, FA_LDF, s.B + warp * 16 * ldh, ldh, s.Y, ldh);   // dP^T = V dO^T
@@ -384,8 +391,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_dq_kernel(uint16_t *__restrict_
     fa_bwd_smem<D> s(FA_SMEM(), warp);   // A = Q, B = dO, X = K, Y = V
     fa_load_tile<D>(s.A, qg, ld3, q0, T);
     fa_load_tile<D>(s.B, dog, C, q0, T);
-    fa_load_rows(s.lse, lse + bh * T, q0, T);
-    fa_load_rows(s.drow, drow + bh * T, q0, T);
+    fa_load_rows(s.lse, lse + bh * T, q0, T, FA_LOG2E);   // base 2
+    fa_load_rows(s.drow, drow + bh * T, q0, T, 1.0f);
     fa_frag_c dq[D / 16];
 #pragma unroll
     for (int dn = 0; dn < D / 16; dn++) wmma::fill_fragment(dq[dn], 0.0f);
