@@ -276,6 +276,30 @@ __global__ void axpy_bf16x8_kernel(bf16x8 *__restrict__ y, const bf16x8 *__restr
     }
 }
 
+/* f32 y += alpha x with x bf16, widened in registers (a group of one's bf16
+ * flat gradient into its f32 gradient shard); one FMA per element, as the
+ * CPU's cpu_axpy_f32_bf16. 16-byte accesses: 8 bf16 of x, 2 x 4 f32 of y. */
+struct f32x4 {
+    float v[4];
+};
+__global__ void axpy_f32_bf16_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, float alpha, int64_t n) {
+    GRID_STRIDE(i, n) y[i] = fmaf(alpha, bf16_to_f32(x[i]), y[i]);
+}
+__global__ void axpy_f32_bf16x8_kernel(f32x4 *__restrict__ y, const bf16x8 *__restrict__ x, float alpha,
+                                       int64_t n8) {
+    GRID_STRIDE(i, n8) {
+        bf16x8 b = x[i];
+        f32x4 lo = y[2 * i], hi = y[2 * i + 1];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            lo.v[k] = fmaf(alpha, bf16_to_f32(b.h[k]), lo.v[k]);
+            hi.v[k] = fmaf(alpha, bf16_to_f32(b.h[4 + k]), hi.v[k]);
+        }
+        y[2 * i] = lo;
+        y[2 * i + 1] = hi;
+    }
+}
+
 #define SCALAR_ENTRY(name, kernel, T, params, args)                                     \
     void name params {                                                                  \
         CUDA_ENTER();                                                                   \
@@ -300,5 +324,17 @@ void cuda_axpy_bf16(uint16_t *y, const uint16_t *x, float alpha, int64_t n) {
                                                                                      alpha, n / 8);
     else
         LAUNCH(axpy_kernel<uint16_t>, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(y, x, alpha, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_axpy_f32_bf16(float *y, const uint16_t *x, float alpha, int64_t n) {
+    CUDA_ENTER();
+    if (n <= 0) return;
+    if (n % 8 == 0 && aligned16(y) && aligned16(x))
+        LAUNCH(axpy_f32_bf16x8_kernel, cuda_blocks(n / 8, CUDA_THREADS), CUDA_THREADS, 0)((f32x4 *)y,
+                                                                                         (const bf16x8 *)x, alpha,
+                                                                                         n / 8);
+    else
+        LAUNCH(axpy_f32_bf16_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(y, x, alpha, n);
     CUDA_CHECK_LAUNCH();
 }

@@ -332,6 +332,7 @@ void cuda_binary_bf16(int op, uint16_t *out, const uint16_t *a, const int64_t *a
 void cuda_scale_bf16(uint16_t *out, const uint16_t *a, float s, int64_t n);
 void cuda_add_scalar_bf16(uint16_t *out, const uint16_t *a, float s, int64_t n);
 void cuda_axpy_bf16(uint16_t *y, const uint16_t *x, float alpha, int64_t n);
+void cuda_axpy_f32_bf16(float *y, const uint16_t *x, float alpha, int64_t n);
 /* cuda_matmul.cu */
 void cuda_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                       int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,

@@ -876,6 +876,11 @@ static uint16_t *dup16(const float *h, int64_t n) {   /* h holds bf16 values */
 }
 static uint16_t *dnan16(int64_t n) { return (uint16_t *)dup16(hnan(n), n); }
 static float *back_bf16(const void *d, int64_t n);
+static uint16_t *da_host16(const float *h, int64_t n) {   /* h holds bf16 values: their bits, on the host */
+    uint16_t *t = halloc((size_t)(n > 0 ? n : 1) * 2);
+    for (int64_t i = 0; i < n; i++) t[i] = f32_to_bf16(h[i]);
+    return t;
+}
 
 #define ULP16 (1.0 / 128)
 
@@ -925,6 +930,19 @@ static void test_bf16_elementwise(void) {
         G->axpy_bf16(dy, da, 0.3f, n);
         snprintf(name, sizeof name, "axpy_bf16 n=%lld", (long long)n);
         check_f(name, back_bf16(dy, n), wy, n, ULP16, 1e-6, -1);   /* (FMA on the CPU: cancellation) */
+        /* f32 y += alpha x (bf16): against the CPU's, at an unaligned y too */
+        test_check(G->axpy_f32_bf16 != NULL, "CUDA has axpy_f32_bf16");
+        if (G->axpy_f32_bf16) {
+            for (int off = 0; off < 2; off++) {
+                float *wf = hcopy(y, n);
+                C->axpy_f32_bf16(wf, da_host16(a, n), -0.7f, n);
+                float *dyf = (float *)dalloc((size_t)(n + 1) * sizeof(float)) + off;
+                G->copy_from_host(dyf, y, (size_t)n * sizeof(float));
+                G->axpy_f32_bf16(dyf, da, -0.7f, n);
+                snprintf(name, sizeof name, "axpy_f32_bf16 n=%lld%s", (long long)n, off ? " (y unaligned)" : "");
+                check_f(name, back(dyf, n), wf, n, 1e-6, 0, 0);
+            }
+        }
         free_case();
     }
     int64_t sd[][3] = {{1, 1, 1}, {3, 7, 1}, {2, 1000, 1}, {7, 33, 37}, {1, 3000, 13}, {3, 600, 2}};
