@@ -492,12 +492,21 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
     return comm_issue(work, w, op);
 }
 
-fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
-                                const char *label) {
-    static const char *name = "fsdp_reduce_scatter";
+static fsdp_status reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, int op,
+                                  bool accumulate, const char *label, const char *name) {
     FSDP_TRY(prepare(work, c, name));
     if (!label) label = "";
     FSDP_TRY(check_collective(name, label, c, dst, src, false, SAME_FLOAT_DTYPE, op));
+    if (accumulate) {   /* the host's f32 path only: the backends add in their pass over the terms */
+        char a[200], b[200];
+        int64_t nb = tensor_numel(dst) * 4;
+        if (dst->dtype != FSDP_F32 || !device_is_host_like(tensor_device(dst)))
+            return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s '%s' on comm %s(%d): dst %s: adding into dst takes f32 "
+                                  "tensors on the host", name, label, c->name, c->size, tensor_desc(dst, a, sizeof a));
+        if (comm_overlaps(tensor_data(dst), nb, tensor_data(src), nb * c->size))
+            return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): dst %s overlaps src %s", name, label,
+                                  c->name, c->size, tensor_desc(dst, a, sizeof a), tensor_desc(src, b, sizeof b));
+    }
     storage_written(dst->storage);
     int64_t n = tensor_numel(dst);
     fsdp_work *w;
@@ -512,11 +521,22 @@ fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst
     w->n = n;
     w->dtype = src->dtype;
     w->op = op;
+    w->accumulate = accumulate;
     int64_t block = n * (int64_t)fsdp_dtype_size(src->dtype);
     bool in_place = (char *)w->dst == (const char *)w->src + (int64_t)c->rank * block;
     FSDP_TRY(work_device(w, tensor_device(src), !in_place && comm_overlaps(w->dst, block, w->src, block * c->size),
                          name));
     return comm_issue(work, w, name);
+}
+
+fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
+                                const char *label) {
+    return reduce_scatter(work, c, dst, src, op, false, label, "fsdp_reduce_scatter");
+}
+
+fsdp_status comm_reduce_scatter_add(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
+                                    fsdp_reduce_op op, const char *label) {
+    return reduce_scatter(work, c, dst, src, op, true, label, "fsdp_reduce_scatter (adding into dst)");
 }
 
 /* The collectives that work on one tensor in place (all-reduce, broadcast);

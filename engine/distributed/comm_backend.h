@@ -78,8 +78,12 @@ typedef struct comm_backend {
      * element size, for counts beyond 2 GiB. */
     fsdp_status (*all_gather)(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes, size_t elem);
     /* dst (block floats) <- this rank's block of the elementwise sum of
-     * every rank's src (size blocks). */
-    fsdp_status (*reduce_scatter_f32)(fsdp_comm *c, float *dst, const float *src, int64_t block);
+     * every rank's src (size blocks), divided by divide (1: a sum; the
+     * group's size: an average), in one pass: dst = sum / divide, or with
+     * accumulate dst = dst + sum / divide (each rounded as those two steps
+     * would be: a fused pass gives the same bits as reduce, divide, add). */
+    fsdp_status (*reduce_scatter_f32)(fsdp_comm *c, float *dst, const float *src, int64_t block, int divide,
+                                      bool accumulate);
     /* buf (n elements) <- elementwise sum or max over ranks, in place
      * (op FSDP_REDUCE_SUM or FSDP_REDUCE_MAX; averages divide after). */
     fsdp_status (*all_reduce)(fsdp_comm *c, void *buf, int64_t n, comm_reduce_type rt, int op);

@@ -32,9 +32,13 @@ static fsdp_status count_all_gather(fsdp_comm *c, void *dst, const void *src, in
     return FSDP_OK;
 }
 
-static fsdp_status count_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block) {
+static fsdp_status count_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block, int divide,
+                                            bool accumulate) {
     const float *mine = src + (int64_t)c->rank * block;   // (block,)
-    for (int64_t i = 0; i < block; i++) dst[i] = mine[i] * (float)c->size;
+    for (int64_t i = 0; i < block; i++) {
+        float v = mine[i] * (float)c->size / (float)divide;
+        dst[i] = accumulate ? dst[i] + v : v;
+    }
     return FSDP_OK;
 }
 

@@ -110,6 +110,7 @@ struct fsdp_work {
     const void *src;
     int64_t n;                    /* elements: per-rank block (gather, scatter) or total */
     int dtype, op, root, color, key;
+    bool accumulate;              /* reduce-scatter: dst += the result (comm_reduce_scatter_add) */
     double *doubles;
     fsdp_comm *split_out;
     /* completion */

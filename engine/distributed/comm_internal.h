@@ -12,6 +12,13 @@ int comm_size_of(fsdp_comm *c);
 /* A short name for messages, e.g. "world" or "world.split3.color1"
  * ("?" for NULL). */
 const char *comm_name_of(fsdp_comm *c);
+/* fsdp_reduce_scatter that adds its result into dst instead of writing it
+ * (dst += this rank's block of the sum or average), in the pass that sums
+ * the terms: no output buffer and no separate add. f32 dst and src on the
+ * host, not overlapping; the same bits as a reduce-scatter followed by an
+ * add. */
+fsdp_status comm_reduce_scatter_add(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
+                                    fsdp_reduce_op op, const char *label);
 /* A new communicator of the same ranks in the same order (collective over
  * parent; works on every backend, counting ones included). */
 fsdp_status comm_dup(fsdp_comm **out, fsdp_comm *parent);

@@ -116,6 +116,8 @@ typedef struct {
     float *dst;
     const float *src;
     int64_t block, chunk;
+    int divide;          /* 1, or the group's size for an average */
+    bool accumulate;     /* dst += the result */
     float *scratch;      /* 2 sets x (P - 1) peers x chunk */
     MPI_Request *reqs;   /* 2 sets x (P - 1) receives, then 2 sets x (P - 1) sends */
 } rs_exchange;
@@ -142,35 +144,51 @@ static fsdp_status rs_post(rs_exchange *x, int set, int64_t off) {
     return FSDP_OK;
 }
 
-/* dst[off + i] = t_0[i] + t_1[i] + ... + t_{P-1}[i], in that order */
+/* dst[off + i] (=, or += with accumulate) (t_0[i] + t_1[i] + ... + t_{P-1}[i]) / divide,
+ * summed in rank order. A tile's sum stays in a small buffer in cache, so
+ * dst is written once and the terms are read once (P >= 2 here). */
 static void rs_add(const rs_exchange *x, int set, int64_t off) {
     int P = x->c->size, r = x->c->rank;
     int64_t len = rs_len(x, off);
     const float *mine = x->src + (int64_t)r * x->block + off;
     float *acc = x->dst + off;
+    const float d = (float)x->divide;
+    float sum[RS_ADD_TILE];
     for (int64_t i0 = 0; i0 < len; i0 += RS_ADD_TILE) {
         int64_t n = len - i0 < RS_ADD_TILE ? len - i0 : RS_ADD_TILE;
-        const float *t0 = r == 0 ? mine : rs_terms(x, set, 0);
-        memcpy(acc + i0, t0 + i0, (size_t)n * sizeof(float));
-        for (int q = 1; q < P; q++) {
+        const float *restrict t0 = (r == 0 ? mine : rs_terms(x, set, 0)) + i0;
+        const float *restrict t1 = (r == 1 ? mine : rs_terms(x, set, 1)) + i0;
+        for (int64_t i = 0; i < n; i++) sum[i] = t0[i] + t1[i];
+        for (int q = 2; q < P; q++) {
             const float *restrict t = (q == r ? mine : rs_terms(x, set, q)) + i0;
-            float *restrict a = acc + i0;
-            for (int64_t i = 0; i < n; i++) a[i] += t[i];
+            for (int64_t i = 0; i < n; i++) sum[i] += t[i];
         }
+        float *restrict a = acc + i0;
+        if (x->divide != 1)
+            for (int64_t i = 0; i < n; i++) sum[i] /= d;
+        if (x->accumulate)
+            for (int64_t i = 0; i < n; i++) a[i] += sum[i];
+        else
+            memcpy(a, sum, (size_t)n * sizeof(float));
     }
 }
 
-static fsdp_status mpi_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block) {
+static fsdp_status mpi_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block, int divide,
+                                          bool accumulate) {
     int P = c->size;
-    if (P == 1 || block == 0) {
-        if (block > 0) memcpy(dst, src, (size_t)block * sizeof(float));
+    if (P == 1 || block == 0) {   /* (a group of one: divide is 1) */
+        if (accumulate)
+            for (int64_t i = 0; i < block; i++) dst[i] += src[i];
+        else if (block > 0)
+            memcpy(dst, src, (size_t)block * sizeof(float));
         return FSDP_OK;
     }
     int64_t chunk = RS_SCRATCH_FLOATS / (2 * (P - 1));
     if (chunk < RS_MIN_CHUNK) chunk = RS_MIN_CHUNK;
     if (chunk > block) chunk = block;
     /* not counted under the comm tag, like MPI's own buffers */
-    rs_exchange x = {c, dst, src, block, chunk, malloc((size_t)(2 * (P - 1) * chunk) * sizeof(float)),
+    rs_exchange x = {c, dst, src, block, chunk, divide, accumulate,
+                     malloc((size_t)(2 * (P - 1) * chunk) * sizeof(float)),
                      malloc((size_t)(4 * (P - 1)) * sizeof(MPI_Request))};
     if (!x.scratch || !x.reqs) {
         free(x.scratch), free(x.reqs);

@@ -233,22 +233,22 @@ static fsdp_status run_reduce_scatter(fsdp_work *w) {
     int64_t n = w->n, total = n * c->size;
     scratch in = {0}, out = {0};
     fsdp_status st = FSDP_OK;
+    int divide = w->op == FSDP_REDUCE_AVG ? c->size : 1;   /* the average's division, in the backend's pass */
     if (w->dtype == FSDP_F32) {
         float *dst = w->dst;
-        bool alias = comm_overlaps(w->dst, n * 4, w->src, total * 4);   /* MPI wants distinct buffers */
+        /* MPI wants distinct buffers (an accumulating one never aliases: comm.c refuses it) */
+        bool alias = comm_overlaps(w->dst, n * 4, w->src, total * 4);
         if (alias) st = scratch_get(&out, (size_t)n * 4);
         float *res = alias ? out.p : dst;
-        if (st == FSDP_OK) st = c->be->reduce_scatter_f32(c, res, w->src, n);
-        if (st == FSDP_OK && w->op == FSDP_REDUCE_AVG) divide_f32(res, n, c->size);
+        if (st == FSDP_OK) st = c->be->reduce_scatter_f32(c, res, w->src, n, divide, w->accumulate);
         if (st == FSDP_OK && alias) memcpy(dst, res, (size_t)n * 4);
     } else {   /* bf16: reduce in f32, round once */
         st = scratch_get(&in, (size_t)total * 4);
         if (st == FSDP_OK) st = scratch_get(&out, (size_t)n * 4);
         if (st == FSDP_OK) {
             widen_bf16(in.p, w->src, total);
-            st = c->be->reduce_scatter_f32(c, out.p, in.p, n);
+            st = c->be->reduce_scatter_f32(c, out.p, in.p, n, divide, false);
         }
-        if (st == FSDP_OK && w->op == FSDP_REDUCE_AVG) divide_f32(out.p, n, c->size);
         if (st == FSDP_OK) narrow_bf16(w->dst, out.p, n);
     }
     scratch_put(&in);

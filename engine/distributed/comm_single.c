@@ -11,9 +11,16 @@ static fsdp_status single_all_gather(fsdp_comm *c, void *dst, const void *src, i
     return FSDP_OK;
 }
 
-static fsdp_status single_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block) {
+static fsdp_status single_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block, int divide,
+                                             bool accumulate) {
     (void)c;
-    memmove(dst, src, (size_t)block * sizeof(float));
+    if (accumulate) {
+        for (int64_t i = 0; i < block; i++) dst[i] += src[i] / (float)divide;
+    } else {
+        memmove(dst, src, (size_t)block * sizeof(float));
+        if (divide != 1)
+            for (int64_t i = 0; i < block; i++) dst[i] /= (float)divide;
+    }
     return FSDP_OK;
 }
 

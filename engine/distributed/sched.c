@@ -122,7 +122,9 @@ fsdp_status sched_check_unit(const char *op, fsdp_sched *s, int k) {
 /* The gradient shard of a trainable unit, made zeroed on first use. */
 fsdp_status sched_ensure_grad(fsdp_sched *s, unit *u) {
     if (u->grad || u->frozen) return FSDP_OK;
-    return tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true);
+    FSDP_TRY(tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true));
+    u->grad_zero = true;
+    return FSDP_OK;
 }
 
 /* ---- gathering ---- */
@@ -368,6 +370,7 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
             KERNELS(u->grad)->axpy_f32_bf16(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
         else if (r == FSDP_OK)
             KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
+        if (r == FSDP_OK) u->grad_zero = false;
         tensor_release(g32);
     }
     if (q->work) fsdp_work_free(q->work);
@@ -392,6 +395,7 @@ static fsdp_status before_backward(void *p) {
         if (s->direct) {   /* gradients accumulate into the gradient shard itself */
             int64_t one = 1;
             FSDP_TRY(sched_ensure_grad(s, u));
+            u->grad_zero = false;
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
         } else {
@@ -431,6 +435,18 @@ static bool local_reduce_in_place(const fsdp_sched *s) {
     return s->compute_dtype == FSDP_BF16 && s->reduce_dtype == FSDP_F32 && !replicas;
 }
 
+/* Whether unit u's reduce-scatter can add its average straight into the
+ * gradient shard (comm_reduce_scatter_add): f32 traffic on the host between
+ * ranks, no replica average to take first, the shard beside the compute
+ * (not offloaded), and the shard holding the schedule's zeros, so that an
+ * abandoned backward can restore them (a second backward without
+ * zero_grad adds through a reduced buffer as before). The same bits either
+ * way: dst + fl(sum / N). */
+static bool reduces_into_grad(const fsdp_sched *s, const unit *u) {
+    return !s->local_one && s->reduce_dtype == FSDP_F32 && device_is_host_like(s->device) &&
+           s->shard_device == s->device && !(s->replica_comm && s->replica_size > 1) && u->grad && u->grad_zero;
+}
+
 /* The walk reached the start of unit k's forward: its gradients are complete. */
 static fsdp_status after_backward(void *p) {
     marker_ctx *m = p;
@@ -448,14 +464,14 @@ static fsdp_status after_backward(void *p) {
             FSDP_TRY(grow_pending(s, u));
             fsdp_work *w = NULL;
             FSDP_TRY(fsdp_all_reduce(&w, s->replica_comm, u->grad, FSDP_REDUCE_AVG, u->name));
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, false};
         }
     } else if (s->sync && u->flat_grad && local_reduce_in_place(s)) {
         /* a group of one whose gradient values the reduce dtype holds as
          * they are: the flat gradient itself is the reduction, added into
          * the gradient shard later (no copy, nothing widened first) */
         FSDP_TRY(grow_pending(s, u));
-        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad};
+        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, false};
         sched_unlink_grads(u);
         u->flat_grad = NULL;   /* the pending entry holds its reference */
     } else if (s->sync && u->flat_grad) {
@@ -475,29 +491,33 @@ static fsdp_status after_backward(void *p) {
                 src = c;
             }
         }
-        fsdp_status r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, s->device, FSDP_TAG_COMM, false);
+        fsdp_status r = grow_pending(s, u);
+        if (r == FSDP_OK) r = sched_ensure_grad(s, u);
         if (r != FSDP_OK) {
             tensor_release(src);
-            return r;
-        }
-        r = grow_pending(s, u);
-        if (r != FSDP_OK) {
-            tensor_release(src);
-            tensor_release(dst);
             return r;
         }
         fsdp_work *w = NULL;
-        /* a group of one: the average over one rank is the gradient itself */
-        if (s->local_one)
-            r = fsdp_copy(dst, src);
-        else
-            r = fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
-        tensor_release(src);
-        if (r != FSDP_OK) {
-            tensor_release(dst);
-            return r;
+        if (reduces_into_grad(s, u)) {
+            /* the reduce-scatter adds its average into the gradient shard as it sums the terms */
+            r = comm_reduce_scatter_add(&w, s->shard_comm, u->grad, src, FSDP_REDUCE_AVG, u->name);
+            tensor_release(src);
+            if (r != FSDP_OK) return r;
+            u->grad_zero = false;
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, true};
+        } else {
+            r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, s->device, FSDP_TAG_COMM, false);
+            /* a group of one: the average over one rank is the gradient itself */
+            if (r == FSDP_OK)
+                r = s->local_one ? fsdp_copy(dst, src)
+                                 : fsdp_reduce_scatter(&w, s->shard_comm, dst, src, FSDP_REDUCE_AVG, u->name);
+            tensor_release(src);
+            if (r != FSDP_OK) {
+                tensor_release(dst);
+                return r;
+            }
+            s->pend[s->n_pend++] = (pending){m->unit, w, dst, false};
         }
-        s->pend[s->n_pend++] = (pending){m->unit, w, dst};
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);
         u->flat_grad = NULL;
@@ -537,8 +557,10 @@ static fsdp_status finish_backward(void *p) {
 static void finish_release(void *p) {
     fsdp_sched *s = p;
     for (int k = 0; k < s->n_pend; k++) {
-        if (s->pend[k].work) fsdp_work_free(s->pend[k].work);
+        if (s->pend[k].work) fsdp_work_free(s->pend[k].work);   /* (waits: the comm thread is done with it) */
         tensor_release(s->pend[k].reduced);
+        unit *u = &s->units[s->pend[k].unit];
+        if (s->pend[k].into_grad && u->grad && fsdp_fill(u->grad, 0.0) == FSDP_OK) u->grad_zero = true;
     }
     s->n_pend = 0;
     for (int k = 0; k < s->n_units; k++) {

@@ -126,7 +126,10 @@ fsdp_status fsdp_sched_zero_grad(fsdp_sched *s) {
             tensor_release(u->flat_grad);
             u->flat_grad = NULL;
         }
-        if (u->grad) FSDP_TRY(fsdp_fill(u->grad, 0.0));
+        if (u->grad) {
+            FSDP_TRY(fsdp_fill(u->grad, 0.0));
+            u->grad_zero = true;
+        }
     }
     return FSDP_OK;
 }

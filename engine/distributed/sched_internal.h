@@ -20,6 +20,8 @@ typedef struct unit {
     bool used;                     /* has run a forward (then it can no longer be frozen) */
     fsdp_tensor *master;           /* (shard_n) f32, tag param */
     fsdp_tensor *grad;             /* (shard_n) f32, tag grad; NULL when frozen */
+    bool grad_zero;                /* grad holds the zeros the schedule wrote (made, or fsdp_sched_zero_grad) and
+                                      no gradient has been added since: an abandoned backward may restore them */
     fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
     fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
     bool gathered;                 /* data allocated and its gather issued */
@@ -37,7 +39,10 @@ typedef struct pending {
     fsdp_work *work;
     fsdp_tensor *reduced;          /* (shard_n) reduce dtype, or a group of one's flat gradient itself (its
                                     * values in the reduce dtype's range: local_reduce_in_place); NULL for an
-                                    * all-reduce in place (direct) */
+                                    * all-reduce in place (direct) or a reduce-scatter that adds straight into
+                                    * the gradient shard */
+    bool into_grad;                /* the latter: the shard held zeros before it (an abandoned backward zeroes
+                                      it again) */
 } pending;
 
 struct fsdp_sched {

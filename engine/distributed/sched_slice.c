@@ -62,10 +62,24 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     if (s->direct && !(s->replica_comm && s->replica_size > 1)) {
         fsdp_status r = sched_ensure_grad(s, u);
         if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(src), 1.0f, n);
+        if (r == FSDP_OK) u->grad_zero = false;
         tensor_release(src);
         return r;
     }
     fsdp_status r = FSDP_OK;
+    if (!s->local_one && s->reduce_dtype == FSDP_F32 && device_is_host_like(s->device) &&
+        !(s->replica_comm && s->replica_size > 1)) {
+        /* f32 on the host: the reduce-scatter adds its average into the shard's slice as it sums */
+        fsdp_tensor *part = NULL;
+        r = sched_ensure_grad(s, u);
+        if (r == FSDP_OK) part = tensor_view(u->grad, 1, &n, &one, u->grad->offset + lo);
+        if (r == FSDP_OK && !part) r = fsdp_set_error(FSDP_ERR_OOM, "slice reduce(%s): out of host memory", u->name);
+        if (r == FSDP_OK) r = comm_reduce_scatter_add(NULL, s->shard_comm, part, src, FSDP_REDUCE_AVG, u->name);
+        if (r == FSDP_OK) u->grad_zero = false;
+        tensor_release(part);
+        tensor_release(src);
+        return r;
+    }
     if (s->reduce_dtype != FSDP_F32) r = sched_convert_to(&src, s->reduce_dtype, -1);
     if (r == FSDP_OK) r = tensor_new(&dst, s->reduce_dtype, 1, &n, s->device, FSDP_TAG_COMM, false);
     if (r == FSDP_OK)
@@ -78,6 +92,7 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     if (r == FSDP_OK) r = sched_convert_to(&dst, FSDP_F32, -1);
     if (r == FSDP_OK) r = sched_ensure_grad(s, u);
     if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(dst), 1.0f, n);
+    if (r == FSDP_OK) u->grad_zero = false;
     tensor_release(dst);
     return r;
 }

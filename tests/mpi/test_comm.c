@@ -13,6 +13,7 @@
  * bf16 half-ulp), atol 1e-4.
  */
 #include "fsdp.h"
+#include "comm_internal.h"   /* comm_reduce_scatter_add, the schedule's reduce-scatter into gradient shards */
 #include "testutil.h"
 #include <math.h>
 #include <stdarg.h>
@@ -220,6 +221,36 @@ static void t_reduce_scatter_order(const char *cn, fsdp_comm *c, int r, int s, i
     free(v), free(got);
 }
 
+/* The schedule's reduce-scatter that adds into the gradient shard
+ * (comm_reduce_scatter_add): dst + (t_0 + ... + t_{s-1}) / s, bit for bit
+ * what a reduce-scatter (terms in rank order, then the average's division)
+ * followed by an add gives; dst's old values differ per rank. */
+static void t_reduce_scatter_add(const char *cn, fsdp_comm *c, int r, int s, int64_t n, int op) {
+    float *v = malloc((size_t)(n * s) * 4 + 4), *old = malloc((size_t)n * 4 + 4), *got = malloc((size_t)n * 4 + 4);
+    for (int64_t j = 0; j < n * s; j++) v[j] = order_term(r, j);
+    for (int64_t i = 0; i < n; i++) old[i] = order_term(s + r, i) * 3.0f;
+    fsdp_tensor *src = make(FSDP_F32, n * s, v), *dst = make(FSDP_F32, n, old);
+    fsdp_work *w = NULL;
+    OK(comm_reduce_scatter_add(&w, c, dst, src, op, "rs.add"));
+    OK(fsdp_work_wait(w));
+    OK(fsdp_work_free(w));
+    read_f(dst, got, n);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; i++) {
+        volatile float acc = order_term(0, r * n + i);
+        for (int q = 1; q < s; q++) acc = acc + order_term(q, r * n + i);
+        if (op == FSDP_REDUCE_AVG) acc = acc / (float)s;
+        volatile float want = old[i] + acc;
+        wrong += memcmp((const void *)&want, &got[i], 4) != 0;
+    }
+    g_wrong_values += wrong;
+    check(wrong == 0, "reduce_scatter adding into dst %s %s n=%lld: %lld elements differ from reduce, divide, add",
+          opn(op), cn, (long long)n, (long long)wrong);
+    fsdp_tensor_release(src);
+    fsdp_tensor_release(dst);
+    free(v), free(old), free(got);
+}
+
 static void t_all_reduce(const char *cn, fsdp_comm *c, int r, int s, int dt, int64_t n, int op) {
     float *v = malloc((size_t)n * 4), *got = malloc((size_t)n * 4);
     double *want = malloc((size_t)n * 8);
@@ -315,6 +346,12 @@ static void suite(const char *cn, fsdp_comm *c) {
     t_reduce_scatter_order(cn, c, r, s, 1);
     t_reduce_scatter_order(cn, c, r, s, 4099);
     if (strcmp(cn, "world") == 0) t_reduce_scatter_order(cn, c, r, s, ((int64_t)1 << 20) + 7);
+    const int64_t add_sizes[] = {1, 13, 4099};
+    for (int k = 0; k < 3; k++) {
+        t_reduce_scatter_add(cn, c, r, s, add_sizes[k], FSDP_REDUCE_SUM);
+        t_reduce_scatter_add(cn, c, r, s, add_sizes[k], FSDP_REDUCE_AVG);
+    }
+    if (strcmp(cn, "world") == 0) t_reduce_scatter_add(cn, c, r, s, ((int64_t)1 << 20) + 7, FSDP_REDUCE_AVG);
 
     double d[3] = {r + 1.0, -r, 0.5 * r}, want_sum[3] = {0, 0, 0}, want_max[3] = {-INFINITY, -INFINITY, -INFINITY};
     for (int q = 0; q < s; q++) {
@@ -469,6 +506,21 @@ static void t_bad_input(const char *cn, fsdp_comm *c) {
     check(st == FSDP_ERR_DTYPE, "reduce_scatter dtype mismatch %s: %d", cn, (int)st);
     st = fsdp_reduce_scatter(NULL, c, a, b, FSDP_REDUCE_MAX, "bad.rs.op");
     check(st == FSDP_ERR_INVALID, "reduce_scatter max %s: %d", cn, (int)st);
+    /* adding into dst: f32 only, and dst must not lie inside src */
+    fsdp_tensor *h1 = zeros(FSDP_BF16, 5), *big = zeros(FSDP_F32, 5 * s), *inside = NULL;
+    st = comm_reduce_scatter_add(NULL, c, h1, h, FSDP_REDUCE_AVG, "bad.add.dtype");
+    m = fsdp_last_error();
+    check(st == FSDP_ERR_UNSUPPORTED && has(m, "bf16[5]") && has(m, "bad.add.dtype") && has(m, sz),
+          "reduce_scatter adding into bf16 %s: %d %s", cn, (int)st, m);
+    int64_t five = 5;
+    OK(fsdp_narrow(&inside, big, 0, 0, five));
+    st = comm_reduce_scatter_add(NULL, c, inside, big, FSDP_REDUCE_SUM, "bad.add.overlap");
+    m = fsdp_last_error();
+    check(st == FSDP_ERR_INVALID && has(m, "overlaps") && has(m, "bad.add.overlap"),
+          "reduce_scatter adding into its own src %s: %d %s", cn, (int)st, m);
+    fsdp_tensor_release(h1);
+    fsdp_tensor_release(big);
+    fsdp_tensor_release(inside);
     st = fsdp_broadcast(NULL, c, a, s, "bad.root");
     m = fsdp_last_error();
     check(st == FSDP_ERR_INVALID && has(m, "root") && has(m, "f32[5]") && has(m, sz), "broadcast root %d %s: %d %s",
