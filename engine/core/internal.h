@@ -87,6 +87,8 @@ struct fsdp_tensor {
     bool is_leaf;                      /* made by the user, not by a recorded op */
     struct fsdp_tensor *grad;          /* .grad of a leaf */
     struct fsdp_tensor *bgrad;         /* gradient being accumulated during backward */
+    bool unwritten;                    /* a .grad whose values are not written yet (an FSDP unit's flat gradient,
+                                          not zeroed): the first gradient is written into it, not added */
     bool graph_freed;                  /* the node that made it was freed (its backward ran) */
 };
 
@@ -196,6 +198,10 @@ fsdp_status node_add_grad(fsdp_node *node, int i, fsdp_tensor *g);
  * is not an expanded view; NULL otherwise. An op that writes into it gives
  * no gradient for i (node_add_grad would add it twice). */
 fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype);
+/* node_grad_accumulator for an op that writes every element of it (a
+ * GEMM): *beta is 0 when the .grad is unwritten (its first gradient; the
+ * flag is cleared: the caller must write it now), else 1. */
+fsdp_tensor *node_grad_target(fsdp_node *node, int i, int dtype, float *beta);
 /* Adds g into t's gradient accumulator (bgrad, or .grad for a leaf); takes g. */
 fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g);
 

@@ -271,7 +271,12 @@ fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g) {
                 *slot = own;
             }
         }
-        if (st == FSDP_OK) st = add_into(*slot, g);
+        if (st == FSDP_OK && (*slot)->unwritten) {   /* its first gradient: written, not added to garbage */
+            st = fsdp_copy(*slot, g);
+            if (st == FSDP_OK) (*slot)->unwritten = false;
+        } else if (st == FSDP_OK) {
+            st = add_into(*slot, g);
+        }
     }
     tensor_release(g);
     return st;
@@ -285,7 +290,7 @@ fsdp_status node_add_grad(fsdp_node *node, int i, fsdp_tensor *g) {
     return tensor_accumulate_grad(node->in[i], g);
 }
 
-fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
+static fsdp_tensor *grad_in_place(fsdp_node *node, int i, int dtype) {
     if (!node_needs_grad(node, i)) return NULL;
     fsdp_tensor *t = node->in[i], *g = t->grad;
     /* a leaf's .grad is its own (add_into writes it in place too); a
@@ -293,6 +298,22 @@ fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
     if (!t->is_leaf || !g || g->dtype != dtype || t->dtype != dtype || !tensor_is_contiguous(g)) return NULL;
     if (g->ndim != t->ndim || memcmp(g->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) != 0) return NULL;
     if (tensor_device(g) != tensor_device(t)) return NULL;
+    return g;
+}
+
+fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
+    fsdp_tensor *g = grad_in_place(node, i, dtype);
+    if (g && g->unwritten) {   /* the op adds into it: zeros first */
+        if (fsdp_fill(g, 0.0) != FSDP_OK) return NULL;   /* (then the op makes its own gradient) */
+        g->unwritten = false;
+    }
+    return g;
+}
+
+fsdp_tensor *node_grad_target(fsdp_node *node, int i, int dtype, float *beta) {
+    fsdp_tensor *g = grad_in_place(node, i, dtype);
+    *beta = g && !g->unwritten ? 1.0f : 0.0f;
+    if (g) g->unwritten = false;
     return g;
 }
 

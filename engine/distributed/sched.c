@@ -13,14 +13,19 @@
  * an "end" marker and frees the full buffer unless the unit is kept.
  * Backward walks the tape down, so it meets a unit's end marker first:
  * gather again (and prefetch the next unit), and point each parameter
- * view's .grad at its slice of a zeroed flat gradient buffer, so that the
- * ops' backward accumulates straight into it. At the begin marker every
- * gradient of the unit is complete: reduce-scatter (averaged) the flat
- * gradient into a shard-sized buffer, asynchronously, and free the full
- * buffers. After the walk, the root's finish hook waits for the pending
- * reductions in issue order, averages them across replicas (hybrid), and
- * adds them into the gradient shards. Every rank records the same markers
- * in the same order, so collectives match across ranks.
+ * view's .grad at its slice of a flat gradient buffer, so that the ops'
+ * backward accumulates straight into it. The buffer is not zeroed: each
+ * slice is marked unwritten, its first gradient is written instead of
+ * added (a weight's GEMM with beta = 0), and what no gradient reached is
+ * zeroed when the unit's backward ends. At the begin marker every gradient
+ * of the unit is complete: reduce-scatter (averaged) the flat gradient,
+ * asynchronously, and free the full buffers. On the host in f32 the
+ * reduce-scatter adds its average straight into the gradient shard as it
+ * sums the terms; otherwise it fills a shard-sized buffer, and after the
+ * walk the root's finish hook waits for the pending reductions in issue
+ * order, averages them across replicas (hybrid), and adds them into the
+ * gradient shards. Every rank records the same markers in the same order,
+ * so collectives match across ranks.
  *
  * Direct mode (a shard group of one, f32): parameters are views of the
  * masters and gradients accumulate in the gradient shards; with replicas
@@ -313,8 +318,11 @@ static void marker_release(void *p) {
     free(m);
 }
 
-/* Points each parameter view's .grad at its slice of the flat gradient. */
-static fsdp_status link_grads(unit *u) {
+/* Points each parameter view's .grad at its slice of the flat gradient;
+ * unwritten: the flat gradient was not zeroed, so each slice takes its
+ * first gradient as a write (tape.c) and zeros_where_unwritten fills what
+ * no gradient reached. */
+static fsdp_status link_grads(unit *u, bool unwritten) {
     for (int i = 0; i < u->n_params; i++) {
         fsdp_tensor *v = u->views ? u->views[i] : NULL;
         if (!v) continue;
@@ -322,10 +330,40 @@ static fsdp_status link_grads(unit *u) {
         contiguous_strides(v->ndim, v->shape, strides);
         fsdp_tensor *g = tensor_view(u->flat_grad, v->ndim, v->shape, strides, u->offsets[i]);
         if (!g) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+        g->unwritten = unwritten;
         tensor_release(v->grad);
         v->grad = g;
     }
     return FSDP_OK;
+}
+
+/* Zeroes flat[at, at + n). */
+static fsdp_status zero_range(unit *u, int64_t at, int64_t n) {
+    if (n <= 0) return FSDP_OK;
+    int64_t one = 1;
+    fsdp_tensor *part = tensor_view(u->flat_grad, 1, &n, &one, u->flat_grad->offset + at);
+    if (!part) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+    fsdp_status st = fsdp_fill(part, 0.0);
+    tensor_release(part);
+    return st;
+}
+
+/* At the end of a unit's backward: the slices of an unzeroed flat gradient
+ * that no gradient was written into (a parameter the loss does not reach,
+ * one without a view, the padding) become zeros, so that the flat gradient
+ * reads as the sum of the gradients everywhere. */
+static fsdp_status zeros_where_unwritten(unit *u) {
+    int64_t at = 0;   /* parameters lie in order: [offsets[i], offsets[i] + numels[i]) */
+    for (int i = 0; i < u->n_params; i++) {
+        fsdp_tensor *v = u->views ? u->views[i] : NULL, *g = v ? v->grad : NULL;
+        bool written = g && g->storage == u->flat_grad->storage && !g->unwritten;
+        if (g && g->storage == u->flat_grad->storage) g->unwritten = false;
+        if (written) {
+            FSDP_TRY(zero_range(u, at, u->offsets[i] - at));
+            at = u->offsets[i] + u->numels[i];
+        }
+    }
+    return zero_range(u, at, u->padded - at);
 }
 
 void sched_unlink_grads(unit *u) {
@@ -398,10 +436,16 @@ static fsdp_status before_backward(void *p) {
             u->grad_zero = false;
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
+            FSDP_TRY(link_grads(u, false));
         } else {
-            FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_GRAD, true));
+            /* not zeroed: each parameter's first gradient is written (a sliced unit is reduced by slices,
+             * and its flat gradient zeroed as before) */
+            bool unwritten = !u->slicer;
+            FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_GRAD,
+                                !unwritten));
+            u->flat_unwritten = unwritten;
+            FSDP_TRY(link_grads(u, unwritten));
         }
-        FSDP_TRY(link_grads(u));
     }
     bool listed;
     FSDP_TRY(prefetch_listed(s, m->unit, 1, &listed));
@@ -453,6 +497,10 @@ static fsdp_status after_backward(void *p) {
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
     trace_unit_pop("backward", u->name);
+    if (u->flat_grad && u->flat_unwritten) {   /* (also without sync: the flat gradient is read as it is kept) */
+        FSDP_TRY(zeros_where_unwritten(u));
+        u->flat_unwritten = false;
+    }
     if (s->sync && u->flat_grad && s->direct) {   /* already in the gradient shard */
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);

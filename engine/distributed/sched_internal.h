@@ -27,6 +27,8 @@ typedef struct unit {
     bool gathered;                 /* data allocated and its gather issued */
     fsdp_work *gather;             /* in flight, or NULL */
     fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
+    bool flat_unwritten;           /* flat_grad was not zeroed: its .grad views take their first gradient as a
+                                      write, and what none reached is zeroed when the unit's backward ends */
     fsdp_tensor *secondary;        /* (padded / G) compute dtype, tag param: this rank's part of the unit kept
                                       from forward to backward for a gather within a group of G (hpZ), or NULL */
     int *prefetch_list[2];         /* explicit prefetch when forward [0] / backward [1] starts, or NULL */

@@ -428,14 +428,14 @@ static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int t
     if (node_needs_grad(node, 1)) {   /* (shared b: batch is 1 here) */
         /* a weight whose .grad exists (an FSDP unit's gradient slice, a
          * second micro-batch): the GEMM adds into it, beta = 1 */
-        fsdp_tensor *acc = node_grad_accumulator(node, 1, FSDP_BF16);
+        float beta = 0.0f;   /* 0: a new gradient, or the first into an unwritten .grad */
+        fsdp_tensor *acc = node_grad_target(node, 1, FSDP_BF16, &beta);
         if (acc) {
             tensor_retain(acc);
             gb = acc;
         } else if ((st = tensor_new(&gb, FSDP_BF16, b->ndim, b->shape, fsdp_op_device(), fsdp_default_tag(), false))) {
             goto out;
         }
-        float beta = acc ? 1.0f : 0.0f;
         int64_t per = m->shared_b ? 1 : m->batch;
         if (!tb)
             KERNELS(gb)->matmul_bf16(tensor_data(gb), A, G, per, m->K, m->N, m->M, !ta, 0, 1, beta, sa, sc, m->K * m->N);
@@ -474,13 +474,21 @@ static fsdp_status matmul_backward(fsdp_node *node) {
         else     /* dA stored (K,M) = op(B) (K,N) @ dC^T */
             KERNELS(ga)->matmul_f32(tensor_data(ga), B, G, m.batch, m.K, m.M, m.N, tb, 1, 1.0f, 0.0f, sb, sc, sa);
     }
+    fsdp_tensor *acc = NULL;   /* b's .grad, written by the GEMM itself (an f32 weight's, an FSDP unit's slice) */
+    float beta0 = 0.0f;
     if (node_needs_grad(node, 1)) {
-        if ((st = op_new_f32(&gb, b->ndim, b->shape)) != FSDP_OK) goto done;
+        acc = node_grad_target(node, 1, FSDP_F32, &beta0);
+        if (acc) {
+            tensor_retain(acc);
+            gb = acc;
+        } else if ((st = op_new_f32(&gb, b->ndim, b->shape)) != FSDP_OK) {
+            goto done;
+        }
         /* a shared b sums its gradient over the batch: accumulate with beta = 1 */
         int64_t nb = m.shared_b ? m.batch : 1, per = m.shared_b ? 1 : m.batch;
         for (int64_t k = 0; k < nb; k++) {
             const float *Ak = A + k * sa, *Gk = G + k * sc;
-            float beta = k ? 1.0f : 0.0f;
+            float beta = k ? 1.0f : beta0;
             if (!tb) /* dB (K,N) = op(A)^T (K,M) @ dC (M,N) */
                 KERNELS(gb)->matmul_f32(tensor_data(gb), Ak, Gk, per, m.K, m.N, m.M, !ta, 0, 1.0f, beta, sa, sc, m.K * m.N);
             else     /* dB stored (N,K) = dC^T (N,M) @ op(A) (M,K) */
@@ -488,7 +496,7 @@ static fsdp_status matmul_backward(fsdp_node *node) {
         }
     }
     if (ga) { st = op_give_grad(node, 0, ga); ga = NULL; }
-    if (gb && st == FSDP_OK) { st = op_give_grad(node, 1, gb); gb = NULL; }
+    if (gb && !acc && st == FSDP_OK) { st = op_give_grad(node, 1, gb); gb = NULL; }
 done:
     tensor_release(g);
     tensor_release(a);
