@@ -6,9 +6,9 @@
  * Arrival. Each collective starts with a small agreement (agree_max: one
  * non-blocking all-reduce of a few words); that is where a rank waits for
  * the others, so that is where this file waits gently: MPI_Test in a loop
- * for the first millisecond (ranks usually arrive together), then with
- * sleeps that grow to 1 ms, so a rank waiting for a stopped one costs no
- * core (see wait_arrival). While it waits it answers the watchdog questions of other ranks and
+ * for the first 50 us (ranks that arrive together), then with sleeps that
+ * grow to 1 ms, so a rank waiting for a stopped one costs no core (see
+ * wait_arrival). While it waits it answers the watchdog questions of other ranks and
  * reads "leaving" notes: point-to-point messages on MPI_COMM_WORLD under
  * tags of their own (MPI keeps point-to-point traffic apart from
  * collectives on the same communicator). */
@@ -372,20 +372,22 @@ static fsdp_status left_error(const fsdp_comm *c, const fingerprint *fp, int who
 }
 
 /* Waits for req without spinning a core: spins on MPI_Test for the first
- * millisecond, then sleeps 20 us, 40 us, ... between tests, at most 100 us
- * for the first 50 ms (a collective starts at most that late after the
- * last rank arrives) and 1 ms after that (a long wait: a straggler, and a
- * waiting rank costs about 1% of a core); meanwhile serves questions and,
- * after the watchdog time, fires it. */
+ * 50 us (ranks that arrive together are done by then; longer, a comm
+ * thread waiting for a peer's prefetch would take the core from this
+ * rank's compute when they share one), then sleeps 10 us, 20 us, ...
+ * between tests, at most 100 us for the first 50 ms (a collective starts
+ * at most that late after the last rank arrives) and 1 ms after that (a
+ * long wait: a straggler, and a waiting rank costs about 1% of a core);
+ * meanwhile serves questions and, after the watchdog time, fires it. */
 static fsdp_status wait_arrival(MPI_Request *req, const fsdp_comm *c, const fingerprint *fp) {
     const comm_config *cfg = comm_cfg();
-    double t0 = comm_now(), next_service = t0, sleep = 20e-6, left_seen = 0;
+    double t0 = comm_now(), next_service = t0, sleep = 10e-6, left_seen = 0;
     for (;;) {
         int done = 0;
         MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
         if (done) return FSDP_OK;
         double now = comm_now();
-        if (now - t0 < 1e-3) continue;
+        if (now - t0 < 50e-6) continue;
         if (now >= next_service) {
             mpi_service();
             next_service = now + 0.01;
