@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-/* oneDNN f32 from this many multiply-adds (M*N*K) up; OpenBLAS below. */
+/* f32 products of fewer multiply-adds (M*N*K) run on OpenBLAS. */
 #define DNNL_F32_MIN_MNK (1LL << 18)
 
 /* K == 0: the product is empty, so C = beta * C (BLAS rejects lda = 0). */
@@ -57,9 +57,16 @@ void cpu_matmul_f32_blas(float *c, const float *a, const float *b, int64_t batch
         gemm(c + i * stride_c, a + i * stride_a, b + i * stride_b, M, N, K, trans_a, trans_b, alpha, beta);
 }
 
-/* Which library runs an f32 matmul. Measured with tools/bench_kernels (see
- * BENCHMARKS.md): FSDP_MATMUL_F32=blas or =dnnl forces one (for that
- * benchmark and for tests). */
+/* Which library runs an f32 matmul, by what tools/bench_kernels and the
+ * step's own statistics (FSDP_MATMUL_STATS) measured at GPT-2's products as
+ * a step stores them (BENCHMARKS.md): oneDNN from 2^18 multiply-adds up
+ * (5-15% more GFLOP per CPU second than OpenBLAS in the step, forward,
+ * dX and dW alike, once a wide B read as stored is reordered first: see
+ * matmul_dnnl.c), OpenBLAS below, where its single-threaded small-matrix
+ * path wins. Mixing the two within a step costs more than either's margin:
+ * OpenBLAS's threads spin for a while after each call, on the cores
+ * oneDNN's OpenMP team needs next. FSDP_MATMUL_F32=blas or =dnnl forces one
+ * (for that benchmark and for tests). */
 static int f32_route = -1;   /* -1 not read yet, 0 by shape, 1 OpenBLAS, 2 oneDNN */
 
 int cpu_matmul_f32_route(int64_t batch, int64_t M, int64_t N, int64_t K, int trans_a, int trans_b) {
@@ -94,7 +101,7 @@ typedef struct {
     int bf16, path, ta, tb, acc;
     int64_t batch, M, N, K;
     int64_t calls;
-    double seconds;
+    double seconds, cpu_seconds;   /* wall; CPU of the whole process (its other threads idle meanwhile) */
 } mm_stat;
 
 static struct {
@@ -104,12 +111,18 @@ static struct {
     int n;
     mm_stat slot[STATS_SLOTS];
     int64_t other_calls;   /* products past the slots: counted together */
-    double other_flop, other_seconds;
+    double other_flop, other_seconds, other_cpu_seconds;
 } stats = {.once = PTHREAD_ONCE_INIT, .lock = PTHREAD_MUTEX_INITIALIZER};
 
 static double seconds_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double cpu_seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
@@ -119,31 +132,37 @@ static const char *path_name(int path) {
 }
 
 static void stats_print(void) {
-    double total_s = 0, total_flop = 0;
+    double total_s = 0, total_cpu = 0, total_flop = 0;
     int64_t total_calls = 0;
     pthread_mutex_lock(&stats.lock);
-    fprintf(stderr, "matmul stats: dtype | library | batch x M x K x N | op(A) op(B) | C | calls | ms | GFLOP/s\n");
+    fprintf(stderr, "matmul stats: dtype | library | batch x M x K x N | op(A) op(B) | C | calls | ms | CPU ms | GFLOP/s"
+                    " | GFLOP per CPU s\n");
     for (int i = 0; i < stats.n; i++) {
         const mm_stat *e = &stats.slot[i];
         double flop = 2.0 * (double)e->batch * (double)e->M * (double)e->N * (double)e->K * (double)e->calls;
-        fprintf(stderr, "matmul stats: %s | %s | %lld x %lld x %lld x %lld | %s %s | %s | %lld | %.2f | %.1f\n",
+        fprintf(stderr, "matmul stats: %s | %s | %lld x %lld x %lld x %lld | %s %s | %s | %lld | %.2f | %.2f | %.1f | %.1f\n",
                 e->bf16 ? "bf16" : "f32", path_name(e->path), (long long)e->batch, (long long)e->M, (long long)e->K,
                 (long long)e->N, e->ta ? "A^T" : "A", e->tb ? "B^T" : "B", e->acc ? "+=" : "=",
-                (long long)e->calls, e->seconds * 1e3, e->seconds > 0 ? flop / e->seconds * 1e-9 : 0.0);
+                (long long)e->calls, e->seconds * 1e3, e->cpu_seconds * 1e3,
+                e->seconds > 0 ? flop / e->seconds * 1e-9 : 0.0, e->cpu_seconds > 0 ? flop / e->cpu_seconds * 1e-9 : 0.0);
         total_s += e->seconds;
+        total_cpu += e->cpu_seconds;
         total_flop += flop;
         total_calls += e->calls;
     }
     if (stats.other_calls) {
-        fprintf(stderr, "matmul stats: (other products, %d distinct ones shown) | | | | | %lld | %.2f | %.1f\n",
-                STATS_SLOTS, (long long)stats.other_calls, stats.other_seconds * 1e3,
-                stats.other_seconds > 0 ? stats.other_flop / stats.other_seconds * 1e-9 : 0.0);
+        fprintf(stderr, "matmul stats: (other products, %d distinct ones shown) | | | | | %lld | %.2f | %.2f | %.1f | %.1f\n",
+                STATS_SLOTS, (long long)stats.other_calls, stats.other_seconds * 1e3, stats.other_cpu_seconds * 1e3,
+                stats.other_seconds > 0 ? stats.other_flop / stats.other_seconds * 1e-9 : 0.0,
+                stats.other_cpu_seconds > 0 ? stats.other_flop / stats.other_cpu_seconds * 1e-9 : 0.0);
         total_s += stats.other_seconds;
+        total_cpu += stats.other_cpu_seconds;
         total_flop += stats.other_flop;
         total_calls += stats.other_calls;
     }
-    fprintf(stderr, "matmul total: %.1f ms in %lld calls, %.2f GFLOP, %.1f GFLOP/s\n", total_s * 1e3,
-            (long long)total_calls, total_flop * 1e-9, total_s > 0 ? total_flop / total_s * 1e-9 : 0.0);
+    fprintf(stderr, "matmul total: %.1f ms in %lld calls, %.2f GFLOP, %.1f GFLOP/s; %.1f CPU ms, %.1f GFLOP per CPU s\n",
+            total_s * 1e3, (long long)total_calls, total_flop * 1e-9, total_s > 0 ? total_flop / total_s * 1e-9 : 0.0,
+            total_cpu * 1e3, total_cpu > 0 ? total_flop / total_cpu * 1e-9 : 0.0);
     pthread_mutex_unlock(&stats.lock);
 }
 
@@ -175,7 +194,7 @@ static int stats_on(void) {
 }
 
 static void stats_add(int bf16, int path, int64_t batch, int64_t M, int64_t N, int64_t K, int ta, int tb, float beta,
-                      double seconds) {
+                      double seconds, double cpu_seconds) {
     mm_stat key = {.bf16 = bf16, .path = path, .ta = ta != 0, .tb = tb != 0, .acc = beta != 0.0f,
                    .batch = batch, .M = M, .N = N, .K = K};
     pthread_mutex_lock(&stats.lock);
@@ -193,10 +212,12 @@ static void stats_add(int bf16, int path, int64_t batch, int64_t M, int64_t N, i
     if (e) {
         e->calls++;
         e->seconds += seconds;
+        e->cpu_seconds += cpu_seconds;
     } else {
         stats.other_calls++;
         stats.other_flop += 2.0 * (double)batch * (double)M * (double)N * (double)K;
         stats.other_seconds += seconds;
+        stats.other_cpu_seconds += cpu_seconds;
     }
     pthread_mutex_unlock(&stats.lock);
 }
@@ -209,9 +230,10 @@ void cpu_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int
         matmul_f32_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
         return;
     }
-    double t0 = seconds_now();
+    double t0 = seconds_now(), u0 = cpu_seconds_now();
     int path = matmul_f32_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
-    stats_add(0, K > 0 ? path : PATH_EMPTY, batch, M, N, K, trans_a, trans_b, beta, seconds_now() - t0);
+    stats_add(0, K > 0 ? path : PATH_EMPTY, batch, M, N, K, trans_a, trans_b, beta, seconds_now() - t0,
+              cpu_seconds_now() - u0);
 }
 
 /* ---- bf16 ---- */
@@ -287,7 +309,8 @@ void cpu_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t 
         matmul_bf16_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
         return;
     }
-    double t0 = seconds_now();
+    double t0 = seconds_now(), u0 = cpu_seconds_now();
     int path = matmul_bf16_run(c, a, b, batch, M, N, K, trans_a, trans_b, alpha, beta, stride_a, stride_b, stride_c);
-    stats_add(1, K > 0 ? path : PATH_EMPTY, batch, M, N, K, trans_a, trans_b, beta, seconds_now() - t0);
+    stats_add(1, K > 0 ? path : PATH_EMPTY, batch, M, N, K, trans_a, trans_b, beta, seconds_now() - t0,
+              cpu_seconds_now() - u0);
 }

@@ -3,7 +3,8 @@
  * cpu_matmul_f32 (cpu_kernels.h).
  *
  * Creating a primitive costs far more than running a small one, so each
- * (dtype, shape, transposes, strides, alpha, beta) gets its primitive once
+ * (dtype, shape, transposes, strides, alpha, beta) gets its primitive (and,
+ * where B is reordered first, the reorder and its buffer) once
  * and keeps it in a small cache; a step of a model reuses a few dozen shapes.
  * The Debian build of oneDNN threads with OpenMP, so the calling thread's
  * OpenMP team size is set to the engine's thread count before each call.
@@ -38,12 +39,15 @@ typedef struct {
     int64_t batch, M, N, K, sa, sb, sc;
     int ta, tb;
     float alpha, beta;
+    int pack_b;            /* B reordered to the layout oneDNN picks before each product (pack_b_pays) */
     /* value */
     int used;              /* the slot holds this key */
     int failed;            /* oneDNN cannot do this key: callers use OpenBLAS */
     uint64_t last_use;
     dnnl_primitive_t prim;
     dnnl_memory_t ma, mb, mc;
+    dnnl_primitive_t reorder_b;   /* pack_b: B as stored -> b_packed */
+    dnnl_memory_t b_packed;
 } mm_entry;
 
 static struct {
@@ -65,7 +69,8 @@ static struct {
     X(dnnl_post_ops_destroy) X(dnnl_post_ops_append_sum) X(dnnl_primitive_attr_set_post_ops)              \
     X(dnnl_primitive_desc_create) X(dnnl_primitive_desc_destroy) X(dnnl_primitive_desc_query)             \
     X(dnnl_primitive_create) X(dnnl_primitive_destroy) X(dnnl_memory_create) X(dnnl_memory_destroy)       \
-    X(dnnl_memory_set_data_handle) X(dnnl_primitive_execute)
+    X(dnnl_memory_set_data_handle) X(dnnl_primitive_execute) X(dnnl_memory_desc_init_by_tag)               \
+    X(dnnl_primitive_desc_query_md) X(dnnl_reorder_primitive_desc_create) X(dnnl_memory_desc_equal)
 
 static struct {
 #define X(name) __typeof__(name) *name;
@@ -107,6 +112,8 @@ static void entry_clear(mm_entry *e) {
     if (e->ma) fn.dnnl_memory_destroy(e->ma);
     if (e->mb) fn.dnnl_memory_destroy(e->mb);
     if (e->mc) fn.dnnl_memory_destroy(e->mc);
+    if (e->reorder_b) fn.dnnl_primitive_destroy(e->reorder_b);
+    if (e->b_packed) fn.dnnl_memory_destroy(e->b_packed);
     memset(e, 0, sizeof *e);
 }
 
@@ -130,16 +137,20 @@ static dnnl_status_t matrix_md(dnnl_memory_desc_t *md, int ndims, int64_t batch,
 static int entry_create(mm_entry *e) {
     dnnl_data_type_t dt = e->bf16 ? dnnl_bf16 : dnnl_f32;
     int nd = e->batch > 1 ? 3 : 2;
-    dnnl_memory_desc_t a_md, b_md, c_md;
+    dnnl_memory_desc_t a_md, b_md, c_md, b_any;
     dnnl_matmul_desc_t desc;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t po = NULL;
-    dnnl_primitive_desc_t pd = NULL;
+    dnnl_primitive_desc_t pd = NULL, rpd = NULL;
     int ok = 0;
     if (matrix_md(&a_md, nd, e->batch, e->sa, e->M, e->K, e->ta, dt) != dnnl_success) goto out;
     if (matrix_md(&b_md, nd, e->batch, e->sb, e->K, e->N, e->tb, dt) != dnnl_success) goto out;
     if (matrix_md(&c_md, nd, e->batch, e->sc, e->M, e->N, 0, dt) != dnnl_success) goto out;
-    if (fn.dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md) != dnnl_success) goto out;
+    if (e->pack_b) {   /* (batch 1 only) the product picks B's layout */
+        dnnl_dims_t dims = {e->K, e->N};
+        if (fn.dnnl_memory_desc_init_by_tag(&b_any, 2, dims, dt, dnnl_format_tag_any) != dnnl_success) goto out;
+    }
+    if (fn.dnnl_matmul_desc_init(&desc, &a_md, e->pack_b ? &b_any : &b_md, NULL, &c_md) != dnnl_success) goto out;
     if (fn.dnnl_primitive_attr_create(&attr) != dnnl_success) goto out;
     if (e->alpha != 1.0f && fn.dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha) != dnnl_success) goto out;
     if (e->beta != 0.0f) {
@@ -149,12 +160,23 @@ static int entry_create(mm_entry *e) {
     }
     if (fn.dnnl_primitive_desc_create(&pd, &desc, attr, dn.engine, NULL) != dnnl_success) goto out;
     if (fn.dnnl_primitive_create(&e->prim, pd) != dnnl_success) goto out;
+    if (e->pack_b) {
+        const dnnl_memory_desc_t *packed = fn.dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+        if (!packed) goto out;
+        if (!fn.dnnl_memory_desc_equal(packed, &b_md)) {   /* (else it chose B as stored: no reorder) */
+            if (fn.dnnl_reorder_primitive_desc_create(&rpd, &b_md, dn.engine, packed, dn.engine, NULL) != dnnl_success)
+                goto out;
+            if (fn.dnnl_primitive_create(&e->reorder_b, rpd) != dnnl_success) goto out;
+            if (fn.dnnl_memory_create(&e->b_packed, packed, dn.engine, DNNL_MEMORY_ALLOCATE) != dnnl_success) goto out;
+        }
+    }
     /* placeholders: the data handles are set on every call */
     if (fn.dnnl_memory_create(&e->ma, &a_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
     if (fn.dnnl_memory_create(&e->mb, &b_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
     if (fn.dnnl_memory_create(&e->mc, &c_md, dn.engine, DNNL_MEMORY_NONE) != dnnl_success) goto out;
     ok = 1;
 out:
+    if (rpd) fn.dnnl_primitive_desc_destroy(rpd);
     if (pd) fn.dnnl_primitive_desc_destroy(pd);
     if (po) fn.dnnl_post_ops_destroy(po);
     if (attr) fn.dnnl_primitive_attr_destroy(attr);
@@ -168,7 +190,7 @@ static mm_entry *cache_get(const mm_entry *key) {
         mm_entry *e = &dn.cache[i];
         if (e->used && e->bf16 == key->bf16 && e->nthreads == key->nthreads && e->batch == key->batch && e->M == key->M && e->N == key->N &&
             e->K == key->K && e->sa == key->sa && e->sb == key->sb && e->sc == key->sc && e->ta == key->ta &&
-            e->tb == key->tb && e->alpha == key->alpha && e->beta == key->beta)
+            e->tb == key->tb && e->alpha == key->alpha && e->beta == key->beta && e->pack_b == key->pack_b)
             return e;
         if (!e->used || (lru->used && e->last_use < lru->last_use)) lru = e;
     }
@@ -191,6 +213,17 @@ static void warn_once(const mm_entry *k, const char *what) {
             (long long)k->M, (long long)k->N, (long long)k->K, k->ta, k->tb, what);
 }
 
+/* f32 with B read as stored and wide (N >= 2560; the MLP projection's dX,
+ * dY (256, 768) @ W (768, 3072)): oneDNN's f32 kernel reads such a B in
+ * place and runs at half its usual rate (43 GFLOP/s against 104 with B
+ * in its own layout, same run, the reorder 2.5 ms of the product's 11.6), so
+ * B is reordered first, as OpenBLAS packs it. bf16 packs B itself. */
+#define PACK_B_MIN_N 2560
+
+static int pack_b_pays(int bf16, int64_t batch, int64_t N, int trans_b) {
+    return !bf16 && batch == 1 && !trans_b && N >= PACK_B_MIN_N;
+}
+
 int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                     int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
                     int64_t stride_c) {
@@ -200,7 +233,8 @@ int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t bat
     if (K <= 0 || M <= 0 || N <= 0 || batch <= 0 || (batch > 1 && stride_c < M * N)) return -1;
     if (batch == 1) stride_a = stride_b = stride_c = 0;
     mm_entry key = {.bf16 = bf16, .batch = batch, .M = M, .N = N, .K = K, .sa = stride_a, .sb = stride_b,
-                    .sc = stride_c, .ta = trans_a != 0, .tb = trans_b != 0, .alpha = alpha, .beta = beta};
+                    .sc = stride_c, .ta = trans_a != 0, .tb = trans_b != 0, .alpha = alpha, .beta = beta,
+                    .pack_b = pack_b_pays(bf16, batch, N, trans_b)};
     /* A small product is not worth waking a team for: the fork-join costs
      * more than the work, and far more when the cores are shared. */
     int nt = (double)M * N * K * batch < SMALL_MNK ? 1 : cpu_threads_get();
@@ -217,8 +251,11 @@ int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t bat
         fn.dnnl_memory_set_data_handle(e->ma, (void *)a);
         fn.dnnl_memory_set_data_handle(e->mb, (void *)b);
         fn.dnnl_memory_set_data_handle(e->mc, c);
-        dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->ma}, {DNNL_ARG_WEIGHTS, e->mb}, {DNNL_ARG_DST, e->mc}};
-        if (fn.dnnl_primitive_execute(e->prim, dn.stream, 3, args) == dnnl_success &&
+        dnnl_exec_arg_t pack[2] = {{DNNL_ARG_FROM, e->mb}, {DNNL_ARG_TO, e->b_packed}};
+        dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->ma}, {DNNL_ARG_WEIGHTS, e->reorder_b ? e->b_packed : e->mb},
+                                   {DNNL_ARG_DST, e->mc}};
+        if ((!e->reorder_b || fn.dnnl_primitive_execute(e->reorder_b, dn.stream, 2, pack) == dnnl_success) &&
+            fn.dnnl_primitive_execute(e->prim, dn.stream, 3, args) == dnnl_success &&
             fn.dnnl_stream_wait(dn.stream) == dnnl_success)
             rc = 0;
         else {

@@ -141,6 +141,13 @@ static void test_path(int path) {
     run(path, "scores", 6, 64, 64, 64, 0, 1, 0.125f, 0.0f, 64 * 64, 64 * 64, 64 * 64);
     run(path, "head", 1, 64, 509, 768, 0, 1, 1.0f, 0.0f, 0, 0, 0);
     run(path, "weight grad", 1, 768, 96, 256, 1, 0, 1.0f, 1.0f, 0, 0, 0);
+    /* a wide B read as stored (N >= 2560): oneDNN f32 reorders it first */
+    for (int ta = 0; ta < 2; ta++) {
+        run(path, "wide B", 1, 5, 2600, 37, ta, 0, 1.0f, 0.0f, 0, 0, 0);
+        run(path, "wide B a/b", 1, 3, 3072, 61, ta, 0, 0.5f, 1.0f, 0, 0, 0);
+        run(path, "wide B^T", 1, 5, 2600, 37, ta, 1, 1.0f, 0.0f, 0, 0, 0);
+    }
+    run(path, "wide B batched", 2, 3, 2600, 29, 0, 0, 1.0f, 0.0f, 3 * 29, 29 * 2600, 3 * 2600);
 }
 
 int main(void) {
