@@ -4,6 +4,9 @@
  * become a few long rows. The remaining outer dims are walked with an index
  * counter, in parallel over outer rows for big tensors. */
 #include "cpu_kernels.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <string.h>
 
 #define COPY_GRAIN (1 << 15)   /* elements per thread chunk */
@@ -153,7 +156,16 @@ void cpu_copy_strided(void *dst, const int64_t *dst_strides, const void *src, co
     cpu_parallel_for(rows, grain, copy_rows, &c);
 }
 
-typedef struct { float *out; float v; } fill_ctx;
+/* Fills and zeroings of at least STREAM_MIN bytes (beyond the 2-4 MiB of a
+ * core's L2: a unit's gradient buffers, the gradient shards' zero_grad)
+ * write with streaming stores where the target has them: each line is
+ * written without being read first, half the memory traffic of plain
+ * stores (measured here: 124M floats zeroed in 48-56 ms against 105-118 ms
+ * for stores or memset, one thread). Smaller ones stay in cache for the
+ * reader that follows. */
+#define STREAM_MIN ((size_t)4 << 20)
+
+typedef struct { float *out; float v; int stream; } fill_ctx;
 
 static void fill_range(void *p, int64_t begin, int64_t end) {
     const fill_ctx *c = p;
@@ -161,10 +173,48 @@ static void fill_range(void *p, int64_t begin, int64_t end) {
      * compiler knows, which kept this loop scalar */
     float *out = c->out;
     const float v = c->v;
-    for (int64_t i = begin; i < end; i++) out[i] = v;
+    int64_t i = begin;
+#if defined(__AVX512F__)
+    if (c->stream) {
+        for (; i < end && ((uintptr_t)(out + i) & 63); i++) out[i] = v;   /* up to a 64-byte line */
+        const __m512 vv = _mm512_set1_ps(v);
+        for (; i + 16 <= end; i += 16) _mm512_stream_ps(out + i, vv);
+        _mm_sfence();   /* visible before the pool reports this chunk done */
+    }
+#endif
+    for (; i < end; i++) out[i] = v;
 }
 
 void cpu_fill_f32(float *out, float v, int64_t n) {
-    fill_ctx c = {out, v};
+    fill_ctx c = {out, v, (size_t)n * sizeof(float) >= STREAM_MIN};
     cpu_parallel_for(n, 1 << 16, fill_range, &c);
+}
+
+/* nbytes of zeros (the device table's zero: new tensors asked zeroed) */
+typedef struct { unsigned char *dst; } zero_ctx;
+
+#define ZERO_LINE 64
+static void zero_range(void *p, int64_t begin, int64_t end) {   /* lines [begin, end) */
+    unsigned char *d = ((const zero_ctx *)p)->dst + begin * ZERO_LINE;
+#if defined(__AVX512F__)
+    const __m512i z = _mm512_setzero_si512();
+    for (int64_t l = begin; l < end; l++, d += ZERO_LINE) _mm512_stream_si512((void *)d, z);
+    _mm_sfence();
+#else
+    memset(d, 0, (size_t)(end - begin) * ZERO_LINE);
+#endif
+}
+
+void cpu_zero(void *dst, size_t nbytes) {
+    if (nbytes < STREAM_MIN) {
+        memset(dst, 0, nbytes);
+        return;
+    }
+    unsigned char *d = dst;
+    size_t head = (ZERO_LINE - ((uintptr_t)d & (ZERO_LINE - 1))) & (ZERO_LINE - 1);
+    memset(d, 0, head);
+    size_t lines = (nbytes - head) / ZERO_LINE, tail = nbytes - head - lines * ZERO_LINE;
+    zero_ctx c = {d + head};
+    cpu_parallel_for((int64_t)lines, 1 << 12, zero_range, &c);
+    memset(d + head + lines * ZERO_LINE, 0, tail);
 }

@@ -6,7 +6,6 @@
 
 static void *host_raw_alloc(size_t nbytes) { return aligned_alloc(64, nbytes); }
 static void host_raw_free(void *ptr) { free(ptr); }
-static void host_zero(void *dst, size_t nbytes) { memset(dst, 0, nbytes); }
 static void host_copy_from_host(void *dst, const void *src, size_t nbytes) { memcpy(dst, src, nbytes); }
 static void host_copy_to_host(void *dst, const void *src, size_t nbytes) { memcpy(dst, src, nbytes); }
 static void host_synchronize(void) {}
@@ -15,7 +14,7 @@ const fsdp_device_kernels cpu_device_kernels = {
     .name = "cpu",
     .raw_alloc = host_raw_alloc,
     .raw_free = host_raw_free,
-    .zero = host_zero,
+    .zero = cpu_zero,
     .copy_from_host = host_copy_from_host,
     .copy_to_host = host_copy_to_host,
     .synchronize = host_synchronize,

@@ -55,6 +55,8 @@ CPU_INLINE void *cpu_at_w(void *p, int64_t off, int bf16) {
 void cpu_copy_strided(void *dst, const int64_t *dst_strides, const void *src, const int64_t *src_strides,
                       int ndim, const int64_t *shape, size_t elem_size);
 void cpu_fill_f32(float *out, float v, int64_t n);
+/* nbytes of zeros at dst (any alignment); large ones with streaming stores over the pool */
+void cpu_zero(void *dst, size_t nbytes);
 
 /* ---- matmul (matmul.c, matmul_dnnl.c) ---- */
 /* For each batch b: C_b = alpha * op(A_b) @ op(B_b) + beta * C_b, where

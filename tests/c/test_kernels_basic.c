@@ -247,16 +247,38 @@ static void test_copy(void) {
     }
 }
 
+/* fill and zero, small (plain stores) and past 4 MiB (streaming stores over
+ * the pool), at a start off the 64-byte line: every element written, the
+ * neighbours on both sides untouched */
 static void test_fill(void) {
-    static const int64_t ns[] = {1, 7, 100003};
-    for (int t = 0; t < 3; t++) {
-        float *x = fmalloc(ns[t] + 1);
+    static const int64_t ns[] = {1, 7, 100003, (1 << 20) + 37};
+    for (int t = 0; t < 4; t++) {
+        float *buf = fmalloc(ns[t] + 5), *x = buf + 3;
+        buf[0] = buf[1] = buf[2] = 9.0f;
         x[ns[t]] = 7.0f;
+        x[ns[t] + 1] = 7.0f;
         cpu_fill_f32(x, -1.25f, ns[t]);
         int64_t wrong = 0;
         for (int64_t i = 0; i < ns[t]; i++) wrong += x[i] != -1.25f;
-        test_check(wrong == 0 && x[ns[t]] == 7.0f, "fill n=%lld [threads %d]", (long long)ns[t], nthreads);
-        free(x);
+        test_check(wrong == 0 && x[ns[t]] == 7.0f && x[ns[t] + 1] == 7.0f && buf[0] == 9.0f && buf[2] == 9.0f,
+                   "fill n=%lld at an offset of 12 bytes [threads %d] (%lld wrong)", (long long)ns[t], nthreads,
+                   (long long)wrong);
+        free(buf);
+    }
+    static const size_t bytes[] = {0, 1, 63, 100003, ((size_t)4 << 20) + 13};
+    for (int t = 0; t < 5; t++) {
+        size_t n = bytes[t];
+        unsigned char *buf = malloc(n + 16), *z = buf + 5;
+        memset(buf, 0xab, n + 16);
+        cpu_zero(z, n);
+        size_t wrong = 0;
+        for (size_t i = 0; i < n; i++) wrong += z[i] != 0;
+        int around = 1;
+        for (int i = 0; i < 5; i++) around &= buf[i] == 0xab;
+        for (size_t i = 5 + n; i < n + 16; i++) around &= buf[i] == 0xab;
+        test_check(wrong == 0 && around, "zero %zu bytes at an offset of 5 [threads %d] (%zu wrong, neighbours %s)", n,
+                   nthreads, wrong, around ? "untouched" : "written");
+        free(buf);
     }
 }
 
