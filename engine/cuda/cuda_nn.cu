@@ -323,6 +323,86 @@ static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, c
     cuda_tmp_free(pb);
 }
 
+/* dx and the weight and bias gradients' partial sums in one pass over dout
+ * and x (the two kernels above read both twice): a block per chunk of
+ * rows, rows in order, each as norm_bwd_dx_kernel; thread t owns columns
+ * t, t + blockDim, ... and adds their dout xhat and dout into its own slots
+ * of shared memory (no races), then writes them as the chunk's partials
+ * (chunks, cols), added in chunk order by norm_wgrad_finish_kernel. */
+#define NORM_FUSED_MAX_COLS 2048   /* 2 x 2048 doubles: 32 KiB of shared memory */
+
+template <class T>
+__global__ void norm_bwd_fused_kernel(T *__restrict__ dx, double *pw, double *pb, const T *__restrict__ dout,
+                                      const T *__restrict__ x, const T *__restrict__ weight, const float *mean_in,
+                                      const float *rstd_in, int64_t rows, int64_t cols, int64_t chunk_rows,
+                                      int rms) {
+    __shared__ double sd[32];
+    double *aw = (double *)CUDA_DYN_SMEM(), *ab = aw + cols;   // (cols) each
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) aw[j] = ab[j] = 0.0;
+    int64_t r0 = (int64_t)blockIdx.x * chunk_rows, r1 = cuda_min64(r0 + chunk_rows, rows);
+    for (int64_t r = r0; r < r1; r++) {
+        const T *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
+        T *dxr = dx + r * cols;
+        float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
+        double sg = 0.0, sgx = 0.0;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
+            sg += g;
+            sgx += g * ((ldf(xr[j]) - mean) * rstd);
+        }
+        float mg = rms ? 0.0f : (float)(block_sum_d(sg, sd) / (double)cols);
+        float mgx = (float)(block_sum_d(sgx, sd) / (double)cols);
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+            float d = ldf(dr[j]);
+            float g = weight ? d * ldf(weight[j]) : d;
+            float v = ldf(xr[j]);
+            float xhat = (v - mean) * rstd;
+            if (rms) stf(dxr + j, rstd * (g - v * rstd * mgx));
+            else stf(dxr + j, rstd * (g - mg - xhat * mgx));
+            aw[j] += d * xhat;
+            ab[j] += d;
+        }
+    }
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        if (pw) pw[(int64_t)blockIdx.x * cols + j] = aw[j];
+        if (pb) pb[(int64_t)blockIdx.x * cols + j] = ab[j];
+    }
+}
+
+/* The whole norm backward: dx, and dweight, dbias (either may be NULL; acc:
+ * added to what they hold). One pass where the row fits the fused kernel's
+ * shared memory, else the dx kernel and norm_weight_grads. */
+template <class T>
+static void norm_backward(T *dx, T *dweight, T *dbias, const T *dout, const T *x, const T *weight, const float *mean,
+                          const float *rstd, int64_t rows, int64_t cols, int rms, int acc) {
+    if (cols <= 0) return;
+    bool grads = dweight || dbias;
+    if (rows > 0 && (!grads || cols > NORM_FUSED_MAX_COLS)) {
+        LAUNCH(norm_bwd_dx_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean, rstd,
+                                                                                   rows, cols, rms);
+        CUDA_CHECK_LAUNCH();
+    }
+    if (!grads) return;
+    if (rows <= 0 || cols > NORM_FUSED_MAX_COLS) {
+        norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols, acc);
+        return;
+    }
+    /* chunks of at least 16 rows, some 2 blocks per SM */
+    int64_t chunks = cuda_min64((int64_t)cuda_sm_count() * 2, cuda_ceil_div(rows, 16));
+    int64_t chunk_rows = cuda_ceil_div(rows, chunks);
+    chunks = cuda_ceil_div(rows, chunk_rows);
+    double *pw = dweight ? (double *)cuda_tmp_alloc((size_t)(chunks * cols) * sizeof(double)) : NULL;
+    double *pb = dbias ? (double *)cuda_tmp_alloc((size_t)(chunks * cols) * sizeof(double)) : NULL;
+    LAUNCH(norm_bwd_fused_kernel<T>, (unsigned)chunks, cuda_row_threads(cols), (size_t)(2 * cols) * sizeof(double))(
+        dx, pw, pb, dout, x, weight, mean, rstd, rows, cols, chunk_rows, rms);
+    CUDA_CHECK_LAUNCH();
+    LAUNCH(norm_wgrad_finish_kernel<T>, cuda_blocks(cols, CUDA_THREADS), CUDA_THREADS, 0)(dweight, dbias, pw, pb,
+                                                                                         chunks, cols, acc);
+    CUDA_CHECK_LAUNCH();
+    cuda_tmp_free(pw);
+    cuda_tmp_free(pb);
+}
+
 #define NORM_ENTRIES(T, sfx)                                                                                     \
     void cuda_layernorm_forward_##sfx(T *out, float *mean, float *rstd, const T *x, const T *weight, const T *bias, \
                                       int64_t rows, int64_t cols, float eps) {                                    \
@@ -335,13 +415,7 @@ static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, c
     void cuda_layernorm_backward_##sfx(T *dx, T *dweight, T *dbias, const T *dout, const T *x, const T *weight,   \
                                        const float *mean, const float *rstd, int64_t rows, int64_t cols) {        \
         CUDA_ENTER();                                                                                            \
-        if (cols <= 0) return;                                                                                   \
-        if (rows > 0) {                                                                                          \
-            LAUNCH(norm_bwd_dx_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean, \
-                                                                                       rstd, rows, cols, 0);      \
-            CUDA_CHECK_LAUNCH();                                                                                 \
-        }                                                                                                        \
-        norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols);                                      \
+        norm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, cols, 0, 0);                        \
     }                                                                                                            \
     void cuda_rmsnorm_forward_##sfx(T *out, float *rstd, const T *x, const T *weight, int64_t rows, int64_t cols, \
                                     float eps) {                                                                 \
@@ -354,13 +428,7 @@ static void norm_weight_grads(T *dweight, T *dbias, const T *dout, const T *x, c
     void cuda_rmsnorm_backward_##sfx(T *dx, T *dweight, const T *dout, const T *x, const T *weight,              \
                                      const float *rstd, int64_t rows, int64_t cols) {                            \
         CUDA_ENTER();                                                                                            \
-        if (cols <= 0) return;                                                                                   \
-        if (rows > 0) {                                                                                          \
-            LAUNCH(norm_bwd_dx_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, NULL, \
-                                                                                       rstd, rows, cols, 1);      \
-            CUDA_CHECK_LAUNCH();                                                                                 \
-        }                                                                                                        \
-        norm_weight_grads(dweight, (T *)NULL, dout, x, (const float *)NULL, rstd, rows, cols);                   \
+        norm_backward(dx, dweight, (T *)NULL, dout, x, weight, (const float *)NULL, rstd, rows, cols, 1, 0);     \
     }
 NORM_ENTRIES(float, f32)
 NORM_ENTRIES(uint16_t, bf16)
@@ -370,13 +438,7 @@ void cuda_layernorm_backward_acc_bf16(uint16_t *dx, uint16_t *dweight, uint16_t 
                                       const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
                                       int64_t rows, int64_t cols) {
     CUDA_ENTER();
-    if (cols <= 0) return;
-    if (rows > 0) {
-        LAUNCH(norm_bwd_dx_kernel<uint16_t>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean,
-                                                                                          rstd, rows, cols, 0);
-        CUDA_CHECK_LAUNCH();
-    }
-    norm_weight_grads(dweight, dbias, dout, x, mean, rstd, rows, cols, 1);
+    norm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, cols, 0, 1);
 }
 
 /* ---- embedding ---- */

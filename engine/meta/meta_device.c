@@ -77,11 +77,29 @@ static int64_t sum_dim_launches(int64_t outer, int64_t red, int64_t inner, int a
     return slices > 1 ? 2 : 1;
 }
 
-/* ... and of its norm backward (cuda_nn.cu): the dx kernel, then for the
- * weight and bias gradients one partial-sums kernel (reading dout and x
- * once more) and one that adds the slices of both. */
+/* ... and of its norm backward (cuda_nn.cu): with weight or bias
+ * gradients and a row of at most 2048 columns, one kernel that writes dx
+ * and the gradients' partial sums per chunk of rows (some 2 blocks per SM:
+ * 132 SMs, the H200 tools/gpu-model prices; the partials in double, written
+ * and read once), then one that adds the chunks; wider rows take the dx
+ * kernel, a partial-sums kernel reading dout and x once more, and the
+ * finish. Without those gradients, the dx kernel alone. */
+static bool norm_bwd_fused(int64_t rows, int64_t cols, const void *dweight, const void *dbias) {
+    return rows > 0 && cols > 0 && cols <= 2048 && (dweight || dbias);
+}
+static int64_t norm_bwd_reread(int64_t cols, const void *dweight, const void *dbias) {
+    return (dweight || dbias) && cols > 2048;
+}
+static int64_t norm_bwd_partial_bytes(int64_t rows, int64_t cols, const void *dweight, const void *dbias) {
+    if (!norm_bwd_fused(rows, cols, dweight, dbias)) return 0;
+    int64_t chunks = 2 * 132 < (rows + 15) / 16 ? 2 * 132 : (rows + 15) / 16;
+    int64_t len = (rows + chunks - 1) / chunks;
+    chunks = (rows + len - 1) / len;
+    return 8 * chunks * cols * ((dweight != NULL) + (dbias != NULL));
+}
 static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight, const void *dbias, int acc) {
     if (cols <= 0) return 0;
+    if (norm_bwd_fused(rows, cols, dweight, dbias)) return 2;
     int64_t n = rows > 0;
     int64_t grads = (dweight != NULL) + (dbias != NULL);
     if (grads == 0) return n;
@@ -133,6 +151,7 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
  * as engine/cuda does it). A sync is a point where the host waits for the
  * device: a value or a copy coming back. */
 #define F32 4
+#define NPB(dw, db) norm_bwd_partial_bytes(rows, cols, dw, db)   /* (in the norm backward lines) */
 #define BF16 2
 #define META_ENTRIES(X)                                                                                             \
     X(void, zero, "copy", (void *dst, size_t nbytes), 0, nbytes, 0, 1, 0, )                                        \
@@ -222,16 +241,19 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       8 * rows * cols, 1, 0, )                                                                                     \
     X(void, layernorm_backward_f32, "norm", (float *dx, float *dweight, float *dbias, const float *dout,          \
       const float *x, const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t cols),     \
-      F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows) + (dweight || dbias) * F32 * 2 * rows * cols,    \
-      F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                   \
+      F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows) +                                               \
+      norm_bwd_reread(cols, dweight, dbias) * F32 * 2 * rows * cols + NPB(dweight, dbias),                         \
+      F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),               \
+      12 * rows * cols,                                                                                            \
       norm_bwd_launches(rows, cols, dweight, dbias, 0), 0, )                                                       \
     X(void, rmsnorm_forward_f32, "norm", (float *out, float *rstd, const float *x, const float *weight,           \
       int64_t rows, int64_t cols, float eps), F32 * (rows * cols + (weight != NULL) * cols),                       \
       F32 * (rows * cols + rows), 5 * rows * cols, 1, 0, )                                                         \
     X(void, rmsnorm_backward_f32, "norm", (float *dx, float *dweight, const float *dout, const float *x,          \
       const float *weight, const float *rstd, int64_t rows, int64_t cols),                                         \
-      F32 * (2 * rows * cols + (weight != NULL) * cols + rows) + (dweight != NULL) * F32 * 2 * rows * cols,        \
-      F32 * (rows * cols + (dweight != NULL) * cols), 8 * rows * cols,                                             \
+      F32 * (2 * rows * cols + (weight != NULL) * cols + rows) +                                                   \
+      norm_bwd_reread(cols, dweight, NULL) * F32 * 2 * rows * cols + NPB(dweight, NULL),                           \
+      F32 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols,                        \
       norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
     X(void, layernorm_forward_bf16, "norm", (uint16_t *out, float *mean, float *rstd, const uint16_t *x,         \
       const uint16_t *weight, const uint16_t *bias, int64_t rows, int64_t cols, float eps),                        \
@@ -240,16 +262,18 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     X(void, layernorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,                 \
       const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
       int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
-      (dweight || dbias) * BF16 * 2 * rows * cols,                                                                 \
-      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                  \
+      norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias),                        \
+      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
+      12 * rows * cols,                                                                                            \
       norm_bwd_launches(rows, cols, dweight, dbias, 0), 0, )                                                       \
     X(void, rmsnorm_forward_bf16, "norm", (uint16_t *out, float *rstd, const uint16_t *x, const uint16_t *weight, \
       int64_t rows, int64_t cols, float eps), BF16 * (rows * cols + (weight != NULL) * cols),                      \
       BF16 * rows * cols + F32 * rows, 5 * rows * cols, 1, 0, )                                                    \
     X(void, rmsnorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, const uint16_t *dout,              \
       const uint16_t *x, const uint16_t *weight, const float *rstd, int64_t rows, int64_t cols),                  \
-      BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows + (dweight != NULL) * BF16 * 2 * rows * cols, \
-      BF16 * (rows * cols + (dweight != NULL) * cols), 8 * rows * cols,                                            \
+      BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows +                                            \
+      norm_bwd_reread(cols, dweight, NULL) * BF16 * 2 * rows * cols + NPB(dweight, NULL),                          \
+      BF16 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols,                       \
       norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
     X(void, embedding_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n, const float *table,   \
       int64_t dim), 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                               \
@@ -308,7 +332,7 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     X(void, attention_flash_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *drow,                    \
       const uint16_t *dout, const uint16_t *qkv, const uint16_t *out, const float *lse, int64_t B, int64_t H,  \
       int64_t T, int64_t D, int causal, float scale),                                                          \
-      B * H * (BF16 * 2 * T * D + BF16 * 2 * T * D + flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32) +  \
+      B * H * (BF16 * 2 * T * D + BF16 * 2 * T * D + flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32) +     \
       BF16 * 2 * T * D + 2 * F32 * T + flash_walked_rows(T, causal) * BF16 * 2 * D),                \
       B * H * (F32 * T + BF16 * 3 * T * D), (causal ? 4 : 8) * B * H * T * T * D, 3, 0, )                      \
     X(void, classifier_lse_f32, "loss", (float *m, float *s, float *tlogit, const float *logits,                \
@@ -351,8 +375,10 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     X(void, layernorm_backward_acc_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,             \
       const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
       int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
-      (dweight || dbias) * BF16 * 2 * rows * cols + BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,           \
-      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols), 12 * rows * cols,                  \
+      norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias) +                       \
+      BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,                                                          \
+      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
+      12 * rows * cols,                                                                                            \
       norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )                                                       \
     X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
       const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )         \

@@ -614,7 +614,8 @@ static double dx_scale(const float *dout, const float *w, const float *rstd, int
 }
 
 static void test_norms(void) {
-    int64_t cs[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}, {1000, 5}, BIG({4096, 768})};
+    /* (5, 2100): wider than the one-pass backward's shared memory, the two-pass path */
+    int64_t cs[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}, {1000, 5}, {5, 2100}, BIG({4096, 768})};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         for (int affine = 0; affine < 3; affine++) {   /* 0: none, 1: weight, 2: weight + bias */
             int64_t rows = cs[i][0], cols = cs[i][1], n = rows * cols;
@@ -1140,7 +1141,7 @@ static void test_bf16_nn(void) {
             check_f(name, back_bf16(gdx, n), wdx, n, ULP16, 1.0 / 256, -1);
             free_case();
         }
-    int64_t nc[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}};
+    int64_t nc[][2] = {{1, 1}, {7, 33}, {300, 64}, {3, 1031}, {5, 2100}};
     for (size_t i = 0; i < sizeof nc / sizeof nc[0]; i++)
         for (int affine = 0; affine < 3; affine++) {
             int64_t rows = nc[i][0], cols = nc[i][1], n = rows * cols;
