@@ -202,6 +202,10 @@ fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype);
  * GEMM): *beta is 0 when the .grad is unwritten (its first gradient; the
  * flag is cleared: the caller must write it now), else 1. */
 fsdp_tensor *node_grad_target(fsdp_node *node, int i, int dtype, float *beta);
+/* The tensor node_grad_accumulator and node_grad_target would return, with
+ * no side effect (nothing zeroed or claimed): to check an op's other
+ * conditions before it claims the .grad. */
+fsdp_tensor *node_grad_peek(fsdp_node *node, int i, int dtype);
 /* Adds g into t's gradient accumulator (bgrad, or .grad for a leaf); takes g. */
 fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g);
 

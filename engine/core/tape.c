@@ -290,7 +290,7 @@ fsdp_status node_add_grad(fsdp_node *node, int i, fsdp_tensor *g) {
     return tensor_accumulate_grad(node->in[i], g);
 }
 
-static fsdp_tensor *grad_in_place(fsdp_node *node, int i, int dtype) {
+fsdp_tensor *node_grad_peek(fsdp_node *node, int i, int dtype) {
     if (!node_needs_grad(node, i)) return NULL;
     fsdp_tensor *t = node->in[i], *g = t->grad;
     /* a leaf's .grad is its own (add_into writes it in place too); a
@@ -302,7 +302,7 @@ static fsdp_tensor *grad_in_place(fsdp_node *node, int i, int dtype) {
 }
 
 fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
-    fsdp_tensor *g = grad_in_place(node, i, dtype);
+    fsdp_tensor *g = node_grad_peek(node, i, dtype);
     if (g && g->unwritten) {   /* the op adds into it: zeros first */
         if (fsdp_fill(g, 0.0) != FSDP_OK) return NULL;   /* (then the op makes its own gradient) */
         g->unwritten = false;
@@ -311,7 +311,7 @@ fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
 }
 
 fsdp_tensor *node_grad_target(fsdp_node *node, int i, int dtype, float *beta) {
-    fsdp_tensor *g = grad_in_place(node, i, dtype);
+    fsdp_tensor *g = node_grad_peek(node, i, dtype);
     *beta = g && !g->unwritten ? 1.0f : 0.0f;
     if (g) g->unwritten = false;
     return g;

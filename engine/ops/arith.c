@@ -65,8 +65,10 @@ fsdp_status sum_to_shape(fsdp_tensor **out, fsdp_tensor *g, int ndim, const int6
 static fsdp_status sum_into_grad(fsdp_node *node, int i, fsdp_tensor *t, bool *done) {
     *done = false;
     const fsdp_tensor *in = node->in[i];
-    fsdp_tensor *acc = node_grad_accumulator(node, i, FSDP_BF16);
-    if (!acc || t->dtype != FSDP_BF16 || !tensor_is_contiguous(t) || !KERNELS(acc)->sum_dim_acc_bf16) return FSDP_OK;
+    fsdp_tensor *acc = node_grad_peek(node, i, FSDP_BF16);
+    if (!acc || t->dtype != FSDP_BF16 || !tensor_is_contiguous(t) || !KERNELS(acc)->sum_dim_acc_bf16 ||
+        !KERNELS(acc)->sum_dim_bf16)
+        return FSDP_OK;
     int nd = t->ndim, lead = nd - in->ndim, first = -1, last = -1;
     for (int k = 0; k < nd; k++) {
         bool r = k < lead || (in->shape[k - lead] == 1 && t->shape[k] != 1);
@@ -87,7 +89,11 @@ static fsdp_status sum_into_grad(fsdp_node *node, int i, fsdp_tensor *t, bool *d
         else inner *= t->shape[k];
     }
     if (outer * inner != tensor_numel(acc)) return FSDP_OK;
-    KERNELS(acc)->sum_dim_acc_bf16(tensor_data(acc), tensor_data(t), outer, red, inner);
+    /* an unwritten .grad (an FSDP unit's first gradient into it) is written, else added to */
+    float beta;
+    node_grad_target(node, i, FSDP_BF16, &beta);
+    if (beta == 0.0f) KERNELS(acc)->sum_dim_bf16(tensor_data(acc), tensor_data(t), outer, red, inner);
+    else KERNELS(acc)->sum_dim_acc_bf16(tensor_data(acc), tensor_data(t), outer, red, inner);
     *done = true;
     return FSDP_OK;
 }

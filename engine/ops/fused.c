@@ -68,8 +68,10 @@ static fsdp_status bias_gelu_backward(fsdp_node *node) {
     int64_t rows, cols;
     rows_cols(x, &rows, &cols);
     /* the bias gradient goes straight into a .grad that exists (an FSDP
-     * unit's gradient slice), else into a new tensor given to it */
-    fsdp_tensor *acc = want_b ? node_grad_accumulator(node, 1, dt) : NULL;
+     * unit's gradient slice: written when it is unwritten, else added to),
+     * else into a new tensor given to it */
+    float beta = 1.0f;
+    fsdp_tensor *acc = want_b ? node_grad_target(node, 1, dt, &beta) : NULL;
     fsdp_status st = tensor_contiguous(&xs, x);
     if (st == FSDP_OK) st = tensor_contiguous(&bs, b);
     if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
@@ -79,10 +81,10 @@ static fsdp_status bias_gelu_backward(fsdp_node *node) {
         void *fn = entry_for(xs, SLOT(bias_gelu_backward_f32), SLOT(bias_gelu_backward_bf16));
         if (dt == FSDP_BF16)
             ((bias_gelu_bwd_bf16_fn)fn)(tensor_data(dx), dbias, tensor_data(dout), tensor_data(xs), tensor_data(bs),
-                                        rows, cols, acc != NULL);
+                                        rows, cols, acc && beta != 0.0f);
         else
             ((bias_gelu_bwd_f32_fn)fn)(tensor_data(dx), dbias, tensor_data(dout), tensor_data(xs), tensor_data(bs),
-                                       rows, cols, acc != NULL);
+                                       rows, cols, acc && beta != 0.0f);
     }
     tensor_release(xs);
     tensor_release(bs);
@@ -150,11 +152,14 @@ static fsdp_status bias_residual_backward(fsdp_node *node) {
     fsdp_status st = FSDP_OK;
     if (node_needs_grad(node, 1)) {
         /* into a .grad that exists (an FSDP unit's gradient slice) in one pass */
-        fsdp_tensor *acc = native ? node_grad_accumulator(node, 1, FSDP_BF16) : NULL;
+        fsdp_tensor *acc = native ? node_grad_peek(node, 1, FSDP_BF16) : NULL;
         int64_t rows, cols;
         rows_cols(x, &rows, &cols);
         if (acc && KERNELS(acc)->sum_dim_acc_bf16) {
-            KERNELS(acc)->sum_dim_acc_bf16(tensor_data(acc), tensor_data(g), 1, rows, cols);
+            float beta;   /* an unwritten .grad is written, else added to */
+            node_grad_target(node, 1, FSDP_BF16, &beta);
+            if (beta == 0.0f) KERNELS(acc)->sum_dim_bf16(tensor_data(acc), tensor_data(g), 1, rows, cols);
+            else KERNELS(acc)->sum_dim_acc_bf16(tensor_data(acc), tensor_data(g), 1, rows, cols);
         } else {
             st = sum_to_shape(&db, g, b->ndim, b->shape);
             if (st == FSDP_OK) st = op_give_grad(node, 1, db);

@@ -189,6 +189,14 @@ static fsdp_status check_norm_params(const char *op, int n, const char *const *n
     return FSDP_OK;
 }
 
+/* Input i's .grad when an op may write its gradient there and it is
+ * unwritten (an FSDP unit's flat gradient before its first gradient), with
+ * no side effect; else NULL. */
+static fsdp_tensor *unwritten_grad(fsdp_node *node, int i) {
+    fsdp_tensor *g = node_grad_peek(node, i, FSDP_BF16);
+    return g && g->unwritten ? g : NULL;
+}
+
 /* Gradient buffer (dtype) for optional parameter i, or NULL when it needs none. */
 static fsdp_status param_grad_buf(fsdp_node *node, int i, int dtype, fsdp_tensor **out) {
     *out = NULL;
@@ -226,14 +234,28 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
     if (st == FSDP_OK) st = stage(&w, node->in[1], native);
     if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
     /* weight and bias whose .grad exists (an FSDP unit's gradient slices):
-     * the kernel adds their gradients there, none is made and added */
-    fsdp_tensor *acc_w = native ? node_grad_accumulator(node, 1, FSDP_BF16) : NULL;
-    fsdp_tensor *acc_b = native ? node_grad_accumulator(node, 2, FSDP_BF16) : NULL;
-    bool in_place = native && KERNELS(node->in[0])->layernorm_backward_acc_bf16 &&
+     * the kernel writes their gradients there when both are unwritten (the
+     * unit's first gradient into them), else adds them there; none is made
+     * and added */
+    fsdp_tensor *write_w = native ? unwritten_grad(node, 1) : NULL, *write_b = native ? unwritten_grad(node, 2) : NULL;
+    bool write = (write_w || write_b) && (write_w || !node_needs_grad(node, 1)) &&
+                 (write_b || !node_needs_grad(node, 2));
+    float beta;
+    if (write) {   /* claimed: the kernel below writes every element of them */
+        if (write_w) node_grad_target(node, 1, FSDP_BF16, &beta);
+        if (write_b) node_grad_target(node, 2, FSDP_BF16, &beta);
+    }
+    fsdp_tensor *acc_w = native && !write ? node_grad_accumulator(node, 1, FSDP_BF16) : NULL;
+    fsdp_tensor *acc_b = native && !write ? node_grad_accumulator(node, 2, FSDP_BF16) : NULL;
+    bool in_place = !write && native && KERNELS(node->in[0])->layernorm_backward_acc_bf16 &&
                     (acc_w || !node_needs_grad(node, 1)) && (acc_b || !node_needs_grad(node, 2)) && (acc_w || acc_b);
-    if (st == FSDP_OK && !in_place) st = param_grad_buf(node, 1, dt, &dw);
-    if (st == FSDP_OK && !in_place) st = param_grad_buf(node, 2, dt, &db);
+    if (st == FSDP_OK && !in_place && !write) st = param_grad_buf(node, 1, dt, &dw);
+    if (st == FSDP_OK && !in_place && !write) st = param_grad_buf(node, 2, dt, &db);
     void *w_ = w ? tensor_data(w) : NULL, *dw_ = dw ? tensor_data(dw) : NULL, *db_ = db ? tensor_data(db) : NULL;
+    if (write) {
+        dw_ = write_w ? tensor_data(write_w) : NULL;
+        db_ = write_b ? tensor_data(write_b) : NULL;
+    }
     if (st == FSDP_OK && in_place)
         KERNELS(dx)->layernorm_backward_acc_bf16(tensor_data(dx), acc_w ? tensor_data(acc_w) : NULL,
                                                  acc_b ? tensor_data(acc_b) : NULL, tensor_data(dout), tensor_data(x),
