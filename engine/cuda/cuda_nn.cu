@@ -7,6 +7,7 @@
  * CPU. Every sum is taken in an order fixed by the sizes alone: no atomics
  * on floats anywhere, so results repeat bit for bit. */
 #include "cuda_internal.h"
+#include <float.h>
 
 #define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
 #define GELU_A 0.044715f
@@ -512,29 +513,68 @@ void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *id
 
 /* ---- cross-entropy over logits (N, V), the first valid_v columns real ---- */
 
-/* lse_n = log sum_{j < valid_v} exp(x_nj); loss_n = (max - x_nt) + log sum
- * (0 when ignored); count += rows not ignored (count NULL: not counted). */
-template <class T>
+/* One pass over each row (online softmax): every thread keeps its own
+ * running max m and sum s = sum exp(x - m) in f32, rescaling s when a larger
+ * logit arrives; the block then takes M = max m and adds s exp(m - M) in
+ * double, in a fixed order. lse_n = M + log sum_{j < valid_v} exp(x_nj - M);
+ * loss_n = (M - x_nt) + log sum (0 when ignored); count += rows not ignored
+ * (count NULL: not counted). m starts at -FLT_MAX, not -inf, so that a -inf
+ * logit adds exp(-inf) = 0 instead of exp(-inf + inf) = NaN. */
+__device__ __forceinline__ void ce_online(float &m, float &s, float v) {
+    if (v > m) {
+        s = s * expf(m - v) + 1.0f;
+        m = v;
+    } else {
+        s += expf(v - m);   /* a NaN logit lands here and makes the row NaN, as on the CPU */
+    }
+}
+
+/* W logits per access: 16 bytes (rows of a multiple of 16 bytes, aligned) or one */
+template <class T, int W> struct alignas(sizeof(T) * W) ce_pack {
+    T v[W];
+};
+
+template <class T, int W>
 __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *count, const T *__restrict__ logits,
                               const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
+    typedef ce_pack<T, W> P;
     __shared__ double sd[32];
     __shared__ float sf[32];
+    const int64_t packs = valid_v / W;   /* whole packs below valid_v; the rest one by one */
     FOR_ROWS(n, N) {
         const T *xr = logits + n * V;   // (V)
-        float m = -INFINITY;
-        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) m = fmaxf(m, ldf(xr[j]));
-        m = block_max_f(m, sf);
-        double sum = 0.0;
-        for (int64_t j = threadIdx.x; j < valid_v; j += blockDim.x) sum += (double)expf(ldf(xr[j]) - m);
-        sum = block_sum_d(sum, sd);
+        float m = -FLT_MAX, s = 0.0f;
+        for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+            P xv = ((const P *)xr)[p];
+#pragma unroll
+            for (int k = 0; k < W; k++) ce_online(m, s, ldf(xv.v[k]));
+        }
+        for (int64_t j = packs * W + threadIdx.x; j < valid_v; j += blockDim.x) ce_online(m, s, ldf(xr[j]));
+        float M = block_max_f(m, sf);
+        double sum = block_sum_d((double)s * (double)expf(m - M), sd);
         if (threadIdx.x == 0) {
             float logsum = (float)log(sum);
             int64_t t = targets[n];
-            lse[n] = m + logsum;
-            losses[n] = t == ignore_index ? 0.0f : (m - ldf(xr[t])) + logsum;
+            lse[n] = M + logsum;
+            /* the target's logit: one element of the row just read */
+            losses[n] = t == ignore_index ? 0.0f : (M - ldf(xr[t])) + logsum;
             if (count && t != ignore_index) atomicAdd(count, 1ull);   /* integer: exact in any order */
         }
     }
+}
+
+/* the forward's kernel for these rows: 16-byte accesses where every row starts on 16 bytes */
+template <class T> static void ce_fwd_launch(float *losses, float *lse, unsigned long long *count, const T *logits,
+                                             const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
+                                             int64_t ignore_index) {
+    const int W = 16 / (int)sizeof(T);
+    bool wide = V % W == 0 && ((uintptr_t)logits & 15u) == 0 && valid_v >= W;
+    void (*kernel)(float *, float *, unsigned long long *, const T *, const int64_t *, int64_t, int64_t, int64_t,
+                   int64_t) = wide ? ce_fwd_kernel<T, 16 / sizeof(T)> : ce_fwd_kernel<T, 1>;
+    LAUNCH(kernel, row_blocks(N), cuda_row_threads(wide ? valid_v / W : valid_v), 0)(losses, lse, count, logits,
+                                                                                     targets, N, V, valid_v,
+                                                                                     ignore_index);
+    CUDA_CHECK_LAUNCH();
 }
 
 /* dlogits = g (softmax - onehot) for j < valid_v of rows not ignored; 0 elsewhere;
@@ -567,9 +607,7 @@ static int64_t cross_entropy_forward(float *losses, float *lse, const T *logits,
     if (N <= 0) return 0;
     unsigned long long *count = (unsigned long long *)cuda_tmp_alloc(sizeof *count);
     CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof *count, cuda_stream()));
-    LAUNCH(ce_fwd_kernel<T>, row_blocks(N), cuda_row_threads(valid_v), 0)(losses, lse, count, logits, targets, N, V,
-                                                                          valid_v, ignore_index);
-    CUDA_CHECK_LAUNCH();
+    ce_fwd_launch(losses, lse, count, logits, targets, N, V, valid_v, ignore_index);
     unsigned long long host = 0;
     CUDA_CHECK(cudaMemcpyAsync(&host, count, sizeof host, cudaMemcpyDeviceToHost, cuda_stream()));
     cuda_tmp_free(count);
@@ -582,10 +620,7 @@ template <class T>
 static void cross_entropy_rows(float *losses, float *lse, const T *logits, const int64_t *targets, int64_t N,
                                int64_t V, int64_t valid_v, int64_t ignore_index) {
     if (N <= 0) return;
-    LAUNCH(ce_fwd_kernel<T>, row_blocks(N), cuda_row_threads(valid_v), 0)(losses, lse, (unsigned long long *)NULL,
-                                                                          logits, targets, N, V, valid_v,
-                                                                          ignore_index);
-    CUDA_CHECK_LAUNCH();
+    ce_fwd_launch(losses, lse, (unsigned long long *)NULL, logits, targets, N, V, valid_v, ignore_index);
 }
 
 template <class T>

@@ -1258,6 +1258,102 @@ static void test_bf16_nn(void) {
     }
 }
 
+/* Cross-entropy, forward in one pass (online max and sum per thread), against
+ * a double reference on the same values: rows of one element, a prime
+ * vocabulary, rows of a multiple of 16 bytes with a tail of padding (the
+ * 16-byte path) and the same rows one element off 16 bytes (the element
+ * path), logits that rise along the row (a new max at every element), huge
+ * logits (exp would overflow without the max taken out), a -inf logit,
+ * targets at both ends, ignored rows and a batch of only ignored rows. The
+ * backward, f32 and bf16, against the double formula on the lse given. */
+static void ce_reference(double *loss, double *lse, const float *x, const int64_t *t, int64_t N, int64_t V,
+                         int64_t valid, int64_t ignore) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *r = x + n * V;
+        double m = -INFINITY, s = 0;
+        for (int64_t j = 0; j < valid; j++) m = fmax(m, r[j]);
+        for (int64_t j = 0; j < valid; j++) s += exp((double)r[j] - m);
+        lse[n] = m + log(s);
+        loss[n] = t[n] == ignore ? 0.0 : lse[n] - r[t[n]];
+    }
+}
+
+static void test_cross_entropy_online(void) {
+    /* N, V, valid, kind (0 random, 1 rising, 2 huge, 3 a -inf logit), all rows ignored */
+    int64_t cs[][5] = {{1, 1, 1, 0, 0},    {5, 1, 1, 2, 0},      {4, 1009, 1009, 0, 0}, {6, 64, 61, 0, 0},
+                       {6, 64, 61, 1, 0},  {3, 1009, 1009, 2, 0}, {5, 48, 48, 3, 0},    {4, 64, 61, 0, 1},
+                       {3, 4096, 4093, 1, 0}};
+    const int64_t ignore = -100;
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
+        int64_t N = cs[c][0], V = cs[c][1], valid = cs[c][2], kind = cs[c][3], none = cs[c][4];
+        for (int off = 0; off < 2; off++) {   /* off 1: logits one element off 16 bytes */
+            float *x = hrand(N * V, 8);
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t j = 0; j < V; j++) {
+                    float *v = &x[n * V + j];
+                    if (kind == 1) *v = 0.01f * (float)j + 0.001f * *v;
+                    if (kind == 2) *v = 8.0e4f + 1.0e3f * *v;
+                    if (kind == 3 && j == 1 + n % (valid - 1)) *v = -INFINITY;
+                }
+            round_bf16_host(x, N * V);   /* the same values for the f32 and the bf16 kernels */
+            int64_t *t = halloc((size_t)N * sizeof(int64_t)), count = 0;
+            for (int64_t n = 0; n < N; n++) {
+                t[n] = none || n % 4 == 3 ? ignore : n % 3 == 0 ? 0 : n % 3 == 1 ? valid - 1 : (valid - 1) / 2;
+                if (kind == 3 && t[n] != ignore && t[n] == 1 + n % (valid - 1)) t[n] = 0;
+                count += t[n] != ignore;
+            }
+            double *wl = halloc((size_t)N * sizeof(double)), *wlse = halloc((size_t)N * sizeof(double));
+            ce_reference(wl, wlse, x, t, N, V, valid, ignore);
+            float *wlf = halloc((size_t)N * sizeof(float)), *wlsef = halloc((size_t)N * sizeof(float));
+            for (int64_t n = 0; n < N; n++) wlf[n] = (float)wl[n], wlsef[n] = (float)wlse[n];
+            int64_t *dt = dup(t, (size_t)N * sizeof(int64_t));
+            float *dxb = dupf(hnan(N * V + 4), N * V + 4), *dx = dxb + off;
+            G->copy_from_host(dx, x, (size_t)(N * V) * sizeof(float));
+            uint16_t *xb = halloc((size_t)(N * V + 8) * 2);
+            for (int64_t k = 0; k < N * V; k++) xb[off + k] = f32_to_bf16(x[k]);
+            uint16_t *dxhb = dup(xb, (size_t)(N * V + 8) * 2), *dxh = dxhb + off;
+            char name[128];
+            const char *kinds[] = {"random", "rising", "huge", "-inf"};
+            for (int variant = 0; variant < 4; variant++) {   /* f32, f32 rows, bf16, bf16 rows */
+                float *gl = dnan(N), *glse = dnan(N);
+                int64_t gcount = count;
+                if (variant == 0) gcount = G->cross_entropy_forward_f32(gl, glse, dx, dt, N, V, valid, ignore);
+                if (variant == 1) G->cross_entropy_rows_f32(gl, glse, dx, dt, N, V, valid, ignore);
+                if (variant == 2) gcount = G->cross_entropy_forward_bf16(gl, glse, dxh, dt, N, V, valid, ignore);
+                if (variant == 3) G->cross_entropy_rows_bf16(gl, glse, dxh, dt, N, V, valid, ignore);
+                snprintf(name, sizeof name, "cross_entropy %s (%lld, %lld) valid %lld %s off %d",
+                         (const char *[]){"forward_f32", "rows_f32", "forward_bf16", "rows_bf16"}[variant],
+                         (long long)N, (long long)V, (long long)valid, kinds[kind], off);
+                test_check(gcount == count, "%s: count %lld, want %lld", name, (long long)gcount, (long long)count);
+                check_f(name, back(gl, N), wlf, N, 1e-5, 1e-5, 1);
+                check_f(name, back(glse, N), wlsef, N, 1e-6, 1e-5, 1);
+            }
+            /* the backward on the reference lse (as f32): g (exp(x - lse) - [j == t]), 0 past valid and on ignored rows */
+            int64_t div = count ? count : 1;
+            float one = 1.0f, *gone = dupf(&one, 1), *dlse = dupf(wlsef, N);
+            float *want = halloc((size_t)(N * V) * sizeof(float));
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t j = 0; j < V; j++) {
+                    double d = 0;
+                    if (t[n] != ignore && j < valid)
+                        d = (exp((double)x[n * V + j] - (double)wlsef[n]) - (j == t[n])) / (double)div;
+                    want[n * V + j] = (float)d;
+                }
+            float *gdx = dnan(N * V);
+            uint16_t *gdxh = dnan16(N * V);
+            G->cross_entropy_backward_f32(gdx, dx, dlse, dt, N, V, valid, ignore, gone, count);
+            G->cross_entropy_backward_bf16(gdxh, dxh, dlse, dt, N, V, valid, ignore, gone, count);
+            snprintf(name, sizeof name, "cross_entropy_backward_f32 (%lld, %lld) valid %lld %s off %d", (long long)N,
+                     (long long)V, (long long)valid, kinds[kind], off);
+            check_f(name, back(gdx, N * V), want, N * V, 1e-5, 1e-6, 1.0 / (double)div);
+            snprintf(name, sizeof name, "cross_entropy_backward_bf16 (%lld, %lld) valid %lld %s off %d", (long long)N,
+                     (long long)V, (long long)valid, kinds[kind], off);
+            check_f(name, back_bf16(gdxh, N * V), want, N * V, ULP16, 1e-6, 1.0 / (double)div);
+            free_case();
+        }
+    }
+}
+
 /* Attention from a packed bf16 qkv (B, T, 3C) on the tensor cores, against
  * the CPU's f32 attention on the same (bf16) values unpacked to (B, H, T, D).
  * Tolerance: probabilities and dS are rounded to bf16 (2^-9 relative) before
@@ -1868,6 +1964,7 @@ int main(int argc, char **argv) {
     test_norms();
     test_embedding();
     test_cross_entropy();
+    test_cross_entropy_online();
     test_classifier();
     test_attention();
     test_attention_qkv();
