@@ -46,7 +46,8 @@ typedef struct fsdp_device_kernels {
     double (*sumsq_f32)(const float *in, int64_t n);
     /* bf16 versions of the above (f32 math, one rounding per result);
      * optional: NULL where bf16 goes through f32. Sums accumulate as the
-     * f32 ones do and round once at the end. */
+     * f32 ones do (in double), then round to f32 and to bf16: two roundings,
+     * on every device. */
     void (*binary_bf16)(int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides, const uint16_t *b,
                         const int64_t *b_strides, int ndim, const int64_t *shape);
     void (*scale_bf16)(uint16_t *out, const uint16_t *a, float s, int64_t n);
@@ -94,7 +95,8 @@ typedef struct fsdp_device_kernels {
     void (*rmsnorm_backward_f32)(float *dx, float *dweight, const float *dout, const float *x, const float *weight,
                                  const float *rstd, int64_t rows, int64_t cols);
     /* bf16 versions (optional): tensors bf16, mean and rstd f32; the weight
-     * and bias gradients are summed in double and rounded once */
+     * and bias gradients are summed in double, then rounded to f32 and to
+     * bf16 (two roundings, on every device) */
     void (*layernorm_forward_bf16)(uint16_t *out, float *mean, float *rstd, const uint16_t *x, const uint16_t *weight,
                                    const uint16_t *bias, int64_t rows, int64_t cols, float eps);
     void (*layernorm_backward_bf16)(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
@@ -221,8 +223,9 @@ typedef struct fsdp_device_kernels {
     void (*bias_gelu_forward_bf16)(uint16_t *out, const uint16_t *x, const uint16_t *bias, int64_t rows,
                                    int64_t cols);
     /* dx = dout gelu'(x + bias), rounded to the dtype; dbias (NULL: none)
-     * gets the column sums of that dx in double, rounded once (acc: added
-     * onto dbias's values, one rounding) */
+     * gets the column sums of that dx in double (acc: added onto dbias's
+     * values in double), rounded to f32 and then to the dtype (bf16: two
+     * roundings, on every device) */
     void (*bias_gelu_backward_f32)(float *dx, float *dbias, const float *dout, const float *x, const float *bias,
                                    int64_t rows, int64_t cols, int acc);
     void (*bias_gelu_backward_bf16)(uint16_t *dx, uint16_t *dbias, const uint16_t *dout, const uint16_t *x,

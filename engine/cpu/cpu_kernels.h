@@ -107,8 +107,8 @@ void cpu_axpy_f32_bf16(float *y, const uint16_t *x, float alpha, int64_t n);
 /* ---- reductions (reduce.c) ---- */
 /* in (outer, red, inner) -> out (outer, inner): sum over the middle dim. */
 void cpu_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
-/* bf16 in and out: each output summed in double and rounded once; _acc adds
- * the sum to what out holds */
+/* bf16 in and out: each output summed in double, rounded to f32 and then to
+ * bf16 (two roundings, as on CUDA); _acc adds the sum to what out holds */
 void cpu_sum_dim_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
 void cpu_sum_dim_acc_bf16(uint16_t *out, const uint16_t *in, int64_t outer, int64_t red, int64_t inner);
 double cpu_sum_all_f32(const float *in, int64_t n);
@@ -233,8 +233,8 @@ void cpu_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, floa
 /* ---- a Linear's bias fused with what follows it (fused.c) ----
  * x (rows, cols) without its bias, bias (cols) over the rows; x + bias in f32.
  * bias_gelu_backward: dx = dout gelu'(x + bias) rounded to the dtype; dbias
- * (NULL: none) = column sums of that dx in double, rounded once (acc: onto
- * dbias's values). bias_residual: out = res + (x + bias). */
+ * (NULL: none) = column sums of that dx in double (acc: onto dbias's
+ * values), rounded to f32 and then to the dtype (bf16: two roundings). bias_residual: out = res + (x + bias). */
 void cpu_bias_gelu_forward_f32(float *out, const float *x, const float *bias, int64_t rows, int64_t cols);
 void cpu_bias_gelu_forward_bf16(uint16_t *out, const uint16_t *x, const uint16_t *bias, int64_t rows,
                                 int64_t cols);

@@ -7,7 +7,8 @@
  * round them to the dtype first: the same values in f32, within one bf16
  * rounding in bf16). The bias gradient of bias + GELU is the column sum of
  * dx as stored (rounded to the dtype), in double in row order, rounded
- * once: what summing the unfused GELU backward's output gives. */
+ * to f32 and then to the dtype (bf16: two roundings, as sum_dim_bf16 and
+ * CUDA do): what summing the unfused GELU backward's output gives. */
 #include "cpu_kernels.h"
 #include "vec512.h"
 #include <math.h>

@@ -7,9 +7,9 @@
  * 2. the double-precision reference (ref_nn.c) of gelu(x + b) and its
  *    gradient: f32 within 1e-5 relative (+ 1e-6 of the largest value),
  *    bf16 within one bf16 rounding (2^-8);
- * 3. the bias gradient: the double sum of dx as the kernel stored it,
- *    rounded once (so within half an ulp of the dtype), plus the old value
- *    when accumulating; and within tolerance of the double reference's
+ * 3. the bias gradient: the double sum of dx as the kernel stored it, plus
+ *    the old value when accumulating, rounded to f32 and then to the dtype
+ *    (bf16: two roundings, bit for bit); and within tolerance of the double reference's
  *    gradient sum. Empty row counts give a zero sum, or leave an
  *    accumulated one as it was.
  * Inputs are exact bf16 values, so both dtypes see the same numbers. */
@@ -79,8 +79,8 @@ static void check_ref(const char *name, const float *got, const double *want, in
                nthreads, (long long)wrong, (long long)n);
 }
 
-/* dbias against the double sum of dx as stored (+ old), within half an ulp
- * of the dtype (one rounding); f32 from bf16 bits when bf16 */
+/* dbias against the double sum of dx as stored (+ old), rounded to f32 and
+ * then to the dtype, bit for bit; f32 from bf16 bits when bf16 */
 static void check_colsum(const char *name, const float *db, const float *dx, const float *old, int64_t rows,
                          int64_t cols, int bf16) {
     int64_t wrong = 0;
@@ -90,8 +90,9 @@ static void check_colsum(const char *name, const float *db, const float *dx, con
         float want = bf16 ? bf16_to_f32(f32_to_bf16((float)s)) : (float)s;
         wrong += memcmp(&db[j], &want, sizeof(float)) != 0;
     }
-    test_check(wrong == 0, "%s: the double sum of dx as stored, rounded once [threads %d] (%lld of %lld differ)", name,
-               nthreads, (long long)wrong, (long long)cols);
+    test_check(wrong == 0,
+               "%s: the double sum of dx as stored, rounded to f32 then the dtype [threads %d] (%lld of %lld differ)",
+               name, nthreads, (long long)wrong, (long long)cols);
 }
 
 static void widen(float *f, const uint16_t *h, int64_t n) { cpu_cast_bf16_to_f32(f, h, n); }
