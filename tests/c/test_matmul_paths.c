@@ -148,6 +148,13 @@ static void test_path(int path) {
         run(path, "wide B^T", 1, 5, 2600, 37, ta, 1, 1.0f, 0.0f, 0, 0, 0);
     }
     run(path, "wide B batched", 2, 3, 2600, 29, 0, 0, 1.0f, 0.0f, 3 * 29, 29 * 2600, 3 * 2600);
+    /* a deep K (K >= 16384 and 16 x M, N): oneDNN f32 sums products over K chunks of 4096, the last
+     * shorter (20011) or whole (16384); with beta, transposes or a batch it does not split */
+    run(path, "deep K", 1, 3, 5, 20011, 0, 0, 0.5f, 0.0f, 0, 0, 0);
+    run(path, "deep K whole chunks", 1, 7, 2, 16384, 0, 0, 1.0f, 0.0f, 0, 0, 0);
+    run(path, "deep K beta", 1, 3, 5, 20011, 0, 0, 1.0f, -0.75f, 0, 0, 0);
+    run(path, "deep K B^T", 1, 3, 5, 20011, 0, 1, 1.0f, 0.0f, 0, 0, 0);
+    run(path, "deep K A^T", 1, 3, 5, 20011, 1, 0, 1.0f, 0.0f, 0, 0, 0);
 }
 
 int main(void) {
