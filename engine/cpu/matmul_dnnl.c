@@ -41,6 +41,7 @@ typedef struct {
     float alpha, beta;
     int pack_b;            /* B reordered to the layout oneDNN picks before each product (pack_b_pays) */
     int64_t lda;           /* A's row stride when it is a column block of a wider A (K chunks), else 0 */
+    int c_f32;             /* bf16 A and B, f32 C (a bf16 product's K chunks accumulate in f32) */
     /* value */
     int used;              /* the slot holds this key */
     int failed;            /* oneDNN cannot do this key: callers use OpenBLAS */
@@ -150,7 +151,7 @@ static int entry_create(mm_entry *e) {
         if (fn.dnnl_memory_desc_init_by_strides(&a_md, 2, dims, dt, strides) != dnnl_success) goto out;
     }
     if (matrix_md(&b_md, nd, e->batch, e->sb, e->K, e->N, e->tb, dt) != dnnl_success) goto out;
-    if (matrix_md(&c_md, nd, e->batch, e->sc, e->M, e->N, 0, dt) != dnnl_success) goto out;
+    if (matrix_md(&c_md, nd, e->batch, e->sc, e->M, e->N, 0, e->c_f32 ? dnnl_f32 : dt) != dnnl_success) goto out;
     if (e->pack_b) {   /* (batch 1 only) the product picks B's layout */
         dnnl_dims_t dims = {e->K, e->N};
         if (fn.dnnl_memory_desc_init_by_tag(&b_any, 2, dims, dt, dnnl_format_tag_any) != dnnl_success) goto out;
@@ -196,7 +197,7 @@ static mm_entry *cache_get(const mm_entry *key) {
         if (e->used && e->bf16 == key->bf16 && e->nthreads == key->nthreads && e->batch == key->batch && e->M == key->M && e->N == key->N &&
             e->K == key->K && e->sa == key->sa && e->sb == key->sb && e->sc == key->sc && e->ta == key->ta &&
             e->tb == key->tb && e->alpha == key->alpha && e->beta == key->beta && e->pack_b == key->pack_b &&
-            e->lda == key->lda)
+            e->lda == key->lda && e->c_f32 == key->c_f32)
             return e;
         if (!e->used || (lru->used && e->last_use < lru->last_use)) lru = e;
     }
@@ -257,19 +258,20 @@ static mm_entry *entry_for(const mm_entry *key) {
     return e;
 }
 
-/* f32 with a deep K (the tied LM head's dX: dlogits (256, 50304) @ wte
- * (50304, 768)): oneDNN's f32 kernel runs the whole K at 108 GFLOP per CPU
- * second, and as a sum of products over chunks of 4096 of K at 154 (same
- * run, alone). The first chunk writes C, the others add into it (beta 1), in
- * f32 as any GEMM's K blocking does; only C = alpha * A @ B (beta 0) is
- * split, so a failure part way leaves nothing the OpenBLAS fallback reads. */
+/* A deep K (the tied LM head's dX: dlogits (256, 50304) @ wte (50304, 768)):
+ * oneDNN runs the whole K at 108 GFLOP per CPU second in f32, and as a sum
+ * of products over chunks of 4096 of K at 154 (same run, alone; bf16 on
+ * AMX 1.4x likewise). The first chunk writes C, the others add into it
+ * (beta 1) in f32, as any GEMM's K blocking does: for bf16 into an f32
+ * scratch C, rounded to bf16 once at the end. Only C = alpha * A @ B
+ * (beta 0) is split, so a failure part way leaves nothing the fallback
+ * reads. */
 #define K_CHUNK 4096
 #define DEEP_K_MIN 16384
 
 static int k_chunks_pay(const mm_entry *k) {
     int64_t wide = k->M > k->N ? k->M : k->N;
-    return !k->bf16 && k->batch == 1 && !k->ta && !k->tb && k->beta == 0.0f && k->K >= DEEP_K_MIN &&
-           k->K >= 16 * wide;
+    return k->batch == 1 && !k->ta && !k->tb && k->beta == 0.0f && k->K >= DEEP_K_MIN && k->K >= 16 * wide;
 }
 
 static int run_k_chunks(const mm_entry *key, void *c, const void *a, const void *b) {
@@ -280,21 +282,28 @@ static int run_k_chunks(const mm_entry *key, void *c, const void *a, const void 
     kfirst.lda = kmid.lda = klast.lda = K;
     kmid.beta = klast.beta = 1.0f;
     kfirst.pack_b = kmid.pack_b = klast.pack_b = 0;
+    kfirst.c_f32 = kmid.c_f32 = klast.c_f32 = key->bf16;
     /* all three made before any runs; each was just used, so none evicts another */
     mm_entry *first = entry_for(&kfirst), *mid = entry_for(&kmid), *last = entry_for(&klast);
     if (first->failed || mid->failed || last->failed) {
         warn_once(first->failed ? first : mid->failed ? mid : last, "no implementation for this shape");
         return -1;
     }
-    size_t esz = sizeof(float);
-    for (int64_t i = 0; i < n; i++) {
+    float *acc = key->bf16 ? malloc((size_t)(key->M * key->N) * sizeof *acc) : c;   // (M, N) f32
+    if (!acc) return -1;
+    size_t esz = key->bf16 ? sizeof(uint16_t) : sizeof(float);
+    int rc = 0;
+    for (int64_t i = 0; i < n && rc == 0; i++) {
         mm_entry *e = i == 0 ? first : i == n - 1 ? last : mid;
         int64_t k0 = i * K_CHUNK;
         /* A's columns k0.. (row stride K), B's rows k0.. */
-        if (entry_run(e, c, (const char *)a + (size_t)k0 * esz, (const char *)b + (size_t)(k0 * key->N) * esz))
-            return -1;
+        rc = entry_run(e, acc, (const char *)a + (size_t)k0 * esz, (const char *)b + (size_t)(k0 * key->N) * esz);
     }
-    return 0;
+    if (key->bf16) {
+        if (rc == 0) cpu_cast_f32_to_bf16(c, acc, key->M * key->N);
+        free(acc);
+    }
+    return rc;
 }
 
 int cpu_matmul_dnnl(int bf16, void *c, const void *a, const void *b, int64_t batch, int64_t M, int64_t N, int64_t K,
