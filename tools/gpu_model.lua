@@ -30,7 +30,26 @@
 --                   refills)
 --   host transfers  50 GB/s (PCIe 5 x16, pageable staging)
 --   cudaMalloc/Free 50 us each (cudaFree also synchronizes the device)
--- Each op costs max(bytes / DRAM, FLOPs / its compute rate, launches x
+-- DRAM bytes are the bytes a kernel reads and writes, less the re-reads an
+-- L2 rule serves from the 50 MB L2. One rule is applied, and only to the
+-- flash attention (engine/meta/meta_device.c, flash_l2_holds, counts the
+-- bytes it serves as bytes_l2):
+--   a row one kernel's blocks read again and again is read from DRAM once,
+--   when every re-read is by blocks of the same (batch, head), those blocks
+--   are adjacent in the grid (so they run together), and the rows of all
+--   the heads the blocks in flight touch fit in half the L2 (25 MB)
+-- It holds for cuda_attention_flash.cu, whose block b takes head b / tiles
+-- and re-reads only that head's k, v (forward, dQ) or q, dO, lse, Drow
+-- (dK, dV): at GPT-2's shape (T 1024, head dim 64) a head's rows are
+-- 384 KiB (forward) and 520 KiB (backward), and the blocks in flight (132
+-- SMs x 3 or 2 blocks, taken twice over for blocks of a head that finish at
+-- different times) touch some 50 or 35 heads, 19-18 MiB. Nothing else gets
+-- an L2 discount (e.g. an operand a GEMM reads per tile, data one kernel
+-- leaves for the next). The table's "GB read" is after the rule; "GB L2" is
+-- what it served, and the line after "predicted:" gives the DRAM figure
+-- counting every read, an upper bound. A rule, not a measurement:
+-- tools/gpu-check measures the flash kernels' DRAM bytes with ncu on a GPU.
+-- Each op costs max(DRAM bytes / DRAM, FLOPs / its compute rate, launches x
 -- 4 us), plus its syncs. MFU counts the GEMM and attention FLOPs against
 -- the 989 TFLOP/s dense bf16 peak.
 local fsdp = require "fsdp"
@@ -86,7 +105,7 @@ local function price(e)
     return (e.bytes_read + e.bytes_written) / H200.host_link + e.launches * H200.launch_s + t_sync
   end
   if e.family == "sync" then return t_sync end
-  local t_mem = (e.bytes_read + e.bytes_written) / H200.dram
+  local t_mem = (e.bytes_read - (e.bytes_l2 or 0) + e.bytes_written) / H200.dram
   local t_flop = 0
   local rate = compute_rate[e.name]
   if rate then
@@ -156,7 +175,7 @@ if r.steps_run < 2 then error("gpu-model: " .. script .. " ran fewer than 2 opti
 
 local step = r.steps[2]
 local fams = dryrun.by_family(step.kernels)
-local total = { calls = 0, br = 0, bw = 0, flops = 0, mflops = 0, launches = 0, syncs = 0, t = 0 }
+local total = { calls = 0, br = 0, bw = 0, l2 = 0, flops = 0, mflops = 0, launches = 0, syncs = 0, t = 0 }
 local rows = {}
 for _, f in ipairs(fams) do
   local t = 0
@@ -167,7 +186,7 @@ for _, f in ipairs(fams) do
   if f.calls > 0 then
     rows[#rows + 1] = { f = f, t = t }
     total.calls = total.calls + f.calls
-    total.br, total.bw = total.br + f.bytes_read, total.bw + f.bytes_written
+    total.br, total.bw, total.l2 = total.br + f.bytes_read, total.bw + f.bytes_written, total.l2 + f.bytes_l2
     total.flops = total.flops + f.flops
     if model_flops[f.family] then total.mflops = total.mflops + f.flops end
     total.launches, total.syncs, total.t = total.launches + f.launches, total.syncs + f.syncs, total.t + t
@@ -179,24 +198,39 @@ local out = {}
 local function say(...) out[#out + 1] = string.format(...) end
 say("gpu-model: %s %s on one H200 (counting device, CUDA kernel set), training step 2", script,
   table.concat(shown, " "))
-say("%-28s %8s %10s %10s %10s %9s %6s %10s", "family", "calls", "GB read", "GB written", "GFLOP", "launches",
-  "syncs", "ms")
-local function row(name, calls, br, bw, fl, launches, syncs, t)
-  say("%-28s %8d %10.2f %10.2f %10.1f %9d %6d %10.2f", name, calls, br / 1e9, bw / 1e9, fl / 1e9, launches, syncs,
-    t * 1e3)
+-- GB read: from DRAM, after the L2 rule; GB L2: the re-reads it serves from L2
+say("%-28s %8s %10s %10s %10s %9s %6s %10s %8s", "family", "calls", "GB read", "GB written", "GFLOP", "launches",
+  "syncs", "ms", "GB L2")
+local function row(name, calls, br, bw, fl, launches, syncs, t, l2)
+  say("%-28s %8d %10.2f %10.2f %10.1f %9d %6d %10.2f %8.2f", name, calls, (br - l2) / 1e9, bw / 1e9, fl / 1e9,
+    launches, syncs, t * 1e3, l2 / 1e9)
 end
 for _, x in ipairs(rows) do
   local f = x.f
-  row(f.family, f.calls, f.bytes_read, f.bytes_written, f.flops, f.launches, f.syncs, x.t)
+  row(f.family, f.calls, f.bytes_read, f.bytes_written, f.flops, f.launches, f.syncs, x.t, f.bytes_l2)
   if show_entries then
     for _, e in ipairs(f.entries) do
       if e.calls > 0 then row("  " .. e.name, e.calls, e.bytes_read, e.bytes_written, e.flops, e.launches, e.syncs,
-        e.t) end
+        e.t, e.bytes_l2 or 0) end
     end
   end
 end
-row("total", total.calls, total.br, total.bw, total.flops, total.launches, total.syncs, total.t)
+row("total", total.calls, total.br, total.bw, total.flops, total.launches, total.syncs, total.t, total.l2)
 local mfu = total.t > 0 and total.mflops / (total.t * H200.peak_bf16) or 0
 say("predicted: %.1f ms/step, MFU %.1f%%, DRAM %.1f GB/step, %d GPU ops/step, %d host syncs/step", total.t * 1e3,
-  100 * mfu, (total.br + total.bw) / 1e9, total.launches, total.syncs)
+  100 * mfu, (total.br - total.l2 + total.bw) / 1e9, total.launches, total.syncs)
+-- the same step with every read counted as DRAM traffic (no L2 rule): the
+-- upper bound, priced the same way
+local t_every = 0
+for _, x in ipairs(rows) do
+  for _, e in ipairs(x.f.entries) do
+    local l2 = e.bytes_l2 or 0
+    e.bytes_l2 = 0
+    t_every = t_every + price(e)
+    e.bytes_l2 = l2
+  end
+end
+say("counting every read as DRAM (no L2 rule): %.1f ms/step, MFU %.1f%%, DRAM %.1f GB/step; the L2 rule serves "
+  .. "%.1f GB (tools/gpu_model.lua)", t_every * 1e3, t_every > 0 and 100 * total.mflops / (t_every * H200.peak_bf16) or 0,
+  (total.br + total.bw) / 1e9, total.l2 / 1e9)
 io.stdout:write(table.concat(out, "\n"), "\n")

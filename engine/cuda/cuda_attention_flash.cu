@@ -25,10 +25,16 @@
  * then out = O / l (bf16) and lse = m + log l. The exps are taken in base 2
  * with log2(e) folded into the scale (m and the backward's lse too): one
  * ex2 instruction each on a GPU.
- * Backward, with Drow_i = dO_i . O_i first (its own kernel), and
+ * Backward, with Drow_i = dO_i . O_i and
  * P = exp(s Q K^T - lse), dS = s P (dO V^T - Drow) recomputed tile by tile:
+ *   Drow, dQ = dS K                a kernel per query tile, walking key tiles
+ *                                  (Drow of its rows first, from the dO tile it
+ *                                  holds anyway; stored for the next kernel)
  *   dV = P^T dO, dK = dS^T Q       a kernel per key tile, walking query tiles
- *   dQ = dS K                      a kernel per query tile, walking key tiles
+ * Block b takes head b / tiles: the blocks of one (batch, head) are adjacent
+ * in the grid and run together, so the rows they read again and again (k, v;
+ * q, dO, lse, Drow) come from L2 after the first (tools/gpu_model.lua's L2
+ * rule, engine/meta/meta_device.c's counts).
  * Every output element is summed by one warp in a fixed order, with no
  * atomics: results repeat bit for bit.
  *
@@ -262,18 +268,30 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(uint16_t *__rest
 
 /* ---- backward ---- */
 
-/* Drow[bh T + t] = dO . O over the head's D columns of row t of batch b
- * (bh = b H + h), a warp per row, f32 sums of the bf16 values */
-__global__ void fa_drow_kernel(float *__restrict__ drow, const uint16_t *__restrict__ dout,
-                               const uint16_t *__restrict__ out, int64_t rows, int64_t H, int64_t T, int64_t D) {
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int64_t row = (int64_t)blockIdx.x * warps + (threadIdx.x >> 5); row < rows; row += (int64_t)gridDim.x * warps) {
-        const int64_t bh = row / T, t = row - bh * T, b = bh / H, h = bh - b * H;
-        const int64_t at = (b * T + t) * H * D + h * D;
-        float acc = 0.0f;
-        for (int64_t d = lane; d < D; d += 32) acc += bf16_to_f32(dout[at + d]) * bf16_to_f32(out[at + d]);
-        acc = warp_sum_f(acc);
-        if (lane == 0) drow[row] = acc;
+/* Drow = dO . O of a warp's 16 query rows [row0, row0 + 16): dO from the
+ * block's shared (64, D + 8) tile (this warp's rows at dos), O straight from
+ * device memory (row stride ldg); a lane pair per row, each lane half of
+ * the D columns in order, then the pair's sum: f32 sums of the bf16 values,
+ * the same every run. Into drow_s[r] (0 past T) and drow_g[row0 + r]. */
+template <int D>
+__device__ __forceinline__ void fa_drow_rows(float *drow_s, float *drow_g, const uint16_t *dos, const uint16_t *og,
+                                             int64_t ldg, int64_t row0, int64_t T) {
+    const int lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
+    constexpr int ldh = fa_dims<D>::ldh;
+    float acc = 0.0f;
+    if (row0 + r < T) {
+        const uint16_t *dorow = dos + r * ldh + half * (D / 2), *orow = og + (row0 + r) * ldg + half * (D / 2);
+#pragma unroll
+        for (int c = 0; c < D / 2; c += 8) {
+            fa_vec8 o = *(const fa_vec8 *)(orow + c);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc += bf16_to_f32(dorow[c + k]) * bf16_to_f32(o.h[k]);
+        }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) {
+        drow_s[r] = acc;
+        if (row0 + r < T) drow_g[row0 + r] = acc;
     }
 }
 
@@ -324,7 +342,8 @@ template <int D> struct fa_bwd_smem {
     }
 };
 
-/* dK, dV of one key tile: walks the query tiles that see it */
+/* dK, dV of one key tile: walks the query tiles that see it (Drow from the
+ * dQ kernel, which runs first) */
 template <int D>
 __global__ void __launch_bounds__(FA_THREADS) fa_dkdv_kernel(uint16_t *__restrict__ dqkv, const uint16_t *__restrict__ dout,
                                                              const uint16_t *__restrict__ qkv,
@@ -375,11 +394,13 @@ __global__ void __launch_bounds__(FA_THREADS) fa_dkdv_kernel(uint16_t *__restric
     fa_store_rows<D>(drows + 2 * C, ld3, s.F, krow, T, 1.0f);
 }
 
-/* dQ of one query tile: walks the key tiles it sees */
+/* Drow and dQ of one query tile: walks the key tiles it sees */
 template <int D>
-__global__ void __launch_bounds__(FA_THREADS) fa_dq_kernel(uint16_t *__restrict__ dqkv, const uint16_t *__restrict__ dout,
-                                                           const uint16_t *__restrict__ qkv, const float *__restrict__ lse,
-                                                           const float *__restrict__ drow, int64_t H, int64_t T,
+__global__ void __launch_bounds__(FA_THREADS) fa_dq_kernel(uint16_t *__restrict__ dqkv, float *__restrict__ drow,
+                                                           const uint16_t *__restrict__ dout,
+                                                           const uint16_t *__restrict__ qkv,
+                                                           const uint16_t *__restrict__ out,
+                                                           const float *__restrict__ lse, int64_t H, int64_t T,
                                                            int64_t tiles, int causal, float scale) {
     constexpr int ldh = fa_dims<D>::ldh, ldo = fa_dims<D>::ldo;
     const int64_t C = H * D, ld3 = 3 * C;
@@ -392,11 +413,13 @@ __global__ void __launch_bounds__(FA_THREADS) fa_dq_kernel(uint16_t *__restrict_
     fa_load_tile<D>(s.A, qg, ld3, q0, T);
     fa_load_tile<D>(s.B, dog, C, q0, T);
     fa_load_rows(s.lse, lse + bh * T, q0, T, FA_LOG2E);   // base 2
-    fa_load_rows(s.drow, drow + bh * T, q0, T, 1.0f);
+    __syncthreads();   // the dO tile is loaded
+    const int64_t qrow = q0 + warp * 16;
+    fa_drow_rows<D>(s.drow + warp * 16, drow + bh * T, s.B + warp * 16 * ldh, out + b * T * C + h * D, C, qrow, T);
+    __syncwarp();
     fa_frag_c dq[D / 16];
 #pragma unroll
     for (int dn = 0; dn < D / 16; dn++) wmma::fill_fragment(dq[dn], 0.0f);
-    const int64_t qrow = q0 + warp * 16;
     const int64_t kend = causal ? cuda_min64(T, q0 + FA_TILE) : T;
     for (int64_t k0 = 0; k0 < kend; k0 += FA_TILE) {
         __syncthreads();
@@ -449,17 +472,18 @@ static void fa_forward(uint16_t *out, float *lse, const uint16_t *qkv, int64_t B
 }
 
 template <int D>
-static void fa_backward(uint16_t *dqkv, const uint16_t *dout, const uint16_t *qkv, const float *lse,
-                        const float *drow, int64_t BH, int64_t H, int64_t T, int64_t tiles, int causal, float scale) {
+static void fa_backward(uint16_t *dqkv, float *drow, const uint16_t *dout, const uint16_t *qkv, const uint16_t *out,
+                        const float *lse, int64_t BH, int64_t H, int64_t T, int64_t tiles, int causal, float scale) {
     static size_t allowed_kv, allowed_q;
     const size_t smem = fa_dims<D>::bwd;
     fa_allow_smem((const void *)fa_dkdv_kernel<D>, smem, &allowed_kv);
     fa_allow_smem((const void *)fa_dq_kernel<D>, smem, &allowed_q);
+    /* Drow and dQ first: the dK, dV kernel reads Drow of every query tile */
+    LAUNCH(fa_dq_kernel<D>, (unsigned)(BH * tiles), FA_THREADS, smem)(dqkv, drow, dout, qkv, out, lse, H, T, tiles,
+                                                                        causal, scale);
+    CUDA_CHECK_LAUNCH();
     LAUNCH(fa_dkdv_kernel<D>, (unsigned)(BH * tiles), FA_THREADS, smem)(dqkv, dout, qkv, lse, drow, H, T, tiles,
                                                                           causal, scale);
-    CUDA_CHECK_LAUNCH();
-    LAUNCH(fa_dq_kernel<D>, (unsigned)(BH * tiles), FA_THREADS, smem)(dqkv, dout, qkv, lse, drow, H, T, tiles, causal,
-                                                                        scale);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -486,12 +510,8 @@ void cuda_attention_flash_backward_bf16(uint16_t *dqkv, float *drow, const uint1
     CUDA_ENTER();
     const void *ptrs[] = {dqkv, dout, qkv, out};
     int64_t tiles = fa_check(__func__, B, H, T, D, ptrs, 4);
-    int64_t rows = B * H * T;
-    LAUNCH(fa_drow_kernel, (unsigned)cuda_min64(cuda_ceil_div(rows, 8), (int64_t)cuda_sm_count() * 16), 256, 0)(
-        drow, dout, out, rows, H, T, D);
-    CUDA_CHECK_LAUNCH();
     switch (D) {
-#define FA_BWD_CASE(d)                                                                                          case d: fa_backward<d>(dqkv, dout, qkv, lse, drow, B * H, H, T, tiles, causal != 0, scale); break;
+#define FA_BWD_CASE(d)                                                                                          case d: fa_backward<d>(dqkv, drow, dout, qkv, out, lse, B * H, H, T, tiles, causal != 0, scale); break;
         FA_HEAD_DIMS(FA_BWD_CASE)
 #undef FA_BWD_CASE
     }

@@ -246,9 +246,11 @@ fsdp_status fsdp_meta_reset(void);                /* zeroes every counter */
 /* Entries are numbered 0 .. *n - 1 (raw_alloc, raw_free, then the table's). */
 fsdp_status fsdp_meta_entry_count(int *n);
 /* Entry i's name ("matmul_bf16"), family ("gemm_bf16"), whether the table
- * offers it now (present 0/1) and counters[6]: calls, bytes read, bytes
- * written, FLOPs, launches, host syncs since the last reset. Any out may
- * be NULL. */
+ * offers it now (present 0/1) and counters[7]: calls, bytes read, bytes
+ * written, FLOPs, launches, host syncs since the last reset, and the part
+ * of the bytes read that the entry's L2 rule serves from L2 (0 where it
+ * states none; the flash attention's, in engine/meta/meta_device.c). Any
+ * out may be NULL. */
 fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
 /* ---- tensors ---- */

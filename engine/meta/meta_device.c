@@ -116,6 +116,51 @@ static int64_t flash_walked_rows(int64_t T, int causal) {
     return causal ? 32 * n * (n - 1) + T : n * T;
 }
 
+/* The L2 rule for the flash kernels (stated in tools/gpu_model.lua): their
+ * block b takes head b / tiles, so the blocks of one (batch, head) are
+ * adjacent in the grid and run together; every re-read a block makes is of
+ * its own head's q, k, v, dO, lse or Drow. When the heads that the blocks in
+ * flight touch fit in half the H200's 50 MB L2, a head's rows come from DRAM
+ * once per kernel and every further read of them from L2.
+ *
+ * Blocks in flight: 132 SMs times the blocks shared memory lets one SM hold
+ * (228 KiB an SM, 1 KiB of it the runtime's; at most 16 blocks of 128
+ * threads; registers allow fewer, so this is the larger, cautious count),
+ * and, since causal blocks of one head finish at different times, the live
+ * blocks are taken to span twice that many grid indices, plus one head on
+ * either side. The shared memory per block is cuda_attention_flash.cu's
+ * fa_dims (keep them in step). */
+#define FLASH_L2_BYTES (50ll << 20)
+#define FLASH_SMS 132
+static int64_t flash_smem(int64_t D, int backward) {
+    int64_t tile_h = 64 * (D + 8) * 2, warp_f = 16 * 68 * 4, warp_o = 16 * ((D > 64 ? D : 64) + 4) * 4;
+    int64_t warp_p = 16 * 72 * 2;
+    return backward ? 4 * tile_h + 2 * 64 * 4 + 4 * (warp_o + warp_f + 2 * warp_p)
+                    : 3 * tile_h + 4 * (warp_f + warp_o + warp_p);
+}
+static bool flash_l2_holds(int64_t BH, int64_t T, int64_t D, int backward) {
+    int64_t per_sm = (227ll << 10) / flash_smem(D, backward);
+    if (per_sm > 16) per_sm = 16;
+    if (per_sm < 1) per_sm = 1;
+    int64_t tiles = (T + 63) / 64, window = 2 * FLASH_SMS * per_sm;
+    int64_t heads = (window + tiles - 1) / tiles + 2;
+    if (heads > BH) heads = BH;
+    /* a head's rows: q, k, v (forward); q, k, v, dO, O, lse, Drow (backward) */
+    int64_t head_bytes = backward ? 5 * 2 * T * D + 2 * 4 * T : 3 * 2 * T * D;
+    return heads * head_bytes <= FLASH_L2_BYTES / 2;
+}
+/* Bytes of the reads counted in the entries' bytes read that the rule above
+ * serves from L2: every read of a walked row after the first, per kernel. */
+static int64_t flash_fwd_l2(int64_t B, int64_t H, int64_t T, int64_t D, int causal) {
+    if (!flash_l2_holds(B * H, T, D, 0)) return 0;
+    return B * H * 2 * 2 * D * (flash_walked_rows(T, causal) - T);   // k, v
+}
+static int64_t flash_bwd_l2(int64_t B, int64_t H, int64_t T, int64_t D, int causal) {
+    if (!flash_l2_holds(B * H, T, D, 1)) return 0;
+    /* the dQ kernel's k, v and the dK, dV kernel's q, dO, lse, Drow */
+    return B * H * (flash_walked_rows(T, causal) - T) * ((2 * 2 * D + 2 * 4) + 2 * 2 * D);
+}
+
 /* ... and of its bias + GELU backward (cuda_fused.cu): one kernel over
  * tiles of 32 packs of columns (16 bytes a pack when cols allows) by chunks
  * of rows, some 4 blocks per SM (132 SMs: the H200 tools/gpu-model prices),
@@ -149,7 +194,9 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
  * them). Launches count the GPU operations an entry puts on the stream
  * (kernels, memsets, copies: a value read back is its kernels and a copy,
  * as engine/cuda does it). A sync is a point where the host waits for the
- * device: a value or a copy coming back. */
+ * device: a value or a copy coming back. result is what a non-void entry
+ * returns, or for a void one what it does after counting (record_l2: the
+ * part of its bytes read that an L2 rule serves from L2). */
 #define F32 4
 #define NPB(dw, db) norm_bwd_partial_bytes(rows, cols, dw, db)   /* (in the norm backward lines) */
 #define BF16 2
@@ -321,20 +368,23 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D,  \
       6, 0, )                                                                                                     \
     /* fused flash attention (cuda_attention_flash.cu): q once and k, v once per query tile walked (the      \
-     * recompute reads); the backward: dO . O, then the dK, dV kernel (k, v once, q, dO, lse, drow per key   \
-     * tile walked) and the dQ kernel (q, dO, lse, drow once, k, v per query tile walked). FLOPs: the        \
+     * recompute reads); the backward: the Drow and dQ kernel (q, dO, O, lse once, k, v per query tile       \
+     * walked; writes Drow), then the dK, dV kernel (k, v once, q, dO, lse, Drow per key tile walked).       \
+     * Bytes read count every read; record_l2 the re-reads flash_l2_holds serves from L2. FLOPs: the        \
      * model's, as the GEMM path counts them; the backward computes the scores and dP twice (once per        \
      * kernel), which tools/gpu_model.lua prices */                                                        \
     X(void, attention_flash_forward_bf16, "attention_bf16", (uint16_t *out, float *lse, const uint16_t *qkv,   \
       int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                                     \
       BF16 * B * H * D * (T + 2 * flash_walked_rows(T, causal)), BF16 * B * H * T * D + F32 * B * H * T,        \
-      (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )                                                            \
+      (causal ? 2 : 4) * B * H * T * T * D, 1, 0,                                                              \
+      record_l2(E_attention_flash_forward_bf16, flash_fwd_l2(B, H, T, D, causal)))                              \
     X(void, attention_flash_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *drow,                    \
       const uint16_t *dout, const uint16_t *qkv, const uint16_t *out, const float *lse, int64_t B, int64_t H,  \
       int64_t T, int64_t D, int causal, float scale),                                                          \
-      B * H * (BF16 * 2 * T * D + BF16 * 2 * T * D + flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32) +     \
-      BF16 * 2 * T * D + 2 * F32 * T + flash_walked_rows(T, causal) * BF16 * 2 * D),                \
-      B * H * (F32 * T + BF16 * 3 * T * D), (causal ? 4 : 8) * B * H * T * T * D, 3, 0, )                      \
+      B * H * (BF16 * 3 * T * D + F32 * T + flash_walked_rows(T, causal) * BF16 * 2 * D +                     \
+      BF16 * 2 * T * D + flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32)),                              \
+      B * H * (F32 * T + BF16 * 3 * T * D), (causal ? 4 : 8) * B * H * T * T * D, 2, 0,                        \
+      record_l2(E_attention_flash_backward_bf16, flash_bwd_l2(B, H, T, D, causal)))                             \
     X(void, classifier_lse_f32, "loss", (float *m, float *s, float *tlogit, const float *logits,                \
       const int64_t *targets, int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,   \
       int64_t valid_v, int64_t ignore_index), F32 * N * blocks * block_rows + 8 * N + 3 * F32 * N, 3 * F32 * N,     \
@@ -429,7 +479,7 @@ static const char *const entry_families[E_COUNT] = {
 };
 
 typedef struct {
-    int64_t calls, bytes_read, bytes_written, flops, launches, syncs;
+    int64_t calls, bytes_read, bytes_written, flops, launches, syncs, bytes_l2;
 } entry_counts;
 
 static pthread_mutex_t counts_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -444,6 +494,14 @@ static void record(int e, int64_t rd, int64_t wr, int64_t flops, int64_t launche
     c->flops += flops;
     c->launches += launches;
     c->syncs += syncs;
+    pthread_mutex_unlock(&counts_mu);
+}
+
+/* Of the bytes entry e's last call read, those a stated L2 rule serves from
+ * L2 rather than DRAM (they stay counted in bytes_read too). */
+static void record_l2(int e, int64_t bytes) {
+    pthread_mutex_lock(&counts_mu);
+    counts[e].bytes_l2 += bytes;
     pthread_mutex_unlock(&counts_mu);
 }
 
@@ -708,6 +766,7 @@ fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *
         counters[3] = c->flops;
         counters[4] = c->launches;
         counters[5] = c->syncs;
+        counters[6] = c->bytes_l2;
         pthread_mutex_unlock(&counts_mu);
     }
     return FSDP_OK;

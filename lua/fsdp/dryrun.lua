@@ -231,12 +231,12 @@ function M.by_family(kernels)
     local f = fam[e.family]
     if not f then
       f = { family = e.family, calls = 0, bytes_read = 0, bytes_written = 0, flops = 0, launches = 0, syncs = 0,
-        entries = {} }
+        bytes_l2 = 0, entries = {} }
       fam[e.family] = f
       order[#order + 1] = f
     end
-    for _, k in ipairs({ "calls", "bytes_read", "bytes_written", "flops", "launches", "syncs" }) do
-      f[k] = f[k] + e[k]
+    for _, k in ipairs({ "calls", "bytes_read", "bytes_written", "flops", "launches", "syncs", "bytes_l2" }) do
+      f[k] = f[k] + (e[k] or 0)
     end
     f.entries[#f.entries + 1] = e
   end

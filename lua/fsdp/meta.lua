@@ -34,10 +34,11 @@ function M.reset()
 end
 
 local name_box, family_box = ffi.new("const char *[1]"), ffi.new("const char *[1]")
-local present_box, counters = ffi.new("int[1]"), ffi.new("int64_t[6]")
+local present_box, counters = ffi.new("int[1]"), ffi.new("int64_t[7]")
 
 --- Every entry, in table order: { name, family, present, calls, bytes_read,
--- bytes_written, flops, launches, syncs }.
+-- bytes_written, flops, launches, syncs, bytes_l2 } (bytes_l2: the part of
+-- bytes_read that the entry's stated L2 rule serves from L2).
 function M.counts()
   local n = ffi.new("int[1]")
   if C.fsdp_meta_entry_count(n) ~= 0 then raise() end
@@ -48,6 +49,7 @@ function M.counts()
       name = ffi.string(name_box[0]), family = ffi.string(family_box[0]), present = present_box[0] ~= 0,
       calls = tonumber(counters[0]), bytes_read = tonumber(counters[1]), bytes_written = tonumber(counters[2]),
       flops = tonumber(counters[3]), launches = tonumber(counters[4]), syncs = tonumber(counters[5]),
+      bytes_l2 = tonumber(counters[6]),
     }
   end
   return list

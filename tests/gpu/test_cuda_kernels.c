@@ -31,7 +31,8 @@
  *
  * Flags: --init-only (start-up checks only), --fault (a failing op must end
  * the process with a message naming device and op), --bench (time per call
- * of the main kernels at GPT-2 small sizes; toy sizes in the emulation). */
+ * of the main kernels at GPT-2 small sizes; toy sizes in the emulation),
+ * --flash B H T D (the flash attention once at that shape, for a profiler). */
 #include "cpu_kernels.h"
 #include "cuda_internal.h"
 #include "device.h"
@@ -1872,6 +1873,35 @@ static int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulat
     return last == FSDP_OK ? 0 : 1;
 }
 
+/* --flash B H T D: the flash attention forward and backward (causal, bf16)
+ * once each at one shape, nothing else, for a profiler to measure (ncu's
+ * DRAM bytes per kernel, tools/gpu-check's flash-dram stage) */
+static int flash_once(int argc, char **argv) {
+    int64_t s[4];
+    for (int i = 0; i < 4; i++) s[i] = 2 + i < argc ? strtoll(argv[2 + i], NULL, 10) : 0;
+    const int64_t B = s[0], H = s[1], T = s[2], D = s[3], C3 = 3 * H * D;
+    if (!G->attention_flash_forward_bf16 || !attention_flash_covers(B, H, T, D)) {
+        printf("FAILED: --flash B H T D: (%lld, %lld, %lld, %lld) is not a shape the flash kernels cover\n",
+               (long long)B, (long long)H, (long long)T, (long long)D);
+        return 1;
+    }
+    float *x = dev_uniform(B * T * C3);
+    uint16_t *qkv = dalloc((size_t)(B * T * C3) * 2), *dqkv = dalloc((size_t)(B * T * C3) * 2);
+    uint16_t *o = dalloc((size_t)(B * T * H * D) * 2), *dout = dalloc((size_t)(B * T * H * D) * 2);
+    float *lse = dalloc((size_t)(B * H * T) * 4), *drow = dalloc((size_t)(B * H * T) * 4);
+    G->cast_any(qkv, FSDP_BF16, x, FSDP_F32, B * T * C3);
+    G->cast_any(dout, FSDP_BF16, x, FSDP_F32, B * T * H * D);
+    const float scale = 1.0f / sqrtf((float)D);
+    G->attention_flash_forward_bf16(o, lse, qkv, B, H, T, D, 1, scale);
+    G->attention_flash_backward_bf16(dqkv, drow, dout, qkv, o, lse, B, H, T, D, 1, scale);
+    G->synchronize();
+    fsdp_status last = cuda_last_status();
+    printf("flash attention forward and backward, bf16, causal, (B %lld, H %lld, T %lld, D %lld): %s\n",
+           (long long)B, (long long)H, (long long)T, (long long)D, last == FSDP_OK ? "ran" : "FAILED");
+    free_case();
+    return last == FSDP_OK ? 0 : 1;
+}
+
 /* A CUDA failure inside a table entry ends the process with a message
  * naming the device and the op (here: a matmul too large for cuBLAS). */
 static int fault(void) {
@@ -1882,11 +1912,12 @@ static int fault(void) {
 }
 
 /* no arguments: everything; --init-only: start-up checks only; --fault: see
- * fault(); --bench: time the kernels at GPT-2 sizes (on a GPU) */
+ * fault(); --bench: time the kernels at GPT-2 sizes (on a GPU); --flash B H
+ * T D: see flash_once */
 int main(int argc, char **argv) {
     const char *arg = argc > 1 ? argv[1] : "";
     int init_only = strcmp(arg, "--init-only") == 0, do_fault = strcmp(arg, "--fault") == 0;
-    int do_bench = strcmp(arg, "--bench") == 0;
+    int do_bench = strcmp(arg, "--bench") == 0, do_flash = strcmp(arg, "--flash") == 0;
     C = device_kernels(FSDP_DEVICE_CPU);
     cpu_threads_set(1);
     test_rng_seed(&rng, 20240611);
@@ -1942,6 +1973,7 @@ int main(int argc, char **argv) {
     test_check(def == want_def, "default device %d, want %d", def, want_def);
     printf("%s: %s\n", MODE, desc);
     if (do_fault) return fault();
+    if (do_flash) return flash_once(argc, argv);
 #ifdef FSDP_CUDA_EMU
     if (do_bench) return bench(1);   /* the emulation's times mean nothing: toy sizes, to run the code */
 #else

@@ -101,6 +101,30 @@ if pcall(meta.mimic, "cuda") then
     t.eq(e.attention_flash_forward_bf16.bytes_written, 6 * (2 * 70 * 16 + 4 * 70), "flash forward: out and lse")
     t.eq(e.attention_flash_backward_bf16.bytes_written, 6 * (4 * 70 + 2 * 3 * 70 * 16), "flash backward: drow, dqkv")
     t.eq(e.attention_flash_forward_bf16.flops, 2 * 6 * 70 * 70 * 16, "flash forward: the causal half of 4 B H T^2 D")
+    -- the L2 rule (meta_device.c, tools/gpu_model.lua): 6 small heads fit,
+    -- so every walked row after a kernel's first read of it comes from L2
+    t.eq(e.attention_flash_forward_bf16.bytes_l2, 6 * (walked - 70) * 2 * 2 * 16, "flash forward from L2: k, v re-reads")
+    t.eq(e.attention_flash_backward_bf16.bytes_l2, 6 * (walked - 70) * ((2 * 2 * 16 + 2 * 4) + 2 * 2 * 16),
+      "flash backward from L2: the dQ kernel's k, v and the dK, dV kernel's q, dO, lse, Drow re-reads")
+    t.eq(e.attention_flash_backward_bf16.bytes_read, 6 * (2 * 3 * 70 * 16 + 4 * 70 + walked * 2 * 2 * 16 +
+      2 * 2 * 70 * 16 + walked * (2 * 2 * 16 + 2 * 4)), "flash backward: the Drow and dQ kernel (q, dO, O, lse; "
+      .. "k, v per tile), the dK, dV kernel (k, v; q, dO, lse, Drow per tile)")
+    t.eq(e.attention_flash_backward_bf16.launches, 2, "flash backward: two kernels (Drow rides on the dQ kernel)")
+    -- GPT-2's shape (16 x 12 heads, T 1024, head dim 64): the rule holds
+    local function walked_rows(T) local n = math.ceil(T / 64) return 32 * n * (n - 1) + T end
+    e = entries(16, 12, 1024, 64)
+    t.eq(e.attention_flash_forward_bf16.bytes_l2, 192 * (walked_rows(1024) - 1024) * 2 * 2 * 64,
+      "GPT-2's shape: the forward's k, v re-reads from L2")
+    t.eq(e.attention_flash_backward_bf16.bytes_l2, 192 * (walked_rows(1024) - 1024) * (2 * 2 * 64 + 8 + 2 * 2 * 64),
+      "GPT-2's shape: the backward's re-reads from L2")
+    -- one head of T 65536: its q, k, v (24 MiB) fit half the L2, with dO,
+    -- O, lse and Drow (40.5 MiB) they do not: the forward gets the rule, the
+    -- backward counts every read
+    e = entries(1, 1, 65536, 64)
+    t.eq(e.attention_flash_forward_bf16.bytes_l2, (walked_rows(65536) - 65536) * 2 * 2 * 64,
+      "T 65536: the forward's working set fits, its re-reads come from L2")
+    t.eq(e.attention_flash_backward_bf16.bytes_l2, 0, "T 65536: the backward's does not, every read from DRAM")
+    t.ok(e.attention_flash_backward_bf16.bytes_read > 0, "T 65536: the backward's reads are counted")
   end
   -- a qkv one element into its storage (contiguous, but not at a 16-byte
   -- address, which the flash kernels' vector accesses need): copied first
