@@ -37,17 +37,19 @@
 --   a row one kernel's blocks read again and again is read from DRAM once,
 --   when every re-read is by blocks of the same (batch, head), those blocks
 --   are adjacent in the grid (so they run together), and the rows of all
---   the heads the blocks in flight touch fit in half the L2 (25 MB)
+--   the heads the blocks in flight touch fit in half the L2 (25 MiB; half,
+--   because the H200's L2 is two partitions and other traffic shares it)
 -- It holds for cuda_attention_flash.cu, whose block b takes head b / tiles
 -- and re-reads only that head's k, v (forward, dQ) or q, dO, lse, Drow
 -- (dK, dV): at GPT-2's shape (T 1024, head dim 64) a head's rows are
--- 384 KiB (forward) and 520 KiB (backward), and the blocks in flight (132
--- SMs x 3 or 2 blocks, taken twice over for blocks of a head that finish at
--- different times) touch some 50 or 35 heads, 19-18 MiB. Nothing else gets
+-- 384 KiB (forward: q, k, v) and 648 KiB (backward: q, k, v, dO, O, lse,
+-- Drow), and the blocks in flight (132 SMs x 3 or 2 blocks, taken twice
+-- over for blocks of a head that finish at different times, plus a head
+-- either side) touch 52 or 35 heads, 20 or 22 MiB of 25. Nothing else gets
 -- an L2 discount (e.g. an operand a GEMM reads per tile, data one kernel
 -- leaves for the next). The table's "GB read" is after the rule; "GB L2" is
 -- what it served, and the line after "predicted:" gives the DRAM figure
--- counting every read, an upper bound. A rule, not a measurement:
+-- counting every read (no L2 reuse at all). A rule, not a measurement:
 -- tools/gpu-check measures the flash kernels' DRAM bytes with ncu on a GPU.
 -- Each op costs max(DRAM bytes / DRAM, FLOPs / its compute rate, launches x
 -- 4 us), plus its syncs. MFU counts the GEMM and attention FLOPs against
