@@ -125,7 +125,7 @@ static int64_t flash_walked_rows(int64_t T, int causal) {
  *
  * Blocks in flight: 132 SMs times the blocks shared memory lets one SM hold
  * (228 KiB an SM, 1 KiB of it the runtime's; at most 16 blocks of 128
- * threads; registers allow fewer, so this is the larger, cautious count),
+ * threads; registers may allow fewer, so this is the larger, cautious count),
  * and, since causal blocks of one head finish at different times, the live
  * blocks are taken to span twice that many grid indices, plus one head on
  * either side. The shared memory per block is cuda_attention_flash.cu's
