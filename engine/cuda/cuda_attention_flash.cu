@@ -15,7 +15,9 @@
  * its backward) is done by ordinary threads on tiles stored to shared memory
  * (a lane pair per row, each lane half of it), never on the fragments'
  * registers, whose layout CUDA does not specify: so the code is the same on
- * any GPU with bf16 tensor cores (sm_80 on) and on the host emulation.
+ * any GPU with bf16 tensor cores (sm_80 on) and on the host emulation. A
+ * GPU that cannot give a block the shared memory of the largest head dim
+ * (sm_86, sm_89: 99 KiB) runs the GEMM path instead (cuda_device.cu).
  *
  * Forward (s = scale), per query tile, for each key tile up to the diagonal
  * (causal) or T:
@@ -488,6 +490,17 @@ static void fa_backward(uint16_t *dqkv, float *drow, const uint16_t *dout, const
 }
 
 #define FA_HEAD_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(112) X(128)
+
+/* The most dynamic shared memory a block of these kernels asks for (the
+ * largest head dim's), which the backend checks against the device */
+size_t cuda_attention_flash_smem_max(void) {
+    size_t most = 0;
+#define FA_SMEM_MAX(d) most = fa_dims<d>::fwd > most ? fa_dims<d>::fwd : most; \
+                       most = fa_dims<d>::bwd > most ? fa_dims<d>::bwd : most;
+    FA_HEAD_DIMS(FA_SMEM_MAX)
+#undef FA_SMEM_MAX
+    return most;
+}
 
 /* out (B, T, C) bf16, lse (B, H, T) f32; qkv (B, T, 3C) bf16 */
 void cuda_attention_flash_forward_bf16(uint16_t *out, float *lse, const uint16_t *qkv, int64_t B, int64_t H,

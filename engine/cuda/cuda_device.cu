@@ -286,7 +286,17 @@ extern "C" fsdp_status cuda_backend_init(int local_rank) {
     g_device = local_rank;
     t_entered = 1;
     g_reason[0] = 0;
-    device_register(FSDP_DEVICE_CUDA, &cuda_device_kernels);
+    int smem_optin = 0;
+    INIT_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, local_rank));
+    if ((size_t)smem_optin >= cuda_attention_flash_smem_max()) {
+        device_register(FSDP_DEVICE_CUDA, &cuda_device_kernels);
+    } else {   /* too little shared memory per block for the flash kernels: bf16 attention takes the GEMM path */
+        static fsdp_device_kernels small_smem;
+        small_smem = cuda_device_kernels;
+        small_smem.attention_flash_forward_bf16 = NULL;
+        small_smem.attention_flash_backward_bf16 = NULL;
+        device_register(FSDP_DEVICE_CUDA, &small_smem);
+    }
     const char *want = getenv("FSDP_DEVICE");
     if (!(want && strcmp(want, "cpu") == 0)) return fsdp_set_default_device(FSDP_DEVICE_CUDA);
     return FSDP_OK;

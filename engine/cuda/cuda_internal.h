@@ -40,6 +40,7 @@
 #define cuda_device_ordinal emu_cuda_device_ordinal
 #define cuda_compute_stream emu_cuda_compute_stream
 #define cuda_device_kernels emu_cuda_device_kernels
+#define cuda_attention_flash_smem_max emu_cuda_attention_flash_smem_max
 #endif
 
 /* .cu files under nvcc, or the same files built for the host emulation */
@@ -83,6 +84,9 @@ FSDP_CUDA_EXPORT fsdp_status cuda_last_status(void);
 FSDP_CUDA_EXPORT fsdp_status cuda_device_info(int *available, char *desc, int64_t size);
 /* The CUDA device this process uses, or -1 before cuda_backend_init succeeded. */
 FSDP_CUDA_EXPORT int cuda_device_ordinal(void);
+/* The most dynamic shared memory a flash attention block asks for (its
+ * largest head dim's); a GPU that cannot give it gets no flash entries. */
+FSDP_CUDA_EXPORT size_t cuda_attention_flash_smem_max(void);
 #if defined(FSDP_CUDA_SOURCE) || defined(CUDART_VERSION)
 /* The stream every kernel of this process runs on (NULL before start-up). */
 FSDP_CUDA_EXPORT cudaStream_t cuda_compute_stream(void);

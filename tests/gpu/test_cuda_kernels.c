@@ -1979,6 +1979,15 @@ int main(int argc, char **argv) {
 #else
     if (do_bench) return bench(0);
 #endif
+#ifdef FSDP_CUDA_EMU
+    {   /* the flash entries are there only where a block can have their shared memory */
+        const char *optin = getenv("FSDP_EMU_SMEM_OPTIN");
+        int small = optin && *optin && (size_t)strtoull(optin, NULL, 10) < cuda_attention_flash_smem_max();
+        test_check((G->attention_flash_forward_bf16 == NULL) == small && (G->attention_flash_backward_bf16 == NULL) == small,
+                   "flash entries with %s bytes of opt-in shared memory (the kernels need %zu): %s", optin ? optin : "the default",
+                   cuda_attention_flash_smem_max(), G->attention_flash_forward_bf16 ? "registered" : "absent");
+    }
+#endif
     if (init_only) return test_summary();
 
     test_memory();

@@ -589,8 +589,16 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
     return cudaSuccess;
 }
 
+/* A block's opt-in dynamic shared memory: an H100's or H200's 227 KiB, or
+ * FSDP_EMU_SMEM_OPTIN bytes (e.g. 101376, the 99 KiB of sm_86 and sm_89) */
+static int emu_smem_optin(void) {
+    const char *s = getenv("FSDP_EMU_SMEM_OPTIN");
+    return s && *s ? atoi(s) : 227 * 1024;
+}
+
 cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int) {
     *v = a == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
+    if (a == cudaDevAttrMaxSharedMemoryPerBlockOptin) *v = emu_smem_optin();
     return cudaSuccess;
 }
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *p, int) {
@@ -601,7 +609,8 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void *) { re
 
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute a, int v) {
     if (a != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
-    if (v < 0 || v > 227 * 1024) return set_error(cudaErrorInvalidValue, "dynamic shared memory above 227 KiB");
+    if (v < 0 || v > emu_smem_optin())
+        return set_error(cudaErrorInvalidValue, "dynamic shared memory above the device's opt-in limit");
     g_smem_allowed[fn] = v;
     return cudaSuccess;
 }

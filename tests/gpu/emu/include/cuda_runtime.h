@@ -49,7 +49,10 @@ typedef enum cudaMemcpyKind {
     cudaMemcpyDeviceToDevice = 3,
     cudaMemcpyDefault = 4
 } cudaMemcpyKind;
-typedef enum cudaDeviceAttr { cudaDevAttrMemoryPoolsSupported = 115 } cudaDeviceAttr;
+typedef enum cudaDeviceAttr {
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+    cudaDevAttrMemoryPoolsSupported = 115
+} cudaDeviceAttr;
 typedef enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4 } cudaMemPoolAttr;
 typedef enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 } cudaFuncAttribute;
 #define cudaStreamNonBlocking 0x01
