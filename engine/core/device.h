@@ -210,6 +210,13 @@ typedef struct fsdp_device_kernels {
     void (*layernorm_backward_acc_bf16)(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
                                         const uint16_t *x, const uint16_t *weight, const float *mean,
                                         const float *rstd, int64_t rows, int64_t cols);
+    /* layernorm_backward_bf16 with dx added into what dx holds (the
+     * gradient a residual stream already has: old + dx in f32, one
+     * rounding) instead of written and then added by the tape; dweight and
+     * dbias written (acc 0) or added to (acc 1). Optional. */
+    void (*layernorm_backward_addx_bf16)(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                         const uint16_t *x, const uint16_t *weight, const float *mean,
+                                         const float *rstd, int64_t rows, int64_t cols, int acc);
     /* embedding_backward_bf16 added into dtable: only the rows of the ids
      * are touched (old + each id's sum, one rounding) */
     void (*embedding_backward_acc_bf16)(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,

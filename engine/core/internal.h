@@ -206,6 +206,12 @@ fsdp_tensor *node_grad_target(fsdp_node *node, int i, int dtype, float *beta);
  * no side effect (nothing zeroed or claimed): to check an op's other
  * conditions before it claims the .grad. */
 fsdp_tensor *node_grad_peek(fsdp_node *node, int i, int dtype);
+/* The gradient a non-leaf input i already holds (a residual stream's, given
+ * by the op that used it later), when the op may add into it in place: of
+ * the input's shape, dtype and device, contiguous, written, and held by
+ * nothing else (tensor and storage); NULL otherwise. An op that adds into
+ * it gives no gradient for i. */
+fsdp_tensor *node_grad_held(fsdp_node *node, int i, int dtype);
 /* Adds g into t's gradient accumulator (bgrad, or .grad for a leaf); takes g. */
 fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g);
 

@@ -301,6 +301,19 @@ fsdp_tensor *node_grad_peek(fsdp_node *node, int i, int dtype) {
     return g;
 }
 
+fsdp_tensor *node_grad_held(fsdp_node *node, int i, int dtype) {
+    if (!node_needs_grad(node, i)) return NULL;
+    fsdp_tensor *t = node->in[i], *g = t->bgrad;
+    if (t->is_leaf || !g || g->unwritten || g->dtype != dtype || t->dtype != dtype || !tensor_is_contiguous(g))
+        return NULL;
+    if (g->ndim != t->ndim || memcmp(g->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) != 0) return NULL;
+    if (tensor_device(g) != tensor_device(t)) return NULL;
+    /* shared (an add gave the same tensor to both inputs): the others keep
+     * the value they were given, so it is added to by the tape after a copy */
+    if (atomic_load(&g->refcount) > 1 || atomic_load(&g->storage->refcount) > 1) return NULL;
+    return g;
+}
+
 fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
     fsdp_tensor *g = node_grad_peek(node, i, dtype);
     if (g && g->unwritten) {   /* the op adds into it: zeros first */

@@ -216,6 +216,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .adamw_many_f32 = cuda_adamw_many_f32,
     .sum_dim_acc_bf16 = cuda_sum_dim_acc_bf16,
     .layernorm_backward_acc_bf16 = cuda_layernorm_backward_acc_bf16,
+    .layernorm_backward_addx_bf16 = cuda_layernorm_backward_addx_bf16,
     .embedding_backward_acc_bf16 = nullptr,
     .bias_gelu_forward_f32 = cuda_bias_gelu_forward_f32,
     .bias_gelu_forward_bf16 = cuda_bias_gelu_forward_bf16,

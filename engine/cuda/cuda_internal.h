@@ -394,6 +394,9 @@ void cuda_layernorm_forward_bf16(uint16_t *out, float *mean, float *rstd, const 
 void cuda_layernorm_backward_acc_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
                                       const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
                                       int64_t rows, int64_t cols);
+void cuda_layernorm_backward_addx_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                       const uint16_t *x, const uint16_t *weight, const float *mean,
+                                       const float *rstd, int64_t rows, int64_t cols, int acc);
 void cuda_layernorm_backward_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
                                   const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,
                                   int64_t rows, int64_t cols);

@@ -210,11 +210,15 @@ __global__ void norm_fwd_kernel(T *__restrict__ out, float *mean_out, float *rst
 }
 
 /* With xhat = (x - mean) rstd (mean 0 for rms) and g = dout * w:
- * layernorm dx = rstd (g - mean(g) - xhat mean(g xhat)); rms dx = rstd (g - xhat mean(g xhat)) */
+ * layernorm dx = rstd (g - mean(g) - xhat mean(g xhat)); rms dx = rstd (g - xhat mean(g xhat)).
+ * addx: dx receives what it holds + that, in f32, one rounding. */
+__device__ __forceinline__ float norm_dx_old(const float *p, int addx) { return addx ? *p : 0.0f; }
+__device__ __forceinline__ float norm_dx_old(const uint16_t *p, int addx) { return addx ? ldf(*p) : 0.0f; }
+
 template <class T>
 __global__ void norm_bwd_dx_kernel(T *__restrict__ dx, const T *__restrict__ dout, const T *__restrict__ x,
                                    const T *__restrict__ weight, const float *mean_in, const float *rstd_in,
-                                   int64_t rows, int64_t cols, int rms) {
+                                   int64_t rows, int64_t cols, int rms, int addx) {
     __shared__ double sd[32];
     FOR_ROWS(r, rows) {
         const T *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
@@ -231,11 +235,12 @@ __global__ void norm_bwd_dx_kernel(T *__restrict__ dx, const T *__restrict__ dou
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
             float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
             float v = ldf(xr[j]);
+            float old = norm_dx_old(dxr + j, addx);
             if (rms) {
-                stf(dxr + j, rstd * (g - v * rstd * mgx));
+                stf(dxr + j, old + rstd * (g - v * rstd * mgx));
             } else {
                 float xhat = (v - mean) * rstd;
-                stf(dxr + j, rstd * (g - mg - xhat * mgx));
+                stf(dxr + j, old + rstd * (g - mg - xhat * mgx));
             }
         }
     }
@@ -336,7 +341,7 @@ template <class T>
 __global__ void norm_bwd_fused_kernel(T *__restrict__ dx, double *pw, double *pb, const T *__restrict__ dout,
                                       const T *__restrict__ x, const T *__restrict__ weight, const float *mean_in,
                                       const float *rstd_in, int64_t rows, int64_t cols, int64_t chunk_rows,
-                                      int rms) {
+                                      int rms, int addx) {
     __shared__ double sd[32];
     double *aw = (double *)CUDA_DYN_SMEM(), *ab = aw + cols;   // (cols) each
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) aw[j] = ab[j] = 0.0;
@@ -358,8 +363,9 @@ __global__ void norm_bwd_fused_kernel(T *__restrict__ dx, double *pw, double *pb
             float g = weight ? d * ldf(weight[j]) : d;
             float v = ldf(xr[j]);
             float xhat = (v - mean) * rstd;
-            if (rms) stf(dxr + j, rstd * (g - v * rstd * mgx));
-            else stf(dxr + j, rstd * (g - mg - xhat * mgx));
+            float old = norm_dx_old(dxr + j, addx);
+            if (rms) stf(dxr + j, old + rstd * (g - v * rstd * mgx));
+            else stf(dxr + j, old + rstd * (g - mg - xhat * mgx));
             aw[j] += d * xhat;
             ab[j] += d;
         }
@@ -370,17 +376,17 @@ __global__ void norm_bwd_fused_kernel(T *__restrict__ dx, double *pw, double *pb
     }
 }
 
-/* The whole norm backward: dx, and dweight, dbias (either may be NULL; acc:
- * added to what they hold). One pass where the row fits the fused kernel's
+/* The whole norm backward: dx (addx: added to what it holds), and dweight,
+ * dbias (either may be NULL; acc: added to what they hold). One pass where the row fits the fused kernel's
  * shared memory, else the dx kernel and norm_weight_grads. */
 template <class T>
 static void norm_backward(T *dx, T *dweight, T *dbias, const T *dout, const T *x, const T *weight, const float *mean,
-                          const float *rstd, int64_t rows, int64_t cols, int rms, int acc) {
+                          const float *rstd, int64_t rows, int64_t cols, int rms, int acc, int addx = 0) {
     if (cols <= 0) return;
     bool grads = dweight || dbias;
     if (rows > 0 && (!grads || cols > NORM_FUSED_MAX_COLS)) {
         LAUNCH(norm_bwd_dx_kernel<T>, row_blocks(rows), cuda_row_threads(cols), 0)(dx, dout, x, weight, mean, rstd,
-                                                                                   rows, cols, rms);
+                                                                                   rows, cols, rms, addx);
         CUDA_CHECK_LAUNCH();
     }
     if (!grads) return;
@@ -395,7 +401,7 @@ static void norm_backward(T *dx, T *dweight, T *dbias, const T *dout, const T *x
     double *pw = dweight ? (double *)cuda_tmp_alloc((size_t)(chunks * cols) * sizeof(double)) : NULL;
     double *pb = dbias ? (double *)cuda_tmp_alloc((size_t)(chunks * cols) * sizeof(double)) : NULL;
     LAUNCH(norm_bwd_fused_kernel<T>, (unsigned)chunks, cuda_row_threads(cols), (size_t)(2 * cols) * sizeof(double))(
-        dx, pw, pb, dout, x, weight, mean, rstd, rows, cols, chunk_rows, rms);
+        dx, pw, pb, dout, x, weight, mean, rstd, rows, cols, chunk_rows, rms, addx);
     CUDA_CHECK_LAUNCH();
     LAUNCH(norm_wgrad_finish_kernel<T>, cuda_blocks(cols, CUDA_THREADS), CUDA_THREADS, 0)(dweight, dbias, pw, pb,
                                                                                          chunks, cols, acc);
@@ -440,6 +446,15 @@ void cuda_layernorm_backward_acc_bf16(uint16_t *dx, uint16_t *dweight, uint16_t 
                                       int64_t rows, int64_t cols) {
     CUDA_ENTER();
     norm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, cols, 0, 1);
+}
+
+/* layernorm_backward_bf16 adding dx into what it holds (a residual's
+ * gradient), dweight and dbias written (acc 0) or added to (acc 1) */
+void cuda_layernorm_backward_addx_bf16(uint16_t *dx, uint16_t *dweight, uint16_t *dbias, const uint16_t *dout,
+                                       const uint16_t *x, const uint16_t *weight, const float *mean,
+                                       const float *rstd, int64_t rows, int64_t cols, int acc) {
+    CUDA_ENTER();
+    norm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, cols, 0, acc, 1);
 }
 
 /* ---- embedding ---- */

@@ -430,6 +430,13 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
       12 * rows * cols,                                                                                            \
       norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )                                                       \
+    X(void, layernorm_backward_addx_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,            \
+      const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
+      int64_t rows, int64_t cols, int acc), BF16 * (3 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +  \
+      norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias) +                       \
+      acc * BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,                                                    \
+      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
+      13 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, acc), 0, )                                   \
     X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
       const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )         \
     X(void, bias_gelu_forward_f32, "activation", (float *out, const float *x, const float *bias, int64_t rows,    \

@@ -212,10 +212,11 @@ static fsdp_status stage(fsdp_tensor **out, fsdp_tensor *t, bool native) {
     return native ? tensor_contiguous(out, t) : tensor_as_f32(out, t);
 }
 
-/* Gives dx and the optional parameter gradients (NULL where none); takes all. */
+/* Gives dx and the optional parameter gradients (NULL where none: dx NULL
+ * when the kernel added it into x's gradient itself); takes all. */
 static fsdp_status give_norm_grads(fsdp_node *node, fsdp_tensor *dx, fsdp_tensor *dw, fsdp_tensor *db) {
     /* op_give_grad takes its argument even when it fails: give all three */
-    fsdp_status s1 = op_give_grad(node, 0, dx);
+    fsdp_status s1 = dx ? op_give_grad(node, 0, dx) : FSDP_OK;
     fsdp_status s2 = dw ? op_give_grad(node, 1, dw) : FSDP_OK;
     fsdp_status s3 = db ? op_give_grad(node, 2, db) : FSDP_OK;
     return s1 != FSDP_OK ? s1 : s2 != FSDP_OK ? s2 : s3;
@@ -232,7 +233,12 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
     rows_cols(node->in[0], &rows, &cols);
     fsdp_status st = stage(&x, node->in[0], native);
     if (st == FSDP_OK) st = stage(&w, node->in[1], native);
-    if (st == FSDP_OK) st = op_new_as(&dx, dt, x->ndim, x->shape);
+    /* x's gradient so far (a residual stream's, from the op that used x
+     * later) held by nothing else: the kernel adds dx into it, instead of a
+     * dx written here and added by the tape (a write and two reads less) */
+    bool addx = native && KERNELS(node->in[0])->layernorm_backward_addx_bf16;
+    fsdp_tensor *held = addx ? node_grad_held(node, 0, FSDP_BF16) : NULL;
+    if (st == FSDP_OK && !held) st = op_new_as(&dx, dt, x->ndim, x->shape);
     /* weight and bias whose .grad exists (an FSDP unit's gradient slices):
      * the kernel writes their gradients there when both are unwritten (the
      * unit's first gradient into them), else adds them there; none is made
@@ -256,7 +262,12 @@ static fsdp_status layernorm_backward(fsdp_node *node) {
         dw_ = write_w ? tensor_data(write_w) : NULL;
         db_ = write_b ? tensor_data(write_b) : NULL;
     }
-    if (st == FSDP_OK && in_place)
+    if (st == FSDP_OK && held)
+        KERNELS(held)->layernorm_backward_addx_bf16(
+            tensor_data(held), in_place ? (acc_w ? tensor_data(acc_w) : NULL) : dw_,
+            in_place ? (acc_b ? tensor_data(acc_b) : NULL) : db_, tensor_data(dout), tensor_data(x), w_,
+            f32p(node->saved[0]), f32p(node->saved[1]), rows, cols, in_place);
+    else if (st == FSDP_OK && in_place)
         KERNELS(dx)->layernorm_backward_acc_bf16(tensor_data(dx), acc_w ? tensor_data(acc_w) : NULL,
                                                  acc_b ? tensor_data(acc_b) : NULL, tensor_data(dout), tensor_data(x),
                                                  w_, f32p(node->saved[0]), f32p(node->saved[1]), rows, cols);

@@ -1204,6 +1204,32 @@ static void test_bf16_nn(void) {
                     check_f(name, back_bf16(adb, cols), wb, cols, ULP16, 1e-5, -1);
                 }
             }
+            /* dx added into a gradient that holds bf16 values (a residual's): old + the CPU's dx, one
+             * rounding; the parameter gradients written (acc 0) or added to (acc 1) */
+            test_check(G->layernorm_backward_addx_bf16 != NULL, "CUDA has layernorm_backward_addx_bf16");
+            for (int acc = 0; acc < 2 && G->layernorm_backward_addx_bf16; acc++) {
+                float *odx = hrand16(n, 1), *ow = hrand16(cols, 1), *ob = hrand16(cols, 1);
+                float *wx = hnan(n), *ww = hnan(cols), *wb = hnan(cols);
+                for (int64_t k = 0; k < n; k++) wx[k] = odx[k] + wdx[k];
+                for (int64_t k = 0; k < cols; k++) {
+                    if (want_w) ww[k] = (acc ? ow[k] : 0.0f) + wdw[k];
+                    if (want_b) wb[k] = (acc ? ob[k] : 0.0f) + wdb[k];
+                }
+                uint16_t *xdx = dup16(odx, n), *xdw = acc ? dup16(ow, cols) : dnan16(cols);
+                uint16_t *xdb = acc ? dup16(ob, cols) : dnan16(cols);
+                G->layernorm_backward_addx_bf16(xdx, want_w ? xdw : NULL, want_b ? xdb : NULL, gd, gx, gw, cmean,
+                                                crstd, rows, cols, acc);
+                snprintf(name, sizeof name, "layernorm_backward_addx_bf16 dx %s acc %d", tag, acc);
+                check_f(name, back_bf16(xdx, n), wx, n, ULP16, 1e-5, sc);
+                if (want_w) {
+                    snprintf(name, sizeof name, "layernorm_backward_addx_bf16 dweight %s acc %d", tag, acc);
+                    check_f(name, back_bf16(xdw, cols), ww, cols, ULP16, 1e-5, -1);
+                }
+                if (want_b) {
+                    snprintf(name, sizeof name, "layernorm_backward_addx_bf16 dbias %s acc %d", tag, acc);
+                    check_f(name, back_bf16(xdb, cols), wb, cols, ULP16, 1e-5, -1);
+                }
+            }
             if (affine < 2) {
                 float *ry = hnan(n), *rr = hnan(rows);
                 C->rmsnorm_forward_f32(ry, rr, x, w, rows, cols, 1e-6f);

@@ -164,6 +164,35 @@ do
   close(y, want, 1e-6, "Block forward (fused) equals the unfused ops")
 end
 
+-- The LayerNorm backward adding its dx into the gradient its input already
+-- holds (a residual stream's, under CUDA: layernorm_backward_addx_bf16),
+-- against f32 on the CPU: h = 2 x + 1 is not a leaf; in "held" its gradient
+-- from h * 3 (recorded after the LayerNorm, so its backward comes first) is
+-- its own when the LayerNorm's backward comes; in "shared" the
+-- add gives the LayerNorm's output and h the same gradient (the tape must
+-- not add into it in place), and "both" takes h through both.
+do
+  local graphs = {
+    { "held", function(x, w, b) local h = x * 2 + 1; local n = h:layernorm(w, b); return n + h * 3 end },
+    { "shared", function(x, w, b) local h = x * 2 + 1; return h + h:layernorm(w, b) end },
+    { "both", function(x, w, b) local h = x * 2 + 1; return (h * 3 + h:layernorm(w, b)) + h:layernorm(w, b) end },
+  }
+  for _, s in ipairs({ { 1, 1 }, { 3, 7 }, { 2, 5, 64 }, { 17, 129 } }) do
+    local C = s[#s]
+    local tag = table.concat(s, "x")
+    local x, w, b, wo = input(11, unpack(s)), input(12, C), input(13, C), input(14, unpack(s))
+    for _, g in ipairs(graphs) do
+      local name, fn = g[1], g[2]
+      local y0, g0 = run(fn, { x, w, b }, wo, "cpu", "f32")
+      local y1, g1 = run(fn, { x, w, b }, wo, dev, "bf16")
+      close(y1, y0, 1 / 32, "layernorm " .. name .. " bf16 out " .. tag .. " (" .. dev .. ")")
+      close(g1[1], g0[1], 1 / 32, "layernorm " .. name .. " bf16 dx " .. tag)
+      close(g1[2], g0[2], 1 / 32, "layernorm " .. name .. " bf16 dweight " .. tag)
+      close(g1[3], g0[3], 1 / 32, "layernorm " .. name .. " bf16 dbias " .. tag)
+    end
+  end
+end
+
 -- bad input: a clear error naming the op and the tensors
 local x, b = fsdp.zeros(3, 4), fsdp.zeros(4)
 t.raises(function() return fsdp.bias_gelu(x, fsdp.zeros(5)) end, { "fsdp_bias_gelu", "bias", "[5]", "last dim of x" },
