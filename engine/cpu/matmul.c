@@ -134,7 +134,8 @@ static const char *path_name(int path) {
 static void stats_print(void) {
     double total_s = 0, total_cpu = 0, total_flop = 0;
     int64_t total_calls = 0;
-    pthread_mutex_lock(&stats.lock);
+    /* at exit another thread may be inside a product (a fatal error): never wait for it */
+    if (pthread_mutex_trylock(&stats.lock) != 0) return;
     fprintf(stderr, "matmul stats: dtype | library | batch x M x K x N | op(A) op(B) | C | calls | ms | CPU ms | GFLOP/s"
                     " | GFLOP per CPU s\n");
     for (int i = 0; i < stats.n; i++) {

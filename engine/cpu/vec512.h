@@ -37,7 +37,7 @@ static inline void v16_store_bf16(uint16_t *p, __mmask16 k, __m512 v) {
     _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(h));
 }
 
-/* e^x within 2 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf
+/* e^x within 1 ulp (c.test_kernels_nn): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf
  * polynomial, times 2^n by scalef (exact, and it overflows to inf and
  * underflows through the subnormals as the true value does). x is first
  * clamped to [-104, 89], beyond which e^x rounds to 0 or inf anyway (and
