@@ -41,9 +41,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
 
 /* ---- configuration from the environment (read once) ---- */
 
@@ -506,12 +503,6 @@ void comm_set_service(void (*fn)(void)) {
 
 static void *comm_thread_main(void *arg) {
     (void)arg;
-#ifdef __linux__
-    /* The waits for other ranks sleep 10-200 us between tests (comm_mpi.c);
-     * Linux lets a thread's sleep run 50 us late by default, which would
-     * add that to every short wait. (Not fatal if refused.) */
-    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-#endif
     pthread_mutex_lock(&q_mu);
     for (;;) {
         if (!q_head) {
