@@ -221,6 +221,9 @@ typedef struct fsdp_device_kernels {
      * are touched (old + each id's sum, one rounding) */
     void (*embedding_backward_acc_bf16)(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
                                         int64_t dim);
+    /* embedding_backward_f32 added into dtable as it is (only the rows of
+     * the ids are touched; no zeroed table and no second pass). Optional. */
+    void (*embedding_backward_acc_f32)(float *dtable, const int64_t *ids, int64_t n, const float *dout, int64_t dim);
     /* fused.c: a Linear's bias with what follows it, in one pass (after
      * llm.c). x (rows, cols) is the matmul's output without its bias, bias
      * (cols) broadcast over the rows. Optional (NULL: the op layer adds the

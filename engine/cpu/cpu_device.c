@@ -54,6 +54,7 @@ const fsdp_device_kernels cpu_device_kernels = {
     .embedding_backward_f32 = cpu_embedding_backward_f32,
     .embedding_backward_bf16 = cpu_embedding_backward_bf16,
     .embedding_backward_acc_bf16 = cpu_embedding_backward_acc_bf16,
+    .embedding_backward_acc_f32 = cpu_embedding_backward_acc_f32,
     .cross_entropy_forward_f32 = cpu_cross_entropy_forward_f32,
     .cross_entropy_backward_f32 = cpu_cross_entropy_backward_f32,
     .attention_forward_f32 = cpu_attention_forward_f32,

@@ -149,6 +149,7 @@ void cpu_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids
  * overwrites all of it */
 void cpu_embedding_backward_bf16(uint16_t *dtable, int64_t vocab, const int64_t *ids, int64_t n,
                                  const uint16_t *dout, int64_t dim);
+void cpu_embedding_backward_acc_f32(float *dtable, const int64_t *ids, int64_t n, const float *dout, int64_t dim);
 void cpu_embedding_backward_acc_bf16(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
                                      int64_t dim);
 

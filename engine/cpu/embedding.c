@@ -50,6 +50,12 @@ void cpu_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids
     cpu_parallel_for(dim, 64, scatter_range, &c);
 }
 
+void cpu_embedding_backward_acc_f32(float *dtable, const int64_t *ids, int64_t n, const float *dout, int64_t dim) {
+    emb_ctx c = {dtable, dout, ids, n, dim};   // dtable (vocab, dim), dout (n, dim)
+    if (dim <= 0) return;
+    cpu_parallel_for(dim, 64, scatter_range, &c);
+}
+
 /* ---- bf16: dout rows summed per id in f32, each dtable element rounded
  * once (ids that repeat would otherwise round at every add) ---- */
 

@@ -218,6 +218,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .layernorm_backward_acc_bf16 = cuda_layernorm_backward_acc_bf16,
     .layernorm_backward_addx_bf16 = cuda_layernorm_backward_addx_bf16,
     .embedding_backward_acc_bf16 = nullptr,
+    .embedding_backward_acc_f32 = nullptr,   /* the op layer makes a table and the tape adds it */
     .bias_gelu_forward_f32 = cuda_bias_gelu_forward_f32,
     .bias_gelu_forward_bf16 = cuda_bias_gelu_forward_bf16,
     .bias_gelu_backward_f32 = cuda_bias_gelu_backward_f32,

@@ -439,6 +439,8 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       13 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, acc), 0, )                                   \
     X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
       const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )         \
+    X(void, embedding_backward_acc_f32, "embedding", (float *dtable, const int64_t *ids, int64_t n,              \
+      const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim, F32 * n * dim, n * dim, 1, 0, )                 \
     X(void, bias_gelu_forward_f32, "activation", (float *out, const float *x, const float *bias, int64_t rows,    \
       int64_t cols), F32 * (rows * cols + cols), F32 * rows * cols, 9 * rows * cols, rows > 0 && cols > 0, 0, )     \
     X(void, bias_gelu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, const uint16_t *bias,       \

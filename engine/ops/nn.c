@@ -428,23 +428,28 @@ static int64_t first_bad_index(const fsdp_tensor *ids, int64_t limit, bool has_s
 
 /* ---- embedding ---- */
 
-/* A bf16 table with the device's bf16 kernel: its gradient stays bf16, and
- * when the table's .grad exists (an FSDP unit's gradient slice, the tied
- * LM head's) only the rows of the ids are added there; else f32 throughout. */
+/* A bf16 table with the device's bf16 kernel: its gradient stays bf16; else
+ * f32 throughout. When the table's .grad exists (an FSDP unit's gradient
+ * slice, the tied LM head's) only the rows of the ids are added there. */
 static fsdp_status embedding_backward(fsdp_node *node) {
     if (!node_needs_grad(node, 0)) return FSDP_OK;
     fsdp_tensor *table = node->in[0];
     bool native = BF16_KERNEL(table, embedding_backward) != NULL;
-    fsdp_tensor *acc = native && KERNELS(table)->embedding_backward_acc_bf16
-                           ? node_grad_accumulator(node, 0, FSDP_BF16) : NULL;
+    const fsdp_device_kernels *k = KERNELS(table);
+    fsdp_tensor *acc = native && k->embedding_backward_acc_bf16 ? node_grad_accumulator(node, 0, FSDP_BF16)
+                       : !native && table->dtype == FSDP_F32 && k->embedding_backward_acc_f32
+                           ? node_grad_accumulator(node, 0, FSDP_F32)
+                           : NULL;
     fsdp_tensor *dout, *ids = NULL, *dtable = NULL;
     FSDP_TRY(op_grad_out_as(node, 0, native ? FSDP_BF16 : FSDP_F32, &dout));
     if (!dout) return FSDP_OK;
     int64_t V = table->shape[0], C = table->shape[1];
     fsdp_status st = tensor_as_i64(&ids, node->in[1]);
     int64_t n = ids ? tensor_numel(ids) : 0;
-    if (st == FSDP_OK && acc) {
+    if (st == FSDP_OK && acc && native) {
         KERNELS(acc)->embedding_backward_acc_bf16(tensor_data(acc), tensor_data(ids), n, tensor_data(dout), C);
+    } else if (st == FSDP_OK && acc) {
+        KERNELS(acc)->embedding_backward_acc_f32(f32p(acc), tensor_data(ids), n, f32p(dout), C);
     } else if (st == FSDP_OK && native) {
         st = op_new_as(&dtable, FSDP_BF16, 2, table->shape);
         if (st == FSDP_OK) KERNELS(dtable)->embedding_backward_bf16(tensor_data(dtable), V, tensor_data(ids), n,

@@ -221,6 +221,13 @@ static void embedding_case(int64_t vocab, int64_t n, int64_t dim, prec p) {
     cpu_embedding_backward_f32(dtable, vocab, ids, n, dout, dim);
     ref_embedding_backward(want, vocab, ids, n, widen(dout, n * dim), dim);
     check("embedding_bwd", shape, dtable, want, vocab * dim, p);
+    /* added into an existing gradient: old + each id's rows, others untouched */
+    float *old = finput(vocab * dim, 1.0f, p), *acc = fnan(vocab * dim);
+    memcpy(acc, old, (size_t)(vocab * dim) * sizeof(float));
+    cpu_embedding_backward_acc_f32(acc, ids, n, dout, dim);
+    double *old_d = widen(old, vocab * dim);
+    for (int64_t i = 0; i < vocab * dim; i++) want[i] += old_d[i];
+    check("embedding_bwd_acc", shape, acc, want, vocab * dim, p);
     free_all();
 }
 
