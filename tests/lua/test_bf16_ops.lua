@@ -9,38 +9,8 @@ local t = require "testlib"
 local fsdp = require "fsdp"
 
 local dev = fsdp.default_device()
-local function flat(x) return x:float():cpu():contiguous():view(-1):tolist() end
 
-local function close(got, want, tol, name)
-  local g, w, m, e = flat(got), flat(want), 0, 0
-  if #g ~= #w then return t.ok(false, name .. ": sizes differ") end
-  for i = 1, #w do m = math.max(m, math.abs(w[i])) end
-  for i = 1, #w do
-    local d = math.abs(g[i] - w[i])
-    if d ~= d then d = math.huge end
-    e = math.max(e, d)
-  end
-  return t.ok(e <= tol * math.max(m, 1e-6), string.format("%s: max err %.3g, tol %.3g x %.3g", name, e, tol, m))
-end
-
--- inputs: f32 CPU tensors holding bf16 values
-local function input(seed, ...)
-  local args = { ... }
-  args[#args + 1] = { seed = seed, device = "cpu" }
-  return fsdp.randn(unpack(args)):bf16():float()
-end
-
--- fn(inputs...) -> output; loss = sum(output * w): output and every input's gradient
-local function run(fn, ins, w, device, dtype)
-  local xs = {}
-  for i, x in ipairs(ins) do xs[i] = x:to(device):cast(dtype):detach():requires_grad(true) end
-  local y = fn(unpack(xs))
-  ;(y:float() * w:to(device)):sum():backward()
-  local grads = {}
-  for i, x in ipairs(xs) do grads[i] = x:get_grad() end
-  return y, grads
-end
-
+local close, input, run = t.close_scaled, t.bf16_valued, t.forward_backward
 local function check(name, fn, ins, tol)
   -- the weight of the loss, of the output's shape
   local w = input(99, unpack(fn(unpack(ins)):shape()))

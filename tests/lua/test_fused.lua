@@ -12,36 +12,7 @@ local nn = require "fsdp.nn"
 local dev = fsdp.default_device()
 local function flat(x) return x:float():cpu():contiguous():view(-1):tolist() end
 
--- max |got - want| <= tol * max(|want|, floor)
-local function close(got, want, tol, name)
-  local g, w, m, e = flat(got), flat(want), 0, 0
-  if #g ~= #w then return t.ok(false, name .. ": sizes differ") end
-  for i = 1, #w do m = math.max(m, math.abs(w[i])) end
-  for i = 1, #w do
-    local d = math.abs(g[i] - w[i])
-    if d ~= d then d = math.huge end
-    e = math.max(e, d)
-  end
-  return t.ok(e <= tol * math.max(m, 1e-6), string.format("%s: max err %.3g, tol %.3g x %.3g", name, e, tol, m))
-end
-
--- f32 CPU tensors holding bf16 values (exact in both dtypes)
-local function input(seed, ...)
-  local args = { ... }
-  args[#args + 1] = { seed = seed, device = "cpu" }
-  return fsdp.randn(unpack(args)):bf16():float()
-end
-
--- fn(inputs...) on device in dtype; loss = sum(out * w): out and the inputs' gradients
-local function run(fn, ins, w, device, dtype)
-  local xs = {}
-  for i, x in ipairs(ins) do xs[i] = x:to(device):cast(dtype):detach():requires_grad(true) end
-  local y = fn(unpack(xs))
-  ;(y:float() * w:to(device)):sum():backward()
-  local grads = {}
-  for i, x in ipairs(xs) do grads[i] = x:get_grad() end
-  return y, grads
-end
+local close, input, run = t.close_scaled, t.bf16_valued, t.forward_backward
 
 local fused_gelu = function(x, b) return fsdp.bias_gelu(x, b) end
 local plain_gelu = function(x, b) return (x + b):gelu() end

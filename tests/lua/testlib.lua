@@ -137,6 +137,41 @@ function M.max_abs_diff(a, b)
   return w
 end
 
+-- One check that max |got - want| <= tol * max(|want|, 1e-6) over all
+-- elements of two tensors (any device and dtype); a NaN fails it.
+function M.close_scaled(got, want, tol, name)
+  local function flat(x) return x:float():cpu():contiguous():view(-1):tolist() end
+  local g, w, m, e = flat(got), flat(want), 0, 0
+  if #g ~= #w then return M.ok(false, name .. ": sizes differ") end
+  for i = 1, #w do m = math.max(m, math.abs(w[i])) end
+  for i = 1, #w do
+    local d = math.abs(g[i] - w[i])
+    if d ~= d then d = math.huge end
+    e = math.max(e, d)
+  end
+  return M.ok(e <= tol * math.max(m, 1e-6), string.format("%s: max err %.3g, tol %.3g x %.3g", name, e, tol, m))
+end
+
+-- A seeded randn of the given sizes on the CPU, f32 holding bf16 values
+-- (exact in both dtypes).
+function M.bf16_valued(seed, ...)
+  local args = { ... }
+  args[#args + 1] = { seed = seed, device = "cpu" }
+  return require("fsdp").randn(unpack(args)):bf16():float()
+end
+
+-- fn(inputs...) on device in dtype with loss = sum(out * w): returns out
+-- and the inputs' gradients.
+function M.forward_backward(fn, ins, w, device, dtype)
+  local xs = {}
+  for i, x in ipairs(ins) do xs[i] = x:to(device):cast(dtype):detach():requires_grad(true) end
+  local y = fn(unpack(xs))
+  ;(y:float() * w:to(device)):sum():backward()
+  local grads = {}
+  for i, x in ipairs(xs) do grads[i] = x:get_grad() end
+  return y, grads
+end
+
 function M.gpt2_tiny_fixture()
   local init, meta = require("fsdp.safetensors").load("tests/fixtures/gpt2_tiny_init.safetensors")
   local cfg = {
