@@ -11,6 +11,7 @@ local fsdp = require "fsdp"
 local dev = fsdp.default_device()
 
 local close, input, run = t.close_scaled, t.bf16_valued, t.forward_backward
+
 local function check(name, fn, ins, tol)
   -- the weight of the loss, of the output's shape
   local w = input(99, unpack(fn(unpack(ins)):shape()))
