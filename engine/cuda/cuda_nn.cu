@@ -215,6 +215,22 @@ __global__ void norm_fwd_kernel(T *__restrict__ out, float *mean_out, float *rst
 __device__ __forceinline__ float norm_dx_old(const float *p, int addx) { return addx ? *p : 0.0f; }
 __device__ __forceinline__ float norm_dx_old(const uint16_t *p, int addx) { return addx ? ldf(*p) : 0.0f; }
 
+/* A row's means over its columns of g = dout * weight (0 for RMSNorm) and
+ * of g * xhat, xhat = (x - mean) * rstd: what dx of a norm needs. The whole
+ * block calls it (a block sum). */
+template <class T>
+__device__ void norm_bwd_row_means(float *mg, float *mgx, const T *dr, const T *xr, const T *weight, float mean,
+                                   float rstd, int64_t cols, int rms, double *sd) {
+    double sg = 0.0, sgx = 0.0;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
+        sg += g;
+        sgx += g * ((ldf(xr[j]) - mean) * rstd);
+    }
+    *mg = rms ? 0.0f : (float)(block_sum_d(sg, sd) / (double)cols);
+    *mgx = (float)(block_sum_d(sgx, sd) / (double)cols);
+}
+
 template <class T>
 __global__ void norm_bwd_dx_kernel(T *__restrict__ dx, const T *__restrict__ dout, const T *__restrict__ x,
                                    const T *__restrict__ weight, const float *mean_in, const float *rstd_in,
@@ -224,14 +240,8 @@ __global__ void norm_bwd_dx_kernel(T *__restrict__ dx, const T *__restrict__ dou
         const T *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
         T *dxr = dx + r * cols;
         float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
-        double sg = 0.0, sgx = 0.0;
-        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-            float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
-            sg += g;
-            sgx += g * ((ldf(xr[j]) - mean) * rstd);
-        }
-        float mg = rms ? 0.0f : (float)(block_sum_d(sg, sd) / (double)cols);
-        float mgx = (float)(block_sum_d(sgx, sd) / (double)cols);
+        float mg, mgx;
+        norm_bwd_row_means(&mg, &mgx, dr, xr, weight, mean, rstd, cols, rms, sd);
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
             float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
             float v = ldf(xr[j]);
@@ -350,14 +360,8 @@ __global__ void norm_bwd_fused_kernel(T *__restrict__ dx, double *pw, double *pb
         const T *xr = x + r * cols, *dr = dout + r * cols;   // (cols)
         T *dxr = dx + r * cols;
         float mean = rms ? 0.0f : mean_in[r], rstd = rstd_in[r];
-        double sg = 0.0, sgx = 0.0;
-        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-            float g = weight ? ldf(dr[j]) * ldf(weight[j]) : ldf(dr[j]);
-            sg += g;
-            sgx += g * ((ldf(xr[j]) - mean) * rstd);
-        }
-        float mg = rms ? 0.0f : (float)(block_sum_d(sg, sd) / (double)cols);
-        float mgx = (float)(block_sum_d(sgx, sd) / (double)cols);
+        float mg, mgx;
+        norm_bwd_row_means(&mg, &mgx, dr, xr, weight, mean, rstd, cols, rms, sd);
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
             float d = ldf(dr[j]);
             float g = weight ? d * ldf(weight[j]) : d;
