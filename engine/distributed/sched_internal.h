@@ -43,8 +43,10 @@ typedef struct pending {
                                     * values in the reduce dtype's range: local_reduce_in_place); NULL for an
                                     * all-reduce in place (direct) or a reduce-scatter that adds straight into
                                     * the gradient shard */
-    bool into_grad;                /* the latter: the shard held zeros before it (an abandoned backward zeroes
-                                      it again) */
+    bool into_grad;                /* the latter */
+    bool zero_before;              /* the gradient shard held the schedule's zeros before this reduction was
+                                      added to it (during the walk or after): an abandoned backward zeroes it
+                                      again, so no partial step is left in it */
 } pending;
 
 struct fsdp_sched {
@@ -95,5 +97,18 @@ fsdp_status sched_gather_now(fsdp_sched *s, unit *u, bool from_part);
 fsdp_status sched_reshard_unit(fsdp_sched *s, unit *u);
 void sched_drop_secondary(unit *u);
 void sched_unlink_grads(unit *u);
+
+/* shared by sched.c and sched_backward.c */
+void sched_retain(fsdp_sched *s);
+void sched_release(fsdp_sched *s);
+fsdp_status sched_prefetch(fsdp_sched *s, int k, bool from_part);
+fsdp_status sched_prefetch_listed(fsdp_sched *s, int k, int phase, bool *done);
+bool sched_force_collectives(void);
+/* The position of unit k in order[0..n), or -1 */
+int sched_order_index(const int *order, int n, int k);
+/* Records unit k's begin (end = false) or end marker on the tape */
+fsdp_status sched_record_marker(fsdp_sched *s, int k, bool end);
+/* Has the tape's finish wait for s's pending reductions (the root's forward) */
+fsdp_status sched_on_backward_finish(fsdp_sched *s);
 
 #endif
