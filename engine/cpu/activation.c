@@ -5,11 +5,10 @@
  * but it avoids the cancellation in 1 + tanh(u) for negative x, and it costs one
  * exp instead of a tanh. */
 #include "cpu_kernels.h"
+#include "gelu.h"
 #include "vec512.h"
 #include <math.h>
 
-#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
-#define GELU_A 0.044715f
 #define GRAIN 16384                   /* elements per chunk: an exp costs a few ns */
 
 typedef struct {
@@ -18,21 +17,6 @@ typedef struct {
 } act_ctx;
 
 static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
-
-static inline float gelu(float x) {
-    float u = GELU_C * (x + GELU_A * x * x * x);
-    return x * sigmoidf(2.0f * u);
-}
-
-/* d/dx [x s(2u)] = s + x * 2 s (1 - s) * du/dx, with s = sigmoid(2u) = 0.5 (1 + tanh u),
- * since 1 - tanh^2 u = 4 s (1 - s). */
-static inline float gelu_grad(float x) {
-    float u = GELU_C * (x + GELU_A * x * x * x);
-    float du = GELU_C * (1.0f + 3.0f * GELU_A * x * x);
-    float s = sigmoidf(2.0f * u);
-    return s + 2.0f * x * s * (1.0f - s) * du;
-}
-
 
 static void gelu_fwd_range(void *p, int64_t begin, int64_t end) {
     act_ctx *c = p;

@@ -10,27 +10,12 @@
  * to f32 and then to the dtype (bf16: two roundings, as sum_dim_bf16 and
  * CUDA do): what summing the unfused GELU backward's output gives. */
 #include "cpu_kernels.h"
+#include "gelu.h"
 #include "vec512.h"
 #include <math.h>
 
-#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
-#define GELU_A 0.044715f
 #define ROW_GRAIN 16384               /* elements per chunk (an exp costs a few ns) */
 #define COL_TILE 64                   /* columns per double accumulator block */
-
-/* GELU, tanh form, through 0.5 (1 + tanh u) = sigmoid(2u) (as activation.c) */
-static inline float sigmoidf_(float z) { return 1.0f / (1.0f + expf(-z)); }
-static inline float gelu(float v) {
-    float u = GELU_C * (v + GELU_A * v * v * v);
-    return v * sigmoidf_(2.0f * u);
-}
-/* d/dv [v s(2u)] = s + v 2 s (1 - s) du/dv */
-static inline float gelu_grad(float v) {
-    float u = GELU_C * (v + GELU_A * v * v * v);
-    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
-    float s = sigmoidf_(2.0f * u);
-    return s + 2.0f * v * s * (1.0f - s) * du;
-}
 
 typedef struct {
     void *out, *dbias;
@@ -40,17 +25,6 @@ typedef struct {
 } fused_ctx;
 
 /* ---- bias + GELU ---- */
-
-#ifdef FSDP_VEC512
-/* 16 lanes from j of a row (k: the lanes below cols), widened from bf16 */
-CPU_INLINE __m512 fu_ld16(const void *p, int64_t j, __mmask16 k, int bf16) {
-    return bf16 ? v16_load_bf16((const uint16_t *)p + j, k) : v16_load((const float *)p + j, k);
-}
-CPU_INLINE void fu_st16(void *p, int64_t j, __mmask16 k, __m512 v, int bf16) {
-    if (bf16) v16_store_bf16((uint16_t *)p + j, k, v);
-    else v16_store((float *)p + j, k, v);
-}
-#endif
 
 /* (AVX-512: 16 lanes through activation.c's vector GELU, v16_gelu, so the
  * fused and unfused kernels stay equal bit for bit; else one element at a
@@ -62,8 +36,8 @@ CPU_INLINE void gelu_fwd_rows(fused_ctx *c, int64_t r0, int64_t r1, int bf16) {
         void *yr = cpu_at_w(c->out, r * c->cols, bf16);
         for (int64_t j = 0; j < c->cols; j += 16) {
             __mmask16 k = v16_mask(c->cols - j);
-            __m512 v = _mm512_add_ps(fu_ld16(xr, j, k, bf16), fu_ld16(c->bias, j, k, bf16));
-            fu_st16(yr, j, k, v16_gelu(v), bf16);
+            __m512 v = _mm512_add_ps(v16_load_as(xr, j, k, bf16), v16_load_as(c->bias, j, k, bf16));
+            v16_store_as(yr, j, k, v16_gelu(v), bf16);
         }
     }
     return;
@@ -85,8 +59,8 @@ CPU_INLINE void gelu_bwd_rows(fused_ctx *c, int64_t r0, int64_t r1, int bf16) {
         void *dr = cpu_at_w(c->out, r * c->cols, bf16);
         for (int64_t j = 0; j < c->cols; j += 16) {
             __mmask16 k = v16_mask(c->cols - j);
-            __m512 v = _mm512_add_ps(fu_ld16(xr, j, k, bf16), fu_ld16(c->bias, j, k, bf16));
-            fu_st16(dr, j, k, _mm512_mul_ps(fu_ld16(gr, j, k, bf16), v16_gelu_grad(v)), bf16);
+            __m512 v = _mm512_add_ps(v16_load_as(xr, j, k, bf16), v16_load_as(c->bias, j, k, bf16));
+            v16_store_as(dr, j, k, _mm512_mul_ps(v16_load_as(gr, j, k, bf16), v16_gelu_grad(v)), bf16);
         }
     }
     return;

@@ -26,15 +26,6 @@ enum { F32 = 0, BF16 = 1 };
 static int64_t row_grain(int64_t V) { return V >= 16384 ? 1 : 16384 / (V > 0 ? V : 1); }
 
 #ifdef FSDP_VEC512
-/* 16 lanes of logits from j (k: the lanes below valid_v) */
-CPU_INLINE __m512 ce_ld16(const void *x, int64_t j, __mmask16 k, int bf16) {
-    return bf16 ? v16_load_bf16((const uint16_t *)x + j, k) : v16_load((const float *)x + j, k);
-}
-CPU_INLINE void ce_st16(void *dx, int64_t j, __mmask16 k, __m512 v, int bf16) {
-    if (bf16) v16_store_bf16((uint16_t *)dx + j, k, v);
-    else v16_store((float *)dx + j, k, v);
-}
-
 /* max_j x[j] (NaNs skipped, as fmaxf does) and sum_j exp(x[j] - max) in
  * double, over j < valid_v: one pass of 16 lanes each, the exps added in
  * two 8-lane double accumulators (a scalar libm expf per logit bound this
@@ -43,14 +34,14 @@ CPU_INLINE void ce_row_sum16(const void *x, int64_t valid_v, int bf16, float *ma
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < valid_v; j += 16) {
         __mmask16 k = v16_mask(valid_v - j);
-        mv = _mm512_mask_max_ps(mv, k, ce_ld16(x, j, k, bf16), mv);   /* a NaN lane keeps mv */
+        mv = _mm512_mask_max_ps(mv, k, v16_load_as(x, j, k, bf16), mv);   /* a NaN lane keeps mv */
     }
     float m = _mm512_reduce_max_ps(mv);
     __m512 mb = _mm512_set1_ps(m);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
     for (int64_t j = 0; j < valid_v; j += 16) {
         __mmask16 k = v16_mask(valid_v - j);
-        __m512 e = _mm512_maskz_mov_ps(k, v16_exp(_mm512_sub_ps(ce_ld16(x, j, k, bf16), mb)));
+        __m512 e = _mm512_maskz_mov_ps(k, v16_exp(_mm512_sub_ps(v16_load_as(x, j, k, bf16), mb)));
         lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
         hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
     }
@@ -93,9 +84,9 @@ CPU_INLINE void ce_bwd(ce_ctx *c, int64_t begin, int64_t end, int bf16) {
             const __m512 lb = _mm512_set1_ps(lse), db = _mm512_set1_ps(dloss);
             for (; j < valid_v; j += 16) {
                 __mmask16 k = v16_mask(valid_v - j);
-                __m512 d = _mm512_mul_ps(db, v16_exp(_mm512_sub_ps(ce_ld16(x, j, k, bf16), lb)));
+                __m512 d = _mm512_mul_ps(db, v16_exp(_mm512_sub_ps(v16_load_as(x, j, k, bf16), lb)));
                 if (t >= j && t < j + 16) d = _mm512_mask_sub_ps(d, (__mmask16)(1u << (t - j)), d, db);
-                ce_st16(dx, j, k, d, bf16);   /* one rounding, the target's too */
+                v16_store_as(dx, j, k, d, bf16);   /* one rounding, the target's too */
             }
             j = valid_v;
 #endif

@@ -59,6 +59,16 @@ static inline __m512 v16_exp(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 
+/* 16 lanes from element j of an f32 (bf16 = 0) or bf16 (bf16 = 1) buffer:
+ * one kernel body serves both element types */
+static inline __m512 v16_load_as(const void *p, int64_t j, __mmask16 k, int bf16) {
+    return bf16 ? v16_load_bf16((const uint16_t *)p + j, k) : v16_load((const float *)p + j, k);
+}
+static inline void v16_store_as(void *p, int64_t j, __mmask16 k, __m512 v, int bf16) {
+    if (bf16) v16_store_bf16((uint16_t *)p + j, k, v);
+    else v16_store((float *)p + j, k, v);
+}
+
 /* 1 / (1 + e^-z) */
 static inline __m512 v16_sigmoid(__m512 z) {
     __m512 one = _mm512_set1_ps(1.0f);

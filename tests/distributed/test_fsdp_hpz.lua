@@ -31,23 +31,10 @@ local function train(raf, steps, compute)
   local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), seed = 7, strategy = strategy,
     group_size = group_size, reshard_after_forward = raf, mixed_precision = { compute = compute or "f32" } })
   local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 3e-3, betas = { 0.9, 0.95 } })
-  local losses, grads = {}, {}
-  for step = 1, steps or STEPS do
-    local x, y = batch(step)
-    local _, loss = model(x, y)
-    loss:backward()
-    losses[step] = dist.mean(loss:item())
-    if step == (steps or STEPS) then
-      for i, g in ipairs(sharded.grads) do grads[i] = g:tolist() end
-    end
-    opt:step()
-    sharded:zero_grad()
-  end
-  -- an evaluation forward (no backward) keeps nothing, and the next step still matches
+  local run = t.train_sharded(model, sharded, opt, batch, steps or STEPS)
+  -- an evaluation forward (no backward) keeps nothing behind
   fsdp.no_grad(function() model(batch(99)) end)
-  local params = {}
-  for i, u in ipairs(sharded.units) do params[i] = u.master:tolist() end
-  return { losses = losses, grads = grads, params = params, sharded = sharded }
+  return run
 end
 
 local worst_diff = t.max_abs_diff

@@ -30,22 +30,8 @@ local function train(setup, steps)
   local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), seed = 7 })
   local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 3e-3, betas = { 0.9, 0.95 } })
   if setup.once then setup.once(sharded) end
-  local losses, grads = {}, {}
-  for step = 1, steps or STEPS do
-    if setup.each then setup.each(sharded, step) end
-    local x, y = batch(step)
-    local _, loss = model(x, y)
-    loss:backward()
-    losses[step] = dist.mean(loss:item())
-    if step == (steps or STEPS) then
-      for i, g in ipairs(sharded.grads) do grads[i] = g:tolist() end
-    end
-    opt:step()
-    sharded:zero_grad()
-  end
-  local params = {}
-  for i, u in ipairs(sharded.units) do params[i] = u.master:tolist() end
-  return { losses = losses, grads = grads, params = params }
+  return t.train_sharded(model, sharded, opt, batch, steps or STEPS,
+    setup.each and function(step) setup.each(sharded, step) end)
 end
 
 local worst_diff = t.max_abs_diff

@@ -1398,6 +1398,23 @@ static void unpack_heads(float *dst, const uint16_t *src, int64_t B, int64_t H, 
                     dst[((b * H + h) * T + t) * D + d] = bf16_to_f32(src[(b * T + t) * ld + col0 + h * D + d]);
 }
 
+/* The packed attention's results, out (B, T, C) and dqkv (B, T, 3C) bf16
+ * on the host, as (B, H, T, D) f32 tensors each */
+typedef struct {
+    float *o, *dq, *dk, *dv;
+} attn_unpacked;
+
+static attn_unpacked unpack_attention(const uint16_t *o16, const uint16_t *dqkv16, int64_t B, int64_t H, int64_t T,
+                                      int64_t D) {
+    int64_t n = B * H * T * D, C = H * D;
+    attn_unpacked u = {halloc((size_t)n * 4), halloc((size_t)n * 4), halloc((size_t)n * 4), halloc((size_t)n * 4)};
+    unpack_heads(u.o, o16, B, H, T, D, C, 0);
+    unpack_heads(u.dq, dqkv16, B, H, T, D, 3 * C, 0);
+    unpack_heads(u.dk, dqkv16, B, H, T, D, 3 * C, C);
+    unpack_heads(u.dv, dqkv16, B, H, T, D, 3 * C, 2 * C);
+    return u;
+}
+
 static uint16_t *bf16_rand(int64_t n) {
     float *x = hrand(n, 1);
     uint16_t *h = halloc((size_t)n * 2);
@@ -1445,12 +1462,8 @@ static void test_attention_qkv(void) {
             uint16_t *o16 = halloc((size_t)B * T * C * 2), *dqkv16 = halloc((size_t)nqkv * 2);
             for (int64_t j = 0; j < B * T * C; j++) o16[j] = f32_to_bf16(got_o[j]);
             for (int64_t j = 0; j < nqkv; j++) dqkv16[j] = f32_to_bf16(got_dqkv[j]);
-            float *go = halloc((size_t)n * 4), *gdq = halloc((size_t)n * 4), *gdk = halloc((size_t)n * 4);
-            float *gdv = halloc((size_t)n * 4);
-            unpack_heads(go, o16, B, H, T, D, C, 0);
-            unpack_heads(gdq, dqkv16, B, H, T, D, 3 * C, 0);
-            unpack_heads(gdk, dqkv16, B, H, T, D, 3 * C, C);
-            unpack_heads(gdv, dqkv16, B, H, T, D, 3 * C, 2 * C);
+            attn_unpacked g = unpack_attention(o16, dqkv16, B, H, T, D);
+            float *go = g.o, *gdq = g.dq, *gdk = g.dk, *gdv = g.dv;
             char tag[64], name[128];
             snprintf(tag, sizeof tag, "(%lld, %lld, %lld, %lld)%s", (long long)B, (long long)H, (long long)T,
                      (long long)D, causal ? " causal" : "");
@@ -1581,12 +1594,8 @@ static void test_attention_flash(void) {
             G->copy_to_host(o16, gout, (size_t)B * T * C * 2);
             G->copy_to_host(dqkv16, gdqkv, (size_t)nqkv * 2);
             G->copy_to_host(dqkv16b, gdqkv2, (size_t)nqkv * 2);
-            float *go = halloc((size_t)n * 4), *gdq = halloc((size_t)n * 4), *gdk = halloc((size_t)n * 4);
-            float *gdv = halloc((size_t)n * 4);
-            unpack_heads(go, o16, B, H, T, D, C, 0);
-            unpack_heads(gdq, dqkv16, B, H, T, D, 3 * C, 0);
-            unpack_heads(gdk, dqkv16, B, H, T, D, 3 * C, C);
-            unpack_heads(gdv, dqkv16, B, H, T, D, 3 * C, 2 * C);
+            attn_unpacked g = unpack_attention(o16, dqkv16, B, H, T, D);
+            float *go = g.o, *gdq = g.dq, *gdk = g.dk, *gdv = g.dv;
             char tag[64], name[160];
             snprintf(tag, sizeof tag, "(%lld, %lld, %lld, %lld)%s", (long long)B, (long long)H, (long long)T,
                      (long long)D, causal ? " causal" : "");

@@ -172,6 +172,30 @@ function M.forward_backward(fn, ins, w, device, dtype)
   return y, grads
 end
 
+-- Trains a sharded model for `steps` steps with the caller's optimizer:
+-- batch(step) gives (x, y), each(step), when given, runs first. Returns the
+-- losses (averaged over the ranks), the gradient shards of the last step
+-- and the masters after it, as Lua tables.
+function M.train_sharded(model, sharded, opt, batch, steps, each)
+  local dist = require("fsdp").distributed
+  local losses, grads = {}, {}
+  for step = 1, steps do
+    if each then each(step) end
+    local x, y = batch(step)
+    local _, loss = model(x, y)
+    loss:backward()
+    losses[step] = dist.mean(loss:item())
+    if step == steps then
+      for i, g in ipairs(sharded.grads) do grads[i] = g:tolist() end
+    end
+    opt:step()
+    sharded:zero_grad()
+  end
+  local params = {}
+  for i, u in ipairs(sharded.units) do params[i] = u.master:tolist() end
+  return { losses = losses, grads = grads, params = params }
+end
+
 function M.gpt2_tiny_fixture()
   local init, meta = require("fsdp.safetensors").load("tests/fixtures/gpt2_tiny_init.safetensors")
   local cfg = {

@@ -12,30 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-static int failures, checks;
-static void check(int ok, const char *what, int rank) {
-    checks++;
-    if (!ok) {
-        failures++;
-        fprintf(stderr, "FAIL (rank %d): %s (last error: %s)\n", rank, what, fsdp_last_error());
-    }
-}
-
-static void sleep_ms(int ms) {
-    struct timespec ts = {0, ms * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-static int64_t settle(void) {
-    int64_t works = -1;
-    uint64_t id, seq;
-    for (int i = 0; i < 1000; i++) {
-        fsdp_comm_pending(&works, &id, &seq, NULL);
-        if (works == 0) break;
-        sleep_ms(10);
-    }
-    return works;
-}
+#include "mpi_testutil.h"
 
 static float *data_of(fsdp_tensor *t) {
     void *p = NULL;
