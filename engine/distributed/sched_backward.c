@@ -224,14 +224,14 @@ static fsdp_status after_backward(void *p) {
             FSDP_TRY(grow_pending(s, u));
             fsdp_work *w = NULL;
             FSDP_TRY(fsdp_all_reduce(&w, s->replica_comm, u->grad, FSDP_REDUCE_AVG, u->name));
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, false, false};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, false};
         }
     } else if (s->sync && u->flat_grad && local_reduce_in_place(s)) {
         /* a group of one whose gradient values the reduce dtype holds as
          * they are: the flat gradient itself is the reduction, added into
          * the gradient shard later (no copy, nothing widened first) */
         FSDP_TRY(grow_pending(s, u));
-        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, false, u->grad && u->grad_zero};
+        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, u->grad && u->grad_zero};
         sched_unlink_grads(u);
         u->flat_grad = NULL;   /* the pending entry holds its reference */
     } else if (s->sync && u->flat_grad) {
@@ -264,7 +264,7 @@ static fsdp_status after_backward(void *p) {
             tensor_release(src);
             if (r != FSDP_OK) return r;
             u->grad_zero = false;
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, true, true};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, true};
         } else {
             r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, s->device, FSDP_TAG_COMM, false);
             /* a group of one: the average over one rank is the gradient itself */
@@ -276,7 +276,7 @@ static fsdp_status after_backward(void *p) {
                 tensor_release(dst);
                 return r;
             }
-            s->pend[s->n_pend++] = (pending){m->unit, w, dst, false, u->grad_zero};
+            s->pend[s->n_pend++] = (pending){m->unit, w, dst, u->grad_zero};
         }
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);

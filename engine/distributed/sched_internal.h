@@ -43,7 +43,6 @@ typedef struct pending {
                                     * values in the reduce dtype's range: local_reduce_in_place); NULL for an
                                     * all-reduce in place (direct) or a reduce-scatter that adds straight into
                                     * the gradient shard */
-    bool into_grad;                /* the latter */
     bool zero_before;              /* the gradient shard held the schedule's zeros before this reduction was
                                       added to it (during the walk or after): an abandoned backward zeroes it
                                       again, so no partial step is left in it */
