@@ -12,6 +12,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* What matmul_epilogue_bf16 does after the product P = alpha op(A) op(B) + beta C, all row-major:
+ * op(A) (M, K), op(B) (K, N), C and D (M, N); C is read only when beta != 0 and may equal D. */
+enum fsdp_epilogue {
+    FSDP_EPILOGUE_BIAS = 1,      /* D = P + bias[n]                                   bias (N)        */
+    FSDP_EPILOGUE_GELU_AUX_BIAS, /* aux = P + bias[n]; D = gelu(aux), tanh form       bias (N), aux (M, N) */
+    FSDP_EPILOGUE_DGELU_BGRAD,   /* D = P * gelu'(aux); dbias[n] = sum_m D[m, n]      aux (M, N), dbias (N) */
+    FSDP_EPILOGUE_BGRAD_A,       /* D = P; dbias[m] = sum_k op(A)[m, k]               dbias (M)       */
+};
+/* (gelu: the tanh form of engine/cpu/gelu.h. cuBLASLt's GELU epilogue is that form too: PyTorch's
+ * addmm with a GELU activation runs that epilogue, and where it cannot, gelu(approximate="tanh").)
+ * The operands are packed (leading dimensions: the rows' lengths), one matrix, no batch. */
+
 typedef struct fsdp_device_kernels {
     const char *name;
     /* memory */
@@ -35,6 +47,12 @@ typedef struct fsdp_device_kernels {
     void (*matmul_bf16)(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch, int64_t M, int64_t N,
                         int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,
                         int64_t stride_b, int64_t stride_c);
+    /* bf16 in and out, f32 accumulation; dbias is written (not added), bf16. Returns 1 when it ran,
+     * 0 when this device cannot fuse this epilogue at this shape/alignment (nothing written: the op
+     * layer then composes matmul_bf16 with the unfused kernels). NULL where a device has none. */
+    int (*matmul_epilogue_bf16)(uint16_t *d, const uint16_t *a, const uint16_t *b, const uint16_t *c,
+                                int64_t M, int64_t N, int64_t K, int trans_a, int trans_b, float alpha,
+                                float beta, int epilogue, const uint16_t *bias, uint16_t *aux, uint16_t *dbias);
     /* elementwise.c, reduce.c */
     void (*binary_f32)(int op, float *out, const float *a, const int64_t *a_strides, const float *b,
                        const int64_t *b_strides, int ndim, const int64_t *shape);
