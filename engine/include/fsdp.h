@@ -105,6 +105,12 @@ typedef enum fsdp_binary_op {
     FSDP_DIV = 3
 } fsdp_binary_op;
 
+/* The activation of fsdp_linear. */
+typedef enum fsdp_linear_act {
+    FSDP_LINEAR_NONE = 0,
+    FSDP_LINEAR_GELU = 1
+} fsdp_linear_act;
+
 typedef enum fsdp_reduce_op {
     FSDP_REDUCE_SUM = 0,
     FSDP_REDUCE_AVG = 1,
@@ -333,6 +339,16 @@ fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
  * but for x + bias, kept in f32 (not rounded to bf16 first). */
 fsdp_status fsdp_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias);
 fsdp_status fsdp_bias_residual(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias, fsdp_tensor *res);
+/* A Linear layer as one op: y = [res +] act(x W^T + bias), x (..., in),
+ * weight (out, in), bias (out) or NULL, res (..., out) or NULL (of y's
+ * shape: not broadcast), act FSDP_LINEAR_NONE or FSDP_LINEAR_GELU (tanh
+ * form). bf16 with a bias on a device with GEMM epilogues (CUDA's cuBLASLt):
+ * one GEMM each way with the bias, GELU or residual and the bias gradient
+ * inside it, one tape node. Elsewhere the same values as fsdp_matmul then
+ * fsdp_bias_gelu or fsdp_bias_residual (or the unfused ops), which is what
+ * it runs there. */
+fsdp_status fsdp_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias,
+                        fsdp_tensor *res, int act);
 /* table (V, C), ids integer (...): out (..., C). */
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids);
 /* logits (N, V), targets integer (N): mean loss over targets != ignore_index.

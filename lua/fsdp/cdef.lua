@@ -49,6 +49,11 @@ typedef enum fsdp_binary_op {
     FSDP_DIV = 3
 } fsdp_binary_op;
 
+typedef enum fsdp_linear_act {
+    FSDP_LINEAR_NONE = 0,
+    FSDP_LINEAR_GELU = 1
+} fsdp_linear_act;
+
 typedef enum fsdp_reduce_op {
     FSDP_REDUCE_SUM = 0,
     FSDP_REDUCE_AVG = 1,
@@ -227,6 +232,9 @@ fsdp_status fsdp_rmsnorm(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
 
 fsdp_status fsdp_bias_gelu(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias);
 fsdp_status fsdp_bias_residual(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *bias, fsdp_tensor *res);
+
+fsdp_status fsdp_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias,
+                        fsdp_tensor *res, int act);
 
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids);
 

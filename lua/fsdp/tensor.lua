@@ -472,6 +472,16 @@ function M.bias_residual(x, b, res)
   end
   return wrap()
 end
+--- fsdp.linear(x (..., in), weight (out, in), bias (out) or nil, {gelu = true | residual = r}):
+-- [r +] act(x W^T + b) as one op (one GEMM with its epilogue where the device has them); r of the output's shape
+function M.linear(x, w, b, opts)
+  local gelu, res = opts and opts.gelu, opts and opts.residual
+  if C.fsdp_linear(out, T(x, "linear"), T(w, "linear weight"), b and T(b, "linear bias"),
+                   res and T(res, "linear residual"), gelu and C.FSDP_LINEAR_GELU or C.FSDP_LINEAR_NONE) ~= 0 then
+    raise()
+  end
+  return wrap()
+end
 function M.add(a, b) return mt.__add(a, b) end
 function M.sub(a, b) return mt.__sub(a, b) end
 function M.mul(a, b) return mt.__mul(a, b) end

@@ -20,20 +20,11 @@ function Linear:__init(n_in, n_out, opts)
   self:param("weight", { n_out, n_in }, init.normal(opts.std or 0.02))
   if opts.bias ~= false then self:param("bias", { n_out }, init.zeros()) end
 end
--- linear(x, {gelu = true}): gelu(x W^T + b); linear(x, {residual = r}): r + x W^T + b.
--- With a bias, the bias and what follows it are one pass over the output
--- (fsdp.bias_gelu, fsdp.bias_residual) instead of two or three.
+-- linear(x, {gelu = true}): gelu(x W^T + b); linear(x, {residual = r}): r + x W^T + b (r of y's shape).
+-- One op (fsdp.linear): with a bias, in bf16 on a device with GEMM epilogues one GEMM each way;
+-- elsewhere the matmul and one pass for the bias and what follows it (fsdp.bias_gelu, fsdp.bias_residual).
 function Linear:forward(x, opts)
-  local y = x:matmul(self.weight, { tb = true })
-  local gelu, res = opts and opts.gelu, opts and opts.residual
-  if self.bias then
-    if gelu then return fsdp.bias_gelu(y, self.bias) end
-    if res then return fsdp.bias_residual(y, self.bias, res) end
-    y = y + self.bias
-  end
-  if gelu then y = y:gelu() end
-  if res then y = res + y end
-  return y
+  return fsdp.linear(x, self.weight, self.bias, opts)
 end
 M.Linear = Linear
 

@@ -1,0 +1,289 @@
+-- fsdp.linear, a Linear as one op (y = [r +] act(x W^T + b)), on the
+-- default device (CUDA under fsdp-lua-emu or on a GPU: bf16 with a bias is
+-- one GEMM with an epilogue each way; the CPU elsewhere: the composition it
+-- replaces): against that composition (bit for bit where it is the path),
+-- against f32 on the CPU (bf16 within a stated tolerance), the gradients by
+-- finite differences in f32, awkward sizes, gradients added over two
+-- backwards, only some inputs needing gradients, the kernels it runs (the
+-- counting device mimicking CUDA), and bad input.
+package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local nn = require "fsdp.nn"
+
+local dev = fsdp.default_device()
+local function flat(x) return x:float():cpu():contiguous():view(-1):tolist() end
+local close, input, run = t.close_scaled, t.bf16_valued, t.forward_backward
+
+-- the composition fsdp.linear replaces (the old Linear:forward), op for op
+local function composed(opts)
+  return function(x, w, b, r)
+    local y = x:matmul(w, { tb = true })
+    if b then
+      if opts.gelu then y = fsdp.bias_gelu(y, b)
+      elseif opts.residual then return fsdp.bias_residual(y, b, r)
+      else y = y + b end
+    elseif opts.gelu then
+      y = y:gelu()
+    end
+    if opts.residual then y = r + y end
+    return y
+  end
+end
+-- the same from the basic ops only (an independent reference)
+local function plain(opts)
+  return function(x, w, b, r)
+    local y = x:matmul(w, { tb = true })
+    if b then y = y + b end
+    if opts.gelu then y = y:gelu() end
+    if opts.residual then y = r + y end
+    return y
+  end
+end
+-- bounds for the bf16 checks: the same sums over the absolute values of
+-- every term (gelu' is at most 1.13), so that a value that cancels to near
+-- zero is held to the rounding of its terms, not to its own size
+local function magnitudes(opts)
+  return function(x, w, b, r)
+    local y = x:matmul(w, { tb = true })
+    if b then y = y + b end
+    if opts.gelu then y = y * 1.13 end
+    if opts.residual then y = r + y end
+    return y
+  end
+end
+local function abs_of(v)
+  local a = flat(v)
+  for i = 1, #a do a[i] = math.abs(a[i]) end
+  return fsdp.tensor(a, v:shape(), { device = "cpu" })
+end
+local function abs_all(list)
+  local out = {}
+  for i, v in ipairs(list) do out[i] = abs_of(v) end
+  return out
+end
+-- max |got - want| <= tol * max(bound) over all elements
+local function close_to(got, want, bound, tol, name)
+  local g, w, m, e = flat(got), flat(want), 0, 0
+  if #g ~= #w then return t.ok(false, name .. ": sizes differ") end
+  for _, v in ipairs(flat(bound)) do m = math.max(m, math.abs(v)) end
+  for i = 1, #w do
+    local d = math.abs(g[i] - w[i])
+    if d ~= d then d = math.huge end
+    e = math.max(e, d)
+  end
+  return t.ok(e <= tol * math.max(m, 1e-6), string.format("%s: max err %.3g, tol %.3g x %.3g", name, e, tol, m))
+end
+local function fused(opts)
+  return function(x, w, b, r)
+    return fsdp.linear(x, w, b, { gelu = opts.gelu, residual = opts.residual and r or nil })
+  end
+end
+
+local function same_bits(a, b)
+  local x, y = flat(a), flat(b)
+  if #x ~= #y then return false end
+  for i = 1, #x do
+    if x[i] ~= y[i] then return false end
+  end
+  return true
+end
+
+local modes = {
+  { name = "plain", opts = {} },
+  { name = "gelu", opts = { gelu = true } },
+  { name = "residual", opts = { residual = true } },
+  { name = "gelu+residual", opts = { gelu = true, residual = true } },
+}
+-- x's leading dims, in, out: a row of one, widths of 1, odd and prime, a 16-byte multiple, 3-d
+local shapes = { { { 1 }, 1, 1 }, { { 1 }, 5, 3 }, { { 3 }, 7, 13 }, { { 2, 3 }, 13, 1 }, { { 17 }, 8, 16 },
+  { { 2, 5 }, 16, 24 }, { { 5 }, 1, 7 } }
+
+for _, s in ipairs(shapes) do
+  local lead, n_in, n_out = s[1], s[2], s[3]
+  local xs, ys = { unpack(lead) }, { unpack(lead) }
+  xs[#xs + 1], ys[#ys + 1] = n_in, n_out
+  local tag = table.concat(xs, "x") .. "->" .. n_out
+  local x, w, b, r = input(1, unpack(xs)), input(2, n_out, n_in), input(3, n_out), input(4, unpack(ys))
+  local wo = input(5, unpack(ys))
+  for _, m in ipairs(modes) do
+    for _, with_bias in ipairs({ true, false }) do
+      local name = string.format("linear %s%s %s", m.name, with_bias and "" or " (no bias)", tag)
+      -- the inputs in fixed places: b unused without a bias, r without a residual
+      local function args(fn)
+        return function(xv, wv, bv, rv) return fn(xv, wv, with_bias and bv or nil, rv) end
+      end
+      local list = { x, w, b, r }
+      -- f32: the composition itself on every device (bit for bit)
+      local y0, g0 = run(args(composed(m.opts)), list, wo, dev, "f32")
+      local y1, g1 = run(args(fused(m.opts)), list, wo, dev, "f32")
+      local same = same_bits(y1, y0)
+      for i = 1, 4 do
+        local need = (i ~= 3 or with_bias) and (i ~= 4 or m.opts.residual)
+        if need then same = same and g1[i] ~= nil and same_bits(g1[i], g0[i]) end
+      end
+      t.ok(same, name .. " f32: the composition's values and gradients, bit for bit (" .. dev .. ")")
+      -- f32 against the basic ops on the CPU
+      local yp, gp = run(args(plain(m.opts)), list, wo, "cpu", "f32")
+      close(y1, yp, 1e-5, name .. " f32 out vs the basic ops")
+      close(g1[1], gp[1], 1e-5, name .. " f32 dx vs the basic ops")
+      close(g1[2], gp[2], 1e-5, name .. " f32 dW vs the basic ops")
+      if with_bias then close(g1[3], gp[3], 1e-5, name .. " f32 db vs the basic ops") end
+      -- bf16 on the device against f32 on the CPU: inputs exact in bf16, one
+      -- rounding of each output and gradient (two for the GELU's input, the
+      -- bias sums and the residual's sum)
+      local yb, gb = run(args(fused(m.opts)), list, wo, dev, "bf16")
+      local ya, ga = run(args(magnitudes(m.opts)), abs_all(list), abs_of(wo), "cpu", "f32")
+      t.eq(yb:dtype(), "bf16", name .. " bf16 stays bf16")
+      close_to(yb, yp, ya, 1 / 64, name .. " bf16 out (" .. dev .. ")")
+      close_to(gb[1], gp[1], ga[1], 1 / 64, name .. " bf16 dx")
+      close_to(gb[2], gp[2], ga[2], 1 / 64, name .. " bf16 dW")
+      if with_bias then close_to(gb[3], gp[3], ga[3], 1 / 64, name .. " bf16 db") end
+      if m.opts.residual then close_to(gb[4], gp[4], ga[4], 1 / 128, name .. " bf16 dres") end
+      if dev == "cpu" then   -- the CPU runs the composition in bf16 too
+        local yc, gc = run(args(composed(m.opts)), list, wo, dev, "bf16")
+        local eq = same_bits(yb, yc) and same_bits(gb[1], gc[1]) and same_bits(gb[2], gc[2])
+        if with_bias then eq = eq and same_bits(gb[3], gc[3]) end
+        t.ok(eq, name .. " bf16 on the CPU: the composition bit for bit")
+      end
+    end
+  end
+end
+
+-- finite differences of sum(linear(x, W, b, {gelu}) * wo) in f32: central, step 1e-2
+do
+  local x, w, b, wo = input(6, 3, 4), input(7, 5, 4), input(8, 5), input(9, 3, 5)
+  local lin = function(xv, wv, bv) return fsdp.linear(xv, wv, bv, { gelu = true }) end
+  local _, g = run(lin, { x, w, b }, wo, dev, "f32")
+  local function loss(xv, wv, bv) return (lin(xv:to(dev), wv:to(dev), bv:to(dev)):cpu() * wo):sum():item() end
+  local h, worst = 1e-2, 0
+  local vals = { flat(x), flat(w), flat(b) }
+  local grads = { flat(g[1]), flat(g[2]), flat(g[3]) }
+  local shapes_of = { { 3, 4 }, { 5, 4 }, { 5 } }
+  for k = 1, 3 do
+    for i = 1, #vals[k] do
+      local p, q = { unpack(vals[k]) }, { unpack(vals[k]) }
+      p[i], q[i] = vals[k][i] + h, vals[k][i] - h
+      local a = { x, w, b }
+      local c = { x, w, b }
+      a[k] = fsdp.tensor(p, shapes_of[k], { device = "cpu" })
+      c[k] = fsdp.tensor(q, shapes_of[k], { device = "cpu" })
+      local fd = (loss(a[1], a[2], a[3]) - loss(c[1], c[2], c[3])) / (2 * h)
+      worst = math.max(worst, math.abs(fd - grads[k][i]))
+    end
+  end
+  t.ok(worst < 2e-3, string.format("linear gelu: dx, dW, db match finite differences (worst %.3g)", worst))
+end
+
+-- weights and biases whose .grad exists get the second backward's gradient added
+for _, dt in ipairs({ "f32", "bf16" }) do
+  for _, m in ipairs({ { gelu = true }, {}, { residual = true } }) do
+    local x = input(10, 6, 16):to(dev):cast(dt)
+    local r = input(11, 6, 8):to(dev):cast(dt)
+    local w = input(12, 8, 16):to(dev):cast(dt):requires_grad(true)
+    local b = input(13, 8):to(dev):cast(dt):requires_grad(true)
+    local function step()
+      fsdp.linear(x, w, b, { gelu = m.gelu, residual = m.residual and r or nil }):float():sum():backward()
+    end
+    step()
+    local gw, gb = w:get_grad():float():cpu(), b:get_grad():float():cpu()
+    step()
+    local tol = dt == "bf16" and 1 / 128 or 1e-6
+    local what = (m.gelu and "gelu" or m.residual and "residual" or "plain") .. " " .. dt
+    close(w:get_grad(), gw * 2, tol, "linear " .. what .. ": dW added into .grad")
+    close(b:get_grad(), gb * 2, tol, "linear " .. what .. ": db added into .grad")
+    if not m.gelu then   -- d sum / d b is the count of rows
+      close(gb, fsdp.full({ 8 }, 6, { device = "cpu" }), 0, "linear " .. what .. ": db = the rows' count")
+    end
+  end
+end
+
+-- only some inputs need gradients
+for _, dt in ipairs({ "f32", "bf16" }) do
+  local x0, w0, b0, wo = input(14, 4, 6), input(15, 3, 6), input(16, 3), input(17, 4, 3)
+  local _, want = run(plain({ gelu = true }), { x0, w0, b0 }, wo, "cpu", "f32")
+  local tol = dt == "bf16" and 1 / 32 or 1e-5
+  for k, which in ipairs({ "x", "weight", "bias" }) do
+    local v = { x0:to(dev):cast(dt), w0:to(dev):cast(dt), b0:to(dev):cast(dt) }
+    v[k] = v[k]:requires_grad(true)
+    ;(fsdp.linear(v[1], v[2], v[3], { gelu = true }):float() * wo:to(dev)):sum():backward()
+    close(v[k]:get_grad(), want[k], tol, "linear gelu " .. dt .. ": d" .. which .. " alone")
+    for j = 1, 3 do
+      if j ~= k then t.ok(v[j]:get_grad() == nil, "linear gelu " .. dt .. ": no gradient for " .. j .. " with d" .. which) end
+    end
+  end
+end
+
+-- nn.Linear over it: the options GPT-2's blocks use, with and without a bias
+for _, bias in ipairs({ true, false }) do
+  local lin = nn.Linear(8, 12, { bias = bias }):materialize { seed = 1 }
+  if bias then lin.bias:copy(input(18, 12):to(dev)) end
+  local x, r = input(19, 3, 8):to(dev), input(20, 3, 12):to(dev)
+  local p = x:matmul(lin.weight, { tb = true })
+  if bias then p = p + lin.bias end
+  close(lin(x), p, 1e-6, "Linear (bias " .. tostring(bias) .. ")")
+  close(lin(x, { gelu = true }), p:gelu(), 1e-6, "Linear {gelu = true} (bias " .. tostring(bias) .. ")")
+  close(lin(x, { residual = r }), r + p, 1e-6, "Linear {residual = r} (bias " .. tostring(bias) .. ")")
+  close(lin(x, { gelu = true, residual = r }), r + p:gelu(), 1e-6,
+    "Linear {gelu = true, residual = r} (bias " .. tostring(bias) .. ")")
+end
+
+-- the kernels it runs: the counting device with CUDA's kernel set
+local meta = require "fsdp.meta"
+if pcall(meta.mimic, "cuda") and meta.by_name().matmul_epilogue_bf16 and meta.by_name().matmul_epilogue_bf16.present then
+  local M, K, N = 6, 16, 8
+  local function counts(opts, bias)
+    local x = fsdp.randn(M, K, { seed = 1, device = "meta" }):cast("bf16"):requires_grad(true)
+    local w = fsdp.randn(N, K, { seed = 2, device = "meta" }):cast("bf16"):requires_grad(true)
+    local b = bias and fsdp.randn(N, { seed = 3, device = "meta" }):cast("bf16"):requires_grad(true) or nil
+    local r = opts.residual and fsdp.randn(M, N, { seed = 4, device = "meta" }):cast("bf16"):requires_grad(true)
+    meta.reset()
+    local y = fsdp.linear(x, w, b, { gelu = opts.gelu, residual = r or nil })
+    local f = meta.by_name()
+    local fwd = { epi = f.matmul_epilogue_bf16.calls, mm = f.matmul_bf16.calls,
+      other = f.bias_gelu_forward_bf16.calls + f.bias_residual_bf16.calls + f.binary_bf16.calls }
+    meta.reset()
+    y:backward(fsdp.ones(M, N, { device = "meta" }):cast("bf16"))
+    local e = meta.by_name()
+    return fwd, { epi = e.matmul_epilogue_bf16.calls, mm = e.matmul_bf16.calls, sum = e.sum_dim_bf16.calls,
+      gelu = e.gelu_backward_bf16.calls + e.bias_gelu_backward_bf16.calls }
+  end
+  for _, m in ipairs({ { name = "plain", opts = {} }, { name = "gelu", opts = { gelu = true } },
+    { name = "residual", opts = { residual = true } } }) do
+    local f, b = counts(m.opts, true)
+    t.ok(f.epi == 1 and f.mm == 0 and f.other == 0, "CUDA set, " .. m.name .. ": forward is one epilogue GEMM")
+    t.ok(b.epi == 1 and b.mm == 1 and b.sum == 0, "CUDA set, " .. m.name ..
+      ": backward is dx and dW GEMMs, the bias gradient in dW's epilogue")
+    t.eq(b.gelu, m.opts.gelu and 1 or 0, "CUDA set, " .. m.name .. ": one GELU backward pass where there is a GELU")
+  end
+  local f = counts({}, false)
+  t.ok(f.epi == 0 and f.mm == 1, "CUDA set, no bias: the plain GEMM (the composition)")
+  f = counts({ gelu = true, residual = true }, true)
+  t.ok(f.epi == 0 and f.mm == 1, "CUDA set, gelu with residual: the composition")
+end
+meta.mimic("cpu")
+
+-- bad input: a clear error naming the op and the tensors
+local x, w, b = fsdp.zeros(3, 4), fsdp.zeros(5, 4), fsdp.zeros(5)
+t.raises(function() return fsdp.linear(x, fsdp.zeros(5, 3), b) end, { "fsdp_linear", "weight", "[5,3]", "in = 4" },
+  "linear: weight of the wrong width")
+t.raises(function() return fsdp.linear(x, fsdp.zeros(20), b) end, { "fsdp_linear", "(out, in)" }, "linear: 1-D weight")
+t.raises(function() return fsdp.linear(x, w, fsdp.zeros(4)) end, { "fsdp_linear", "bias", "[4]", "5 elements" },
+  "linear: a bias of the wrong length")
+t.raises(function() return fsdp.linear(fsdp.zeros(4), w, b) end, { "fsdp_linear", "at least 2 dims" },
+  "linear: a 1-D x")
+t.raises(function() return fsdp.linear(x, w:bf16(), b) end, { "fsdp_linear", "dtypes differ" },
+  "linear: dtypes differ")
+t.raises(function() return fsdp.linear(fsdp.zeros(3, 4, { dtype = "i64" }), w, b) end,
+  { "fsdp_linear", "f32 or bf16" }, "linear: an integer x")
+t.raises(function() return fsdp.linear(x, w, b, { residual = fsdp.zeros(5) }) end,
+  { "fsdp_linear", "res", "[5]", "not broadcast" }, "linear: a residual that would broadcast")
+t.raises(function() return fsdp.linear(x, w, b, { residual = fsdp.zeros(3, 4) }) end,
+  { "fsdp_linear", "res", "[3,4]" }, "linear: a residual of another shape")
+t.raises(function() return fsdp.linear(x, nil, b) end, { "linear weight" }, "linear: no weight")
+if dev ~= "cpu" then
+  t.raises(function() return fsdp.linear(x:cpu(), w, b) end, { "fsdp_linear", "different devices" },
+    "linear: tensors on two devices")
+end
+
+t.done()
