@@ -130,8 +130,8 @@ for step = first_step, o.steps do
     end
     if m < o.accum and not o.accum_sync then sharded:no_sync(forward_backward) else forward_backward() end
   end
-  local norm = o.clip > 0 and sharded:clip_grad_norm(o.clip) or sharded:grad_norm()
-  opt:step()
+  local norm = sharded:grad_norm()
+  opt:step { grad_scale = o.clip > 0 and optim.clip_coef(norm, o.clip) or 1 }   -- the clip, in AdamW's pass
   opt:zero_grad()
   local rec = meter:end_step { step = step, loss = dist.mean(loss), lr = lr, grad_norm = norm }
   if step == 1 or step % o.log_every == 0 or step == o.steps then log("%s", meter:format(rec)) end

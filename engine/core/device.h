@@ -205,9 +205,11 @@ typedef struct fsdp_device_kernels {
     void (*init_uniform_f32)(float *out, int64_t n, float low, float high, uint64_t seed, uint64_t stream,
                              int64_t offset);
     void (*dropout_f32)(float *out, const float *x, int64_t n, float p, uint64_t seed, int64_t offset);
-    /* optim_kernels.c */
+    /* optim_kernels.c; the AdamW kernels read each gradient as g * grad_scale
+     * (the clip coefficient, folded into the pass; 1: as stored), rounded to
+     * f32 as a scale pass over g would leave it */
     void (*adamw_f32)(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
-                      float decay, float step_size, float inv_sqrt_bc2);
+                      float decay, float step_size, float inv_sqrt_bc2, float grad_scale);
     void (*sgd_f32)(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                     float weight_decay, int nesterov, int first);
     /* adamw_f32 over n flat f32 tensors at once: tensor i is p[i], g[i],
@@ -218,7 +220,7 @@ typedef struct fsdp_device_kernels {
      * the op layer calls adamw_f32 per tensor). */
     void (*adamw_many_f32)(float *const *p, const float *const *g, float *const *m, float *const *v,
                            const int64_t *counts, const float *decay, const float *step_size,
-                           const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps);
+                           const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale);
     /* Gradients added where they are kept (a .grad that exists: an FSDP
      * unit's gradient slice) instead of made and then added: sum_dim_bf16 and
      * layernorm_backward_bf16 with out, dweight and dbias (either may be

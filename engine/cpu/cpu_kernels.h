@@ -224,9 +224,10 @@ void cpu_embedding_slice_backward_f32(float *drows, const int64_t *ids, int64_t 
 
 /* ---- optimizers (optim_kernels.c) ---- */
 /* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),
- * with decay = 1 - lr*wd, step_size = lr / (1 - beta1^t), inv_sqrt_bc2 = 1/sqrt(1 - beta2^t). */
+ * with decay = 1 - lr*wd, step_size = lr / (1 - beta1^t), inv_sqrt_bc2 = 1/sqrt(1 - beta2^t),
+ * on the gradient g * grad_scale (a clip coefficient; 1 reads g as it is). */
 void cpu_adamw_f32(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
-                   float decay, float step_size, float inv_sqrt_bc2);
+                   float decay, float step_size, float inv_sqrt_bc2, float grad_scale);
 /* SGD, PyTorch's update; buf NULL when momentum is 0; first initializes buf with d. */
 void cpu_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                  float weight_decay, int nesterov, int first);

@@ -9,20 +9,23 @@
 typedef struct {
     float *p, *m, *v;
     const float *g;
-    float beta1, beta2, eps, decay, step_size, inv_sqrt_bc2;
+    float beta1, beta2, eps, decay, step_size, inv_sqrt_bc2, grad_scale;
 } adamw_args;
 
 /* The update of elements [begin, end), one at a time: the reference (and
  * the tail) of the vector loop below, which evaluates the same expressions
- * in the same order. Restrict locals: the four buffers never overlap, and
- * without it every store reloads the pointers and the loop stays scalar. */
+ * in the same order. The gradient is read as g * grad_scale, rounded to f32:
+ * what a clip's scale pass over g (cpu_scale_f32) would have stored, so the
+ * clip costs no pass of its own. Restrict locals: the four buffers never
+ * overlap, and without it every store reloads the pointers and the loop
+ * stays scalar. */
 static void adamw_scalar(const adamw_args *a, int64_t begin, int64_t end) {
     float *restrict p = a->p, *restrict mb = a->m, *restrict vb = a->v;
     const float *restrict gb = a->g;
     const float beta1 = a->beta1, beta2 = a->beta2, eps = a->eps, decay = a->decay, step_size = a->step_size,
-                ibc2 = a->inv_sqrt_bc2;
+                ibc2 = a->inv_sqrt_bc2, grad_scale = a->grad_scale;
     for (int64_t i = begin; i < end; i++) {
-        float g = gb[i];
+        float g = gb[i] * grad_scale;
         float m = beta1 * mb[i] + (1.0f - beta1) * g;
         float v = beta2 * vb[i] + (1.0f - beta2) * g * g;
         float denom = sqrtf(v) * ibc2 + eps;    /* sqrt(v / bc2) + eps, as PyTorch */
@@ -42,8 +45,9 @@ static void adamw_range(void *ctx, int64_t begin, int64_t end) {
     const __m512 beta2 = _mm512_set1_ps(a->beta2), one_m_beta2 = _mm512_set1_ps(1.0f - a->beta2);
     const __m512 eps = _mm512_set1_ps(a->eps), decay = _mm512_set1_ps(a->decay);
     const __m512 step_size = _mm512_set1_ps(a->step_size), ibc2 = _mm512_set1_ps(a->inv_sqrt_bc2);
+    const __m512 grad_scale = _mm512_set1_ps(a->grad_scale);
     for (; i + 16 <= end; i += 16) {
-        __m512 g = _mm512_loadu_ps(a->g + i);
+        __m512 g = _mm512_mul_ps(_mm512_loadu_ps(a->g + i), grad_scale);
         __m512 m = _mm512_fmadd_ps(beta1, _mm512_loadu_ps(a->m + i), _mm512_mul_ps(one_m_beta1, g));
         __m512 v = _mm512_fmadd_ps(beta2, _mm512_loadu_ps(a->v + i), _mm512_mul_ps(_mm512_mul_ps(one_m_beta2, g), g));
         __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), ibc2, eps);
@@ -58,8 +62,8 @@ static void adamw_range(void *ctx, int64_t begin, int64_t end) {
 }
 
 void cpu_adamw_f32(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
-                   float decay, float step_size, float inv_sqrt_bc2) {
-    adamw_args a = {p, m, v, g, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2};
+                   float decay, float step_size, float inv_sqrt_bc2, float grad_scale) {
+    adamw_args a = {p, m, v, g, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2, grad_scale};
     cpu_parallel_for(n, 1 << 15, adamw_range, &a);
 }
 

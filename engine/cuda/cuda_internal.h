@@ -460,12 +460,12 @@ void cuda_init_uniform_f32(float *out, int64_t n, float low, float high, uint64_
 void cuda_dropout_f32(float *out, const float *x, int64_t n, float p, uint64_t seed, int64_t offset);
 /* cuda_optim.cu */
 void cuda_adamw_f32(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
-                    float decay, float step_size, float inv_sqrt_bc2);
+                    float decay, float step_size, float inv_sqrt_bc2, float grad_scale);
 void cuda_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                   float weight_decay, int nesterov, int first);
 void cuda_adamw_many_f32(float *const *p, const float *const *g, float *const *m, float *const *v,
                          const int64_t *counts, const float *decay, const float *step_size, const float *inv_sqrt_bc2,
-                         int n, float beta1, float beta2, float eps);
+                         int n, float beta1, float beta2, float eps, float grad_scale);
 
 #endif /* FSDP_CUDA_SOURCE */
 

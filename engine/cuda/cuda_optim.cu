@@ -2,11 +2,12 @@
  * the float expressions of engine/cpu/optim_kernels.c. */
 #include "cuda_internal.h"
 
-/* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps) */
+/* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),
+ * on the gradient g * grad_scale (a clip's coefficient folded into the pass) */
 __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2,
-                             float eps, float decay, float step_size, float inv_sqrt_bc2) {
+                             float eps, float decay, float step_size, float inv_sqrt_bc2, float grad_scale) {
     GRID_STRIDE(i, n) {
-        float gi = g[i];
+        float gi = g[i] * grad_scale;
         float pi = p[i] * decay;   /* decoupled weight decay */
         float mi = beta1 * m[i] + (1.0f - beta1) * gi;
         float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
@@ -48,7 +49,7 @@ static inline void emu_kernel_ptrs(const adam_group &a, emu_ptr_list &list) {
 }
 #endif
 
-__global__ void adamw_group_kernel(adam_group a, float beta1, float beta2, float eps) {
+__global__ void adamw_group_kernel(adam_group a, float beta1, float beta2, float eps, float grad_scale) {
     int lo = 0, hi = a.count - 1;   /* the last k with block0[k] <= blockIdx.x */
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
@@ -62,7 +63,7 @@ __global__ void adamw_group_kernel(adam_group a, float beta1, float beta2, float
     const float *g = a.g[k];
     float decay = a.decay[k], step_size = a.step_size[k], inv_sqrt_bc2 = a.inv_sqrt_bc2[k];
     for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
-        float gi = g[i];
+        float gi = g[i] * grad_scale;
         float pi = p[i] * decay;
         float mi = beta1 * m[i] + (1.0f - beta1) * gi;
         float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
@@ -88,11 +89,11 @@ __global__ void sgd_kernel(float *p, const float *g, float *buf, int64_t n, floa
 }
 
 void cuda_adamw_f32(float *p, const float *g, float *m, float *v, int64_t n, float beta1, float beta2, float eps,
-                    float decay, float step_size, float inv_sqrt_bc2) {
+                    float decay, float step_size, float inv_sqrt_bc2, float grad_scale) {
     CUDA_ENTER();
     if (n <= 0) return;
     LAUNCH(adamw_kernel, cuda_blocks(n, CUDA_THREADS), CUDA_THREADS, 0)(p, g, m, v, n, beta1, beta2, eps, decay,
-                                                                        step_size, inv_sqrt_bc2);
+                                                                        step_size, inv_sqrt_bc2, grad_scale);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -107,7 +108,7 @@ void cuda_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, flo
 
 void cuda_adamw_many_f32(float *const *p, const float *const *g, float *const *m, float *const *v,
                          const int64_t *counts, const float *decay, const float *step_size, const float *inv_sqrt_bc2,
-                         int n, float beta1, float beta2, float eps) {
+                         int n, float beta1, float beta2, float eps, float grad_scale) {
     CUDA_ENTER();
     adam_group a;
     a.count = 0;
@@ -116,7 +117,7 @@ void cuda_adamw_many_f32(float *const *p, const float *const *g, float *const *m
         bool flush = i == n || a.count == ADAM_GROUP;
         if (flush && a.count > 0) {
             if (blocks > INT32_MAX) cuda_fail(__func__, __FILE__, __LINE__, "adamw_many", "more than 2^31 - 1 blocks");
-            LAUNCH(adamw_group_kernel, (unsigned)blocks, CUDA_THREADS, 0)(a, beta1, beta2, eps);
+            LAUNCH(adamw_group_kernel, (unsigned)blocks, CUDA_THREADS, 0)(a, beta1, beta2, eps, grad_scale);
             CUDA_CHECK_LAUNCH();
             a.count = 0;
             blocks = 0;

@@ -408,10 +408,15 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
  * weight_decays[i] and step steps[i]; the betas and eps are shared. All are
  * checked before any is updated; devices that have it update them all in a
  * few launches (CUDA: one per 64 tensors), the others one tensor at a time.
- * Results equal n calls of fsdp_adamw_step. */
+ * Every gradient is read as grad * grad_scale (finite, >= 0; 1: as it is),
+ * the gradients themselves left as they are: a clip by global norm without
+ * a pass of its own. Results equal fsdp_scale_(grads[i], grad_scale) and
+ * then fsdp_adamw_step, for each i, bit for bit where grads[i] is f32 (the
+ * scaled value of another dtype's gradient is not rounded to that dtype). */
 fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const *grads, fsdp_tensor *const *exp_avgs,
                                  fsdp_tensor *const *exp_avg_sqs, const double *lrs, const double *weight_decays,
-                                 const int64_t *steps, int n, double beta1, double beta2, double eps);
+                                 const int64_t *steps, int n, double beta1, double beta2, double eps,
+                                 double grad_scale);
 /* SGD as PyTorch defines it; momentum_buf may be NULL when momentum is 0.
  * first_step initializes the buffer with the gradient. */
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,

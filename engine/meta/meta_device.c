@@ -410,15 +410,16 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     X(void, dropout_f32, "elementwise", (float *out, const float *x, int64_t n, float p, uint64_t seed,           \
       int64_t offset), F32 * n, F32 * n, 2 * n, 1, 0, )                                                            \
     X(void, adamw_f32, "optimizer", (float *p, const float *g, float *m, float *v, int64_t n, float beta1,        \
-      float beta2, float eps, float decay, float step_size, float inv_sqrt_bc2), 4 * F32 * n, 3 * F32 * n, 12 * n, \
-      1, 0, )                                                                                                      \
+      float beta2, float eps, float decay, float step_size, float inv_sqrt_bc2, float grad_scale), 4 * F32 * n,     \
+      3 * F32 * n, 13 * n, 1, 0, )                                                                                                      \
     X(void, sgd_f32, "optimizer", (float *p, const float *g, float *buf, int64_t n, float lr, float momentum,     \
       float dampening, float weight_decay, int nesterov, int first), F32 * n * (buf ? 3 : 2),                     \
       F32 * n * (buf ? 2 : 1), 4 * n, 1, 0, )                                                                      \
     X(void, adamw_many_f32, "optimizer", (float *const *p, const float *const *g, float *const *m,               \
       float *const *v, const int64_t *counts, const float *decay, const float *step_size,                         \
-      const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps), 4 * F32 * sum_counts(counts, n),    \
-      3 * F32 * sum_counts(counts, n), 12 * sum_counts(counts, n), (nonempty(counts, n) + 63) / 64, 0, )            \
+      const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale),                   \
+      4 * F32 * sum_counts(counts, n), 3 * F32 * sum_counts(counts, n), 13 * sum_counts(counts, n),              \
+      (nonempty(counts, n) + 63) / 64, 0, )            \
     X(void, sum_dim_acc_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,           \
       int64_t inner), BF16 * (outer * red * inner + outer * inner), BF16 * outer * inner, outer * red * inner,     \
       sum_dim_launches(outer, red, inner, 1), 0, )                                                                 \

@@ -2,6 +2,7 @@
  * helpers (scale, axpy, sum of squares) that clipping and accumulation use.
  * Each step is a single pass: every element is read and written once. */
 #include "ops_util.h"
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -157,16 +158,18 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
     double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
     KERNELS(param)->adamw_f32(tensor_data(param), tensor_data(g32), tensor_data(exp_avg), tensor_data(exp_avg_sq), n,
                               (float)beta1, (float)beta2, (float)eps, (float)(1.0 - lr * weight_decay),
-                              (float)(lr / bc1), (float)(1.0 / sqrt(bc2)));
+                              (float)(lr / bc1), (float)(1.0 / sqrt(bc2)), 1.0f);
     tensor_release(g32);
     return FSDP_OK;
 }
 
 /* Many parameters: every tensor checked first, then one call of the
- * device's adamw_many_f32 (or adamw_f32 per tensor where it has none). */
+ * device's adamw_many_f32 (or adamw_f32 per tensor where it has none). The
+ * kernels read each gradient as g * grad_scale, in their one pass. */
 fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const *grads, fsdp_tensor *const *exp_avgs,
                                  fsdp_tensor *const *exp_avg_sqs, const double *lrs, const double *weight_decays,
-                                 const int64_t *steps, int n, double beta1, double beta2, double eps) {
+                                 const int64_t *steps, int n, double beta1, double beta2, double eps,
+                                 double grad_scale) {
     const char *op = "fsdp_adamw_step_many";
     if (n < 0 || (n > 0 && (!params || !grads || !exp_avgs || !exp_avg_sqs || !lrs || !weight_decays || !steps)))
         return fsdp_set_error(FSDP_ERR_INVALID, "%s: %d parameters, with a NULL array among params, grads, exp_avgs, "
@@ -174,6 +177,10 @@ fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const 
     if (n == 0) return FSDP_OK;
     if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && eps >= 0))
         return fsdp_set_error(FSDP_ERR_INVALID, "%s: betas (%g, %g), eps %g out of range", op, beta1, beta2, eps);
+    /* a float as the kernels take it: finite (a NaN or infinite norm's
+     * coefficient is the caller's to handle, as clip_coef does) */
+    if (!(grad_scale >= 0 && grad_scale <= FLT_MAX))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s: grad_scale %g, expected a finite number >= 0", op, grad_scale);
     char name[64];
     for (int i = 0; i < n; i++) {
         snprintf(name, sizeof name, "params[%d]", i);
@@ -213,7 +220,7 @@ fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const 
             if (st != FSDP_OK) break;
             k->adamw_f32(tensor_data(params[i]), tensor_data(g), tensor_data(exp_avgs[i]),
                          tensor_data(exp_avg_sqs[i]), tensor_numel(params[i]), (float)beta1, (float)beta2, (float)eps,
-                         d, ss, ib);
+                         d, ss, ib, (float)grad_scale);
             tensor_release(g);
             continue;
         }
@@ -230,11 +237,11 @@ fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const 
     if (st == FSDP_OK) {
         if (k->adamw_many_f32) {
             k->adamw_many_f32(pp, gp, mp, vp, counts, decay, step_size, ibc2, m, (float)beta1, (float)beta2,
-                              (float)eps);
+                              (float)eps, (float)grad_scale);
         } else {
             for (int i = 0; i < m; i++)
                 k->adamw_f32(pp[i], gp[i], mp[i], vp[i], counts[i], (float)beta1, (float)beta2, (float)eps, decay[i],
-                             step_size[i], ibc2[i]);
+                             step_size[i], ibc2[i], (float)grad_scale);
         }
     }
     free(pp);

@@ -267,7 +267,8 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
 
 fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const *grads, fsdp_tensor *const *exp_avgs,
                                  fsdp_tensor *const *exp_avg_sqs, const double *lrs, const double *weight_decays,
-                                 const int64_t *steps, int n, double beta1, double beta2, double eps);
+                                 const int64_t *steps, int n, double beta1, double beta2, double eps,
+                                 double grad_scale);
 
 fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *momentum_buf, double lr,
                           double momentum, double dampening, double weight_decay, int nesterov, int first_step);

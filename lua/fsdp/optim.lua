@@ -81,6 +81,25 @@ function M.AdamW(params, opts)
   return self
 end
 
+-- step(opts): opts.grad_scale = s reads every gradient as grad * s (a
+-- number >= 0, finite; default 1), the clip by global norm without a pass of
+-- its own: opt:step { grad_scale = optim.clip_coef(norm, max_norm) } updates
+-- the parameters as clip_grad_norm(params, max_norm) and then opt:step()
+-- would. AdamW folds it into its one pass and leaves the gradients as they
+-- are; SGD scales them in place first.
+local step_option_names = { "grad_scale" }
+local function step_grad_scale(name, opts)
+  if opts == nil then return 1 end
+  if type(opts) ~= "table" then error(string.format("%s:step: expected an options table, got %s", name, type(opts)), 3) end
+  options.check_keys(opts, step_option_names, name .. ":step", 3)
+  local s = opts.grad_scale
+  if s == nil then return 1 end
+  if type(s) ~= "number" or s ~= s or s < 0 or s == math.huge then
+    error(string.format("%s:step: grad_scale must be a finite number >= 0, got %s (%s)", name, tostring(s), type(s)), 3)
+  end
+  return s
+end
+
 -- One step: update(group, param, grad, state, first) for every parameter
 -- that has a gradient; state is the parameter's table, made on first use.
 -- finish(), when given, runs after the last update (a batched call).
@@ -108,26 +127,27 @@ end
 -- parameters with the same betas, eps and device; usually one): a few launches on a GPU instead of one per tensor.
 local function new_batch() return { n = 0, params = {}, grads = {}, m = {}, v = {}, lr = {}, wd = {}, step = {} } end
 
-local function adamw_flush(b, g)
+local function adamw_flush(b, g, grad_scale)
   local n = b.n
   if n == 0 then return end
   local function ptrs(list) return ffi.new("fsdp_tensor *[?]", n, list) end
   -- b keeps the tensors referenced while C reads them
   local rc = C.fsdp_adamw_step_many(ptrs(b.params), ptrs(b.grads), ptrs(b.m), ptrs(b.v),
     ffi.new("double[?]", n, b.lr), ffi.new("double[?]", n, b.wd), ffi.new("int64_t[?]", n, b.step), n,
-    g.beta1, g.beta2, g.eps)
+    g.beta1, g.beta2, g.eps, grad_scale)
   -- the gradient references step_each took go back now, not when the
   -- collector runs (zero_grad then frees the gradients themselves)
   for i = 1, n do b.grads[i]:free() end
   if rc ~= 0 then raise() end
 end
 
-function AdamW:step()
+function AdamW:step(opts)
+  local grad_scale = step_grad_scale("AdamW", opts)
   local b, last, last_device = new_batch(), nil, nil
   step_each(self, function(g, p, grad, st, first)
     local device = p:device()   -- one call reads tensors of one device
     if last and (last.beta1 ~= g.beta1 or last.beta2 ~= g.beta2 or last.eps ~= g.eps or device ~= last_device) then
-      adamw_flush(b, last)
+      adamw_flush(b, last, grad_scale)
       b = new_batch()
     end
     last, last_device = g, device
@@ -137,7 +157,7 @@ function AdamW:step()
     b.n, b.params[n], b.grads[n], b.m[n], b.v[n] = n, p, grad, st.exp_avg, st.exp_avg_sq
     b.lr[n], b.wd[n], b.step[n] = g.lr, g.weight_decay, st.step
     return 0
-  end, function() if last then adamw_flush(b, last) end end)
+  end, function() if last then adamw_flush(b, last, grad_scale) end end)
 end
 
 --- SGD(params, {lr=, momentum=0, dampening=0, weight_decay=0, nesterov=false})
@@ -163,7 +183,14 @@ local function sgd_update(g, p, grad, st, first)
     first and 1 or 0)
 end
 
-function SGD:step() step_each(self, sgd_update) end
+function SGD:step(opts)
+  local grad_scale = step_grad_scale("SGD", opts)
+  if grad_scale == 1 then return step_each(self, sgd_update) end
+  step_each(self, function(g, p, grad, st, first)
+    if C.fsdp_scale_(grad, grad_scale) ~= 0 then return -1 end
+    return sgd_update(g, p, grad, st, first)
+  end)
+end
 
 -- Both optimizers share these.
 for _, cls in ipairs({ AdamW, SGD }) do
@@ -224,11 +251,24 @@ function M.grad_norm(params, opts)
   return math.sqrt(total)
 end
 
+--- The factor clip_grad_norm scales the gradients by, given their global
+-- norm: max_norm / (norm + 1e-6) where that is below 1, else 1 (as PyTorch's
+-- clip_grad_norm_; a NaN norm leaves them as they are). For
+-- opt:step { grad_scale = ... }, which applies it in the optimizer's pass.
+function M.clip_coef(norm, max_norm)
+  if type(norm) ~= "number" or type(max_norm) ~= "number" or max_norm ~= max_norm or max_norm < 0 then
+    error(string.format("clip_coef: expected a norm and a max_norm >= 0, got %s (%s), %s (%s)", tostring(norm),
+      type(norm), tostring(max_norm), type(max_norm)), 2)
+  end
+  local coef = max_norm / (norm + 1e-6)
+  return coef < 1 and coef or 1
+end
+
 --- Scales gradients so their global norm is at most max_norm (as PyTorch's
 -- clip_grad_norm_); returns the norm before clipping.
 function M.clip_grad_norm(params, max_norm, opts)
   local norm = M.grad_norm(params, opts)
-  local coef = max_norm / (norm + 1e-6)
+  local coef = M.clip_coef(norm, max_norm)
   if coef < 1 then
     for _, p in ipairs(params) do
       local g = p:get_grad()

@@ -114,12 +114,16 @@ static void check_inplace_and_errors(void) {
 }
 
 /* fsdp_adamw_step_many: bit for bit n calls of fsdp_adamw_step (each
- * tensor its own lr, weight decay and step), over several steps; bad input
- * anywhere in the list updates nothing and names the tensor. */
+ * tensor its own lr, weight decay and step), over several steps, with the
+ * gradients read as grad * grad_scale bit for bit as fsdp_scale_ and then
+ * the step (a clip folded into the pass: 1, a coefficient, 0), the
+ * gradients left as they were; bad input anywhere in the list updates
+ * nothing and names the tensor. */
 static void check_adamw_many(void) {
-    enum { N = 5 };
-    int64_t sizes[N] = {1, 7, 97, 0, 1009};
-    double lrs[N] = {1e-2, 3e-3, 1e-3, 1e-2, 2e-2}, wds[N] = {0.1, 0, 0.1, 0, 0.01};
+    enum { N = 6 };
+    int64_t sizes[N] = {1, 7, 97, 0, 1009, 100003};   /* 100003: split over threads, a vector tail */
+    double lrs[N] = {1e-2, 3e-3, 1e-3, 1e-2, 2e-2, 1e-3}, wds[N] = {0.1, 0, 0.1, 0, 0.01, 0.1};
+    const double grad_scales[4] = {1.0, 0.37, 0.0, 0.8123};
     int64_t steps[N];
     fsdp_tensor *p1[N], *p2[N], *m1[N], *m2[N], *v1[N], *v2[N], *g[N];
     test_rng r;
@@ -133,20 +137,33 @@ static void check_adamw_many(void) {
         steps[i] = 0;
         free(x), free(zero);
     }
-    for (int step = 1; step <= 3; step++) {
+    int grads_kept = 1;
+    for (int step = 1; step <= 4; step++) {
+        double s = grad_scales[step - 1];
+        float *xs[N];
         for (int i = 0; i < N; i++) {
-            float *x = malloc((size_t)(sizes[i] ? sizes[i] : 1) * 4);
-            test_fill_nonzero(&r, x, sizes[i], 0.5f);
-            g[i] = make(x, sizes[i]);
-            free(x);
+            xs[i] = malloc((size_t)(sizes[i] ? sizes[i] : 1) * 4);
+            test_fill_nonzero(&r, xs[i], sizes[i], 0.5f);
+            g[i] = make(xs[i], sizes[i]);
+            fsdp_tensor *scaled = make(xs[i], sizes[i]);   /* the clip as a pass of its own */
+            test_check(fsdp_scale_(scaled, s) == FSDP_OK, "scale: %s", fsdp_last_error());
             steps[i] = step + i % 2;   /* steps may differ between tensors */
-            test_check(fsdp_adamw_step(p1[i], g[i], m1[i], v1[i], lrs[i], 0.9, 0.95, 1e-8, wds[i], steps[i]) == FSDP_OK,
+            test_check(fsdp_adamw_step(p1[i], scaled, m1[i], v1[i], lrs[i], 0.9, 0.95, 1e-8, wds[i], steps[i]) == FSDP_OK,
                        "adamw: %s", fsdp_last_error());
+            fsdp_tensor_release(scaled);
         }
-        test_check(fsdp_adamw_step_many(p2, g, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8) == FSDP_OK,
+        test_check(fsdp_adamw_step_many(p2, g, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8, s) == FSDP_OK,
                    "adamw_many: %s", fsdp_last_error());
-        for (int i = 0; i < N; i++) fsdp_tensor_release(g[i]);
+        for (int i = 0; i < N; i++) {   /* the gradients are read, not scaled */
+            int64_t n = sizes[i];
+            float *got = malloc((size_t)(n ? n : 1) * 4);
+            fsdp_tensor_to_data(g[i], got, n * 4);
+            grads_kept &= memcmp(got, xs[i], (size_t)n * 4) == 0;
+            fsdp_tensor_release(g[i]);
+            free(got), free(xs[i]);
+        }
     }
+    test_check(grads_kept, "adamw_many with grad_scale leaves the gradients as they were");
     int same = 1;
     for (int i = 0; i < N; i++) {
         int64_t n = sizes[i];
@@ -159,7 +176,8 @@ static void check_adamw_many(void) {
         }
         free(a), free(b);
     }
-    test_check(same, "adamw_many equals adamw per tensor, bit for bit (params and both moments)");
+    test_check(same, "adamw_many with grad_scale 1, 0.37, 0, 0.8123 equals scale then adamw per tensor, bit for bit "
+                     "(params and both moments)");
 
     /* bad input: a short gradient at index 4, a step 0, a bf16 moment; nothing changes */
     float before[7], after[7], one[2] = {1, 2};
@@ -168,30 +186,39 @@ static void check_adamw_many(void) {
     for (int i = 0; i < N; i++) gs[i] = p1[i];   /* right sizes */
     fsdp_tensor *short_g = make(one, 2);
     gs[4] = short_g;
-    fsdp_status st = fsdp_adamw_step_many(p2, gs, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8);
+    fsdp_status st = fsdp_adamw_step_many(p2, gs, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8, 1.0);
     test_check(st == FSDP_ERR_SHAPE && strstr(fsdp_last_error(), "fsdp_adamw_step_many: grads[4] f32[2]") &&
                    strstr(fsdp_last_error(), "expected 1009"),
                "adamw_many with a short grad: %s", fsdp_last_error());
     fsdp_tensor_to_data(p2[1], after, sizeof after);
     test_check(memcmp(before, after, sizeof before) == 0, "adamw_many that fails updates nothing");
-    int64_t bad_steps[N] = {1, 1, 0, 1, 1};
-    st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, bad_steps, N, 0.9, 0.95, 1e-8);
+    int64_t bad_steps[N] = {1, 1, 0, 1, 1, 1};
+    st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, bad_steps, N, 0.9, 0.95, 1e-8, 1.0);
     test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "steps[2] is 0"), "adamw_many step 0: %s",
                fsdp_last_error());
     fsdp_tensor *bf;
     fsdp_cast(&bf, p2[0], FSDP_BF16);
-    fsdp_tensor *ms[N] = {m2[0], m2[1], m2[2], m2[3], m2[4]};
+    fsdp_tensor *ms[N] = {m2[0], m2[1], m2[2], m2[3], m2[4], m2[5]};
     ms[0] = bf;
-    st = fsdp_adamw_step_many(p2, p1, ms, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8);
+    st = fsdp_adamw_step_many(p2, p1, ms, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8, 1.0);
     test_check(st == FSDP_ERR_DTYPE && strstr(fsdp_last_error(), "exp_avgs[0] bf16"), "adamw_many bf16 state: %s",
                fsdp_last_error());
-    st = fsdp_adamw_step_many(p2, NULL, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8);
+    st = fsdp_adamw_step_many(p2, NULL, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8, 1.0);
     test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "NULL array"), "adamw_many NULL grads: %s",
                fsdp_last_error());
-    st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, steps, N, 1.0, 0.95, 1e-8);
+    st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, steps, N, 1.0, 0.95, 1e-8, 1.0);
     test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "betas (1, 0.95)"), "adamw_many beta1 1: %s",
                fsdp_last_error());
-    test_check(fsdp_adamw_step_many(NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0.9, 0.95, 1e-8) == FSDP_OK,
+    const double bad_scales[3] = {-0.5, NAN, INFINITY};
+    for (int k = 0; k < 3; k++) {
+        st = fsdp_adamw_step_many(p2, p1, m2, v2, lrs, wds, steps, N, 0.9, 0.95, 1e-8, bad_scales[k]);
+        test_check(st == FSDP_ERR_INVALID && strstr(fsdp_last_error(), "fsdp_adamw_step_many: grad_scale") &&
+                       strstr(fsdp_last_error(), "finite number >= 0"),
+                   "adamw_many grad_scale %g: %s", bad_scales[k], fsdp_last_error());
+    }
+    fsdp_tensor_to_data(p2[1], after, sizeof after);
+    test_check(memcmp(before, after, sizeof before) == 0, "adamw_many with a bad grad_scale updates nothing");
+    test_check(fsdp_adamw_step_many(NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0.9, 0.95, 1e-8, 1.0) == FSDP_OK,
                "adamw_many of no parameters: %s", fsdp_last_error());
     fsdp_tensor_release(bf);
     fsdp_tensor_release(short_g);

@@ -1704,27 +1704,27 @@ static void test_adamw_many(void) {
     float *dp = dupf(p, total), *dg = dupf(g, total), *dm = dupf(m, total), *dv = dupf(v, total);
     float *pp[N], *mp[N], *vp[N], decay[N], step[N], ibc2[N];
     const float *gp[N];
-    float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f;
+    float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, grad_scale = 0.37f;   /* a clip coefficient */
     for (int i = 0; i < N; i++) {
         float lr = 1e-3f * (1 + i % 3), t = (float)(1 + i % 5), wd = i % 2 ? 0.1f : 0.0f;
         decay[i] = 1 - lr * wd;
         step[i] = lr / (1 - powf(b1, t));
         ibc2[i] = 1 / sqrtf(1 - powf(b2, t));
         C->adamw_f32(p + offs[i], g + offs[i], m + offs[i], v + offs[i], counts[i], b1, b2, eps, decay[i], step[i],
-                     ibc2[i]);
+                     ibc2[i], grad_scale);
         pp[i] = dp + offs[i];
         gp[i] = dg + offs[i];
         mp[i] = dm + offs[i];
         vp[i] = dv + offs[i];
     }
-    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, N, b1, b2, eps);
+    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, N, b1, b2, eps, grad_scale);
     check_f("adamw_many_f32 p (70 tensors)", back(dp, total), p, total, 1e-6, 1e-7, -1);
     check_f("adamw_many_f32 m (70 tensors)", back(dm, total), m, total, 1e-6, 1e-7, -1);
     check_f("adamw_many_f32 v (70 tensors)", back(dv, total), v, total, 1e-6, 1e-7, -1);
     /* no tensors, and only empty ones: nothing to do, nothing touched */
-    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, 0, b1, b2, eps);
+    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, 0, b1, b2, eps, grad_scale);
     int64_t zeros[2] = {0, 0};
-    G->adamw_many_f32(pp, gp, mp, vp, zeros, decay, step, ibc2, 2, b1, b2, eps);
+    G->adamw_many_f32(pp, gp, mp, vp, zeros, decay, step, ibc2, 2, b1, b2, eps, grad_scale);
     check_f("adamw_many_f32 of no elements leaves p alone", back(dp, total), p, total, 1e-6, 1e-7, -1);
     free_case();
 }
@@ -1739,8 +1739,9 @@ static void test_optim(void) {
         float *dp = dupf(p, n), *dg = dupf(g, n), *dm = dupf(m, n), *dv = dupf(v, n);
         float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, t = 3;
         float step = lr / (1 - powf(b1, t)), ibc2 = 1 / sqrtf(1 - powf(b2, t));
-        C->adamw_f32(p, g, m, v, n, b1, b2, 1e-8f, 1 - lr * 0.1f, step, ibc2);
-        G->adamw_f32(dp, dg, dm, dv, n, b1, b2, 1e-8f, 1 - lr * 0.1f, step, ibc2);
+        float grad_scale = s == 1 ? 1.0f : 0.61f;   /* as stored, and a clip coefficient */
+        C->adamw_f32(p, g, m, v, n, b1, b2, 1e-8f, 1 - lr * 0.1f, step, ibc2, grad_scale);
+        G->adamw_f32(dp, dg, dm, dv, n, b1, b2, 1e-8f, 1 - lr * 0.1f, step, ibc2, grad_scale);
         snprintf(name, sizeof name, "adamw_f32 p n=%lld", (long long)n);
         check_f(name, back(dp, n), p, n, 1e-6, 1e-7, -1);
         snprintf(name, sizeof name, "adamw_f32 m n=%lld", (long long)n);
@@ -1900,7 +1901,7 @@ static int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulat
     float *p = dev_uniform(P), *pg = dev_uniform(P), *m1 = dev_uniform(P), *m2 = dev_uniform(P);
     G->scale_f32(m2, m2, 0.0f, P);
     BENCH("adamw (124M parameters)", 28.0 * P, "GB/s",
-          G->adamw_f32(p, pg, m1, m2, P, 0.9f, 0.999f, 1e-8f, 0.9999f, 1e-4f, 1.0f));
+          G->adamw_f32(p, pg, m1, m2, P, 0.9f, 0.999f, 1e-8f, 0.9999f, 1e-4f, 1.0f, 1.0f));
     BENCH("sumsq (124M)", 4.0 * P, "GB/s", (void)G->sumsq_f32(pg, P));
     BENCH("init_normal (124M)", 4.0 * P, "GB/s", G->init_normal_f32(p, P, 0.0f, 0.02f, 1, 2, 0));
     free_case();

@@ -48,23 +48,42 @@ t.eq(n, 2 + 12 * cfg.n_layer + 2, "every parameter's gradient compared")
 local pad = model.wte.weight:get_grad():narrow(1, V + 1, model.padded_vocab - V)
 t.eq(pad:float():sum():item() == 0 and pad:mean():item() == 0, true, "padded vocabulary rows get zero gradient")
 
--- 10 AdamW steps on the same batch, clipped at 1.0, decay on 2-D tensors only
-model:zero_grad()
-local opt = optim.AdamW(optim.decay_groups(model:named_parameters(), 0.1),
-  { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8 })
+-- 10 AdamW steps on the same batch, clipped at 1.0, decay on 2-D tensors
+-- only: the clip as a pass over the gradients (clip_grad_norm), then again
+-- from the same initial weights with the clip folded into AdamW's pass
+-- (step { grad_scale = clip_coef(norm, 1.0) }); both against PyTorch
 local want_losses, want_norms = gold.adamw_losses:tolist(), gold.grad_norms:tolist()
-for step = 1, 10 do
-  local _, l = model(idx, targets)
-  t.near(l:item(), want_losses[step], TOL, "AdamW step " .. step .. " loss")
-  l:backward()
-  local norm = optim.clip_grad_norm(model:parameters(), 1.0)
-  t.near(norm, want_norms[step], TOL, "AdamW step " .. step .. " gradient norm")
-  opt:step()
-  opt:zero_grad()
+local function train(m, how)
+  m:zero_grad()
+  local opt = optim.AdamW(optim.decay_groups(m:named_parameters(), 0.1), { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8 })
+  for step = 1, 10 do
+    local _, l = m(idx, targets)
+    t.near(l:item(), want_losses[step], TOL, how .. ": AdamW step " .. step .. " loss")
+    l:backward()
+    local norm
+    if how == "clip pass" then
+      norm = optim.clip_grad_norm(m:parameters(), 1.0)
+      opt:step()
+    else
+      norm = optim.grad_norm(m:parameters())
+      opt:step { grad_scale = optim.clip_coef(norm, 1.0) }
+    end
+    t.near(norm, want_norms[step], TOL, how .. ": AdamW step " .. step .. " gradient norm")
+    opt:zero_grad()
+  end
+  local final = m:to_hf()
+  for name, p in pairs(final) do
+    close(p, gold["final." .. name], how .. ": after 10 steps: " .. name)
+  end
+  return final
 end
-local final = model:to_hf()
-for name, p in pairs(final) do
-  close(p, gold["final." .. name], "after 10 steps: " .. name)
+local clipped = train(model, "clip pass")
+local fused = train(t.gpt2_tiny_fixture(), "clip in AdamW")
+local worst = 0
+for name, p in pairs(clipped) do
+  local a, b = p:contiguous():view(-1):tolist(), fused[name]:contiguous():view(-1):tolist()
+  for i = 1, #a do worst = math.max(worst, math.abs(a[i] - b[i])) end
 end
+t.eq(worst, 0, "the clip in AdamW's pass gives the clip pass's weights, bit for bit")
 
 t.done()

@@ -230,6 +230,64 @@ do
   t.all_near(g:get_grad():tolist(), { 0.6, 0.8 }, 1e-6, "clipped to norm 1")
 end
 
+-- ---- the clip folded into the optimizer: step { grad_scale = clip_coef(norm, max) } ----
+do
+  t.eq(optim.clip_coef(5, 1), 1 / (5 + 1e-6), "clip_coef: max_norm / (norm + 1e-6) below 1")
+  t.eq(optim.clip_coef(0.5, 1), 1, "clip_coef: 1 when the norm is within max_norm")
+  t.eq(optim.clip_coef(0 / 0, 1), 1, "clip_coef: a NaN norm scales nothing (as clip_grad_norm)")
+  t.raises(function() optim.clip_coef(1, -1) end, { "clip_coef", "max_norm >= 0" }, "clip_coef with a negative max")
+  t.raises(function() optim.clip_coef("1", 1) end, { "clip_coef", "string" }, "clip_coef of a string")
+  -- two copies of the same parameters and gradients (prime sizes, above the
+  -- 16-lane width and its tail): clipped then stepped, and stepped with the
+  -- coefficient; the parameters agree bit for bit over three steps
+  local function params(seed)
+    local ps = {}
+    for i, n in ipairs({ 37, 1, 211 }) do
+      ps[i] = fsdp.randn({ n }, { seed = seed + i, requires_grad = true })
+    end
+    return ps
+  end
+  local function set_grads(ps, step)
+    for i, p in ipairs(ps) do p:set_grad(fsdp.randn(p:shape(), { seed = 100 * step + i }) * (4 * step)) end
+  end
+  for _, kind in ipairs({ "AdamW", "SGD" }) do
+    local make = function(ps)
+      if kind == "AdamW" then return optim.AdamW(ps, { lr = 1e-2, weight_decay = 0.1 }) end
+      return optim.SGD(ps, { lr = 0.1, momentum = 0.9, weight_decay = 0.01 })
+    end
+    local a, b = params(1), params(1)
+    local oa, ob = make(a), make(b)
+    local kept = true
+    for step = 1, 3 do
+      set_grads(a, step)
+      set_grads(b, step)
+      local norm = optim.clip_grad_norm(a, 1.0)
+      oa:step()
+      local before = b[3]:get_grad():tolist()
+      ob:step { grad_scale = optim.clip_coef(optim.grad_norm(b), 1.0) }
+      t.ok(norm > 1, kind .. " step " .. step .. ": the gradients are clipped (norm " .. norm .. ")")
+      if kind == "AdamW" then
+        local after = b[3]:get_grad():tolist()
+        for i = 1, #before do kept = kept and before[i] == after[i] end
+      end
+      oa:zero_grad()
+      ob:zero_grad()
+    end
+    local worst = 0
+    for i = 1, #a do worst = math.max(worst, max_diff(a[i], b[i])) end
+    t.eq(worst, 0, kind .. ": step { grad_scale } equals clip_grad_norm then step, bit for bit")
+    if kind == "AdamW" then t.ok(kept, "AdamW reads the gradients scaled and leaves them as they are") end
+    for _, bad in ipairs({ -1, 1 / 0, 0 / 0, "0.5" }) do
+      t.raises(function() ob:step { grad_scale = bad } end,
+        { kind .. ":step: grad_scale must be a finite number >= 0", tostring(bad) }, kind .. " grad_scale " .. tostring(bad))
+    end
+    t.raises(function() ob:step { gradscale = 0.5 } end, { kind .. ":step: unknown option 'gradscale'", "grad_scale" },
+      kind .. " step option typo")
+    t.raises(function() ob:step(0.5) end, { kind .. ":step: expected an options table, got number" },
+      kind .. " step with a number")
+  end
+end
+
 
 -- ---- a misspelled option or config key is an error naming the closest one ----
 t.raises(function() return nn.Linear(2, 3, { bais = false }) end, { "Linear: unknown option 'bais'",
