@@ -215,11 +215,14 @@ typedef struct fsdp_device_kernels {
     /* adamw_f32 over n flat f32 tensors at once: tensor i is p[i], g[i],
      * m[i], v[i] of counts[i] elements with its own decay[i], step_size[i]
      * and inv_sqrt_bc2[i] (host arrays of device pointers and values; the
-     * betas and eps are shared). The same float expressions as adamw_f32,
-     * element for element. CUDA: one launch per 64 tensors. Optional (NULL:
-     * the op layer calls adamw_f32 per tensor). */
-    void (*adamw_many_f32)(float *const *p, const float *const *g, float *const *m, float *const *v,
-                           const int64_t *counts, const float *decay, const float *step_size,
+     * betas, eps and grad_scale are shared). The same float expressions as
+     * adamw_f32, element for element. pb (may be NULL) and pb[i], when not
+     * NULL, receive the bf16 rounding of each new p (f32_to_bf16: what
+     * cast_any writes; an FSDP master's compute copy). CUDA: one launch per
+     * 56 tensors. Optional (NULL: the op layer calls adamw_f32 per tensor,
+     * then cast_any for pb). */
+    void (*adamw_many_f32)(float *const *p, uint16_t *const *pb, const float *const *g, float *const *m,
+                           float *const *v, const int64_t *counts, const float *decay, const float *step_size,
                            const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale);
     /* Gradients added where they are kept (a .grad that exists: an FSDP
      * unit's gradient slice) instead of made and then added: sum_dim_bf16 and

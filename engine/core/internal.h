@@ -56,6 +56,21 @@ typedef struct fsdp_storage {
      * later write into the storage clears it (storage_written). */
     bool host_range;
     int64_t range_lo, range_hi;
+    /* Bumped by every write into the storage (storage_written): what a
+     * value derived from the contents records to know it is still current. */
+    uint64_t version;
+    /* An FSDP master shard's compute copy (sched.c): the same elements in
+     * copy_dtype, owned by this storage (it outlives the schedule with the
+     * optimizer's views of the master). It holds the master's values while
+     * copy_version == version: a gather casts it when it does not, and
+     * AdamW writes it with the master, so that it stays current; any other
+     * write leaves it stale. copy_readers counts what reads it now (an
+     * all-gather in flight, a full buffer that is the copy): nothing writes
+     * it then, AdamW leaves it stale instead. NULL when there is none. */
+    struct fsdp_storage *copy;
+    int copy_dtype;
+    uint64_t copy_version;
+    int copy_readers;
 } fsdp_storage;
 
 /* A sharded unit read and reduced by slices (the chunked classifier and
@@ -96,8 +111,15 @@ fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *sh
 /* The host range of s: the n values of dtype at host (integer dtypes only;
  * other dtypes leave it unknown). */
 void storage_set_host_range(fsdp_storage *s, int dtype, const void *host, int64_t n);
-/* s was (or is about to be) written: its host range is no longer known. */
-static inline void storage_written(fsdp_storage *s) { s->host_range = false; }
+/* s was (or is about to be) written: its host range is no longer known,
+ * and whatever was derived from it at an older version is stale (a
+ * master's compute copy). */
+static inline void storage_written(fsdp_storage *s) {
+    s->host_range = false;
+    s->version++;
+}
+/* Whether s has a compute copy that holds its current values. */
+static inline bool storage_copy_current(const fsdp_storage *s) { return s->copy && s->copy_version == s->version; }
 /* Bounds of every value t can hold, when known without reading them (a
  * view's values lie in its storage's range); false otherwise. */
 static inline bool tensor_host_range(const struct fsdp_tensor *t, int64_t *lo, int64_t *hi);

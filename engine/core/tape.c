@@ -189,6 +189,7 @@ bool node_needs_grad(fsdp_node *node, int i) { return node->in[i] && node->in[i]
 /* acc += g, where acc is contiguous and g has acc's shape. */
 static fsdp_status add_into(fsdp_tensor *acc, fsdp_tensor *g) {
     int64_t n = tensor_numel(acc);
+    storage_written(acc->storage);
     if (acc->dtype == FSDP_F32 && g->dtype == FSDP_F32 && tensor_is_contiguous(acc) && tensor_is_contiguous(g)) {
         KERNELS(acc)->axpy_f32(tensor_data(acc), tensor_data(g), 1.0f, n);
         return FSDP_OK;
@@ -298,6 +299,7 @@ fsdp_tensor *node_grad_peek(fsdp_node *node, int i, int dtype) {
     if (!t->is_leaf || !g || g->dtype != dtype || t->dtype != dtype || !tensor_is_contiguous(g)) return NULL;
     if (g->ndim != t->ndim || memcmp(g->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim) != 0) return NULL;
     if (tensor_device(g) != tensor_device(t)) return NULL;
+    storage_written(g->storage);   /* the op writes into it */
     return g;
 }
 

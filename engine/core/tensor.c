@@ -68,6 +68,7 @@ bool tensor_is_contiguous(const fsdp_tensor *t) {
 static void storage_release(fsdp_storage *s) {
     if (atomic_fetch_sub(&s->refcount, 1) == 1) {
         fsdp_free(s->device, s->tag, s->data, s->nbytes);
+        if (s->copy) storage_release(s->copy);
         free(s);
     }
 }
@@ -110,6 +111,7 @@ fsdp_status tensor_new(fsdp_tensor **out, int dtype, int ndim, const int64_t *sh
     }
     if (zero) device_kernels(device)->zero(s->data, nbytes);
     atomic_init(&s->refcount, 1);
+    s->version = 1;   /* a compute copy made later records a version >= 1: 0 is never current */
     s->nbytes = nbytes;
     s->device = device;
     s->tag = tag;
@@ -370,6 +372,9 @@ fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
         return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_tensor_data_ptr: %s is not in host memory",
                               tensor_desc(t, d, sizeof d));
     }
+    /* the caller may write through it: whatever was derived from the
+     * contents (a master's compute copy) is stale from here on */
+    storage_written(t->storage);
     *out = tensor_data(t);
     return FSDP_OK;
 }

@@ -463,9 +463,9 @@ void cuda_adamw_f32(float *p, const float *g, float *m, float *v, int64_t n, flo
                     float decay, float step_size, float inv_sqrt_bc2, float grad_scale);
 void cuda_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float dampening,
                   float weight_decay, int nesterov, int first);
-void cuda_adamw_many_f32(float *const *p, const float *const *g, float *const *m, float *const *v,
-                         const int64_t *counts, const float *decay, const float *step_size, const float *inv_sqrt_bc2,
-                         int n, float beta1, float beta2, float eps, float grad_scale);
+void cuda_adamw_many_f32(float *const *p, uint16_t *const *pb, const float *const *g, float *const *m,
+                         float *const *v, const int64_t *counts, const float *decay, const float *step_size,
+                         const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale);
 
 #endif /* FSDP_CUDA_SOURCE */
 

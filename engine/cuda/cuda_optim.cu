@@ -23,12 +23,16 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
  * space: no descriptor copy to the device, under the 4 KiB every CUDA
  * version takes); tensor k of a group owns blocks [block0[k], block0[k] +
  * ceil(n[k] / ADAM_PER_BLOCK)), and a block finds its tensor by a binary
- * search over block0. Each element gets adamw_kernel's expressions. */
-#define ADAM_GROUP 64
+ * search over block0. Each element gets adamw_kernel's expressions; where
+ * pb[k] is given, the new value's bf16 rounding goes there too (the
+ * master's compute copy: f32_to_bf16 of the float stored in p, so bit for
+ * bit the cast a gather would make of it). */
+#define ADAM_GROUP 56
 #define ADAM_PER_BLOCK ((int64_t)CUDA_THREADS * 8)
 
 struct adam_group {
     float *p[ADAM_GROUP];
+    uint16_t *pb[ADAM_GROUP];
     const float *g[ADAM_GROUP];
     float *m[ADAM_GROUP], *v[ADAM_GROUP];
     int64_t n[ADAM_GROUP], block0[ADAM_GROUP];
@@ -42,6 +46,7 @@ static_assert(sizeof(adam_group) <= 4000, "adam_group must fit the 4 KiB of kern
 static inline void emu_kernel_ptrs(const adam_group &a, emu_ptr_list &list) {
     for (int k = 0; k < a.count; k++) {
         list.add(a.p[k]);
+        if (a.pb[k]) list.add(a.pb[k]);
         list.add(a.g[k]);
         list.add(a.m[k]);
         list.add(a.v[k]);
@@ -60,6 +65,7 @@ __global__ void adamw_group_kernel(adam_group a, float beta1, float beta2, float
     int64_t start = ((int64_t)blockIdx.x - a.block0[k]) * ADAM_PER_BLOCK;
     int64_t end = cuda_min64(start + ADAM_PER_BLOCK, a.n[k]);
     float *p = a.p[k], *m = a.m[k], *v = a.v[k];
+    uint16_t *pb = a.pb[k];
     const float *g = a.g[k];
     float decay = a.decay[k], step_size = a.step_size[k], inv_sqrt_bc2 = a.inv_sqrt_bc2[k];
     for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -68,9 +74,11 @@ __global__ void adamw_group_kernel(adam_group a, float beta1, float beta2, float
         float mi = beta1 * m[i] + (1.0f - beta1) * gi;
         float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
         float denom = sqrtf(vi) * inv_sqrt_bc2 + eps;
+        float pn = pi - step_size * mi / denom;
         m[i] = mi;
         v[i] = vi;
-        p[i] = pi - step_size * mi / denom;
+        p[i] = pn;
+        if (pb) pb[i] = f32_to_bf16(pn);
     }
 }
 
@@ -106,9 +114,9 @@ void cuda_sgd_f32(float *p, const float *g, float *buf, int64_t n, float lr, flo
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_adamw_many_f32(float *const *p, const float *const *g, float *const *m, float *const *v,
-                         const int64_t *counts, const float *decay, const float *step_size, const float *inv_sqrt_bc2,
-                         int n, float beta1, float beta2, float eps, float grad_scale) {
+void cuda_adamw_many_f32(float *const *p, uint16_t *const *pb, const float *const *g, float *const *m,
+                         float *const *v, const int64_t *counts, const float *decay, const float *step_size,
+                         const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale) {
     CUDA_ENTER();
     adam_group a;
     a.count = 0;
@@ -125,6 +133,7 @@ void cuda_adamw_many_f32(float *const *p, const float *const *g, float *const *m
         if (i == n || counts[i] <= 0) continue;
         int k = a.count++;
         a.p[k] = p[i];
+        a.pb[k] = pb ? pb[i] : nullptr;
         a.g[k] = g[i];
         a.m[k] = m[i];
         a.v[k] = v[i];

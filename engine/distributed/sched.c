@@ -36,7 +36,20 @@
  * Offload (fsdp_sched_set_shard_device with the CPU): the master and
  * gradient shards, and so the optimizer state and its step, stay in host
  * memory; each gather copies this rank's shard (cast to the compute dtype
- * first) to the device, and each reduced gradient shard comes back. */
+ * first) to the device, and each reduced gradient shard comes back.
+ *
+ * Compute copies (fsdp_sched_set_compute_copy): a unit's master shard in
+ * the compute dtype, kept beside it and owned by the master's storage, so
+ * that AdamW, which reads and writes every master once a step anyway,
+ * writes it too (optim.c). A gather sends it instead of casting; it is cast
+ * again only when the master's storage version moved past the copy's
+ * (a write other than AdamW's). Readers (a gather in flight, a full buffer
+ * that is the copy) are counted on the master's storage, and while there
+ * are any nothing writes the copy: AdamW leaves it stale, a gather that
+ * finds it stale casts into a buffer of its own as before. A shard group of
+ * one on the compute device gathers by pointing the full buffer at the
+ * copy; writes into the parameters then (the storage's version) make the
+ * copy stale when the unit reshards, as they would be lost otherwise. */
 #include "ops_util.h"
 #include "trace.h"
 #include "comm_internal.h"
@@ -93,6 +106,11 @@ void sched_release(fsdp_sched *s) {
 }
 
 void sched_unit_clear(unit *u) {
+    if (u->full_is_copy) {   /* the data is the copy's, which the master's storage owns */
+        u->full->storage->data = NULL;
+        u->master->storage->copy_readers--;
+        u->full_is_copy = false;
+    }
     if (u->slicer) {   /* views may outlive the schedule: they lose the slicer with it */
         if (u->full) u->full->storage->slicer = NULL;
         free(u->slicer);
@@ -107,6 +125,7 @@ void sched_unit_clear(unit *u) {
     tensor_release(u->full);
     tensor_release(u->flat_grad);
     tensor_release(u->secondary);
+    tensor_release(u->copy);
     free(u->numels);
     free(u->offsets);
     free(u->prefetch_list[0]);
@@ -150,6 +169,10 @@ fsdp_status sched_wait_gather(fsdp_sched *s, unit *u) {
     }
     fsdp_work_free(u->gather);
     u->gather = NULL;
+    if (u->gather_reads_copy) {
+        u->master->storage->copy_readers--;
+        u->gather_reads_copy = false;
+    }
     if (st != FSDP_OK && u->gathered) {
         fsdp_storage *fs = u->full->storage;
         fsdp_free(fs->device, fs->tag, fs->data, fs->nbytes);
@@ -175,6 +198,32 @@ void sched_drop_secondary(unit *u) {
     u->secondary = NULL;
 }
 
+bool sched_keeps_copy(const fsdp_sched *s) {
+    if (s->direct || s->compute_dtype == FSDP_F32) return false;
+    return s->copy_mode == FSDP_COPY_ON || (s->copy_mode == FSDP_COPY_AUTO && s->shard_device == s->device);
+}
+
+fsdp_status sched_current_copy(fsdp_sched *s, unit *u, fsdp_tensor **copy) {
+    *copy = NULL;
+    if (!sched_keeps_copy(s)) return FSDP_OK;
+    fsdp_storage *ms = u->master->storage;
+    if (!u->copy) {   /* first use: made, and owned by the master's storage too */
+        FSDP_TRY(tensor_new(&u->copy, s->compute_dtype, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, false));
+        atomic_fetch_add(&u->copy->storage->refcount, 1);
+        ms->copy = u->copy->storage;
+        ms->copy_dtype = s->compute_dtype;
+        ms->copy_version = 0;   /* stale */
+        ms->copy_readers = 0;
+    }
+    if (!storage_copy_current(ms)) {
+        if (ms->copy_readers > 0) return FSDP_OK;   /* still read: the caller casts into its own buffer */
+        FSDP_TRY(fsdp_copy(u->copy, u->master));    /* one cast kernel */
+        ms->copy_version = ms->version;
+    }
+    *copy = u->copy;
+    return FSDP_OK;
+}
+
 /* Allocates the full buffer and issues its all-gather (no wait). from_part:
  * this is the backward's gather (or its recomputation's), which may come
  * from the hpZ part kept at the end of this step's forward; any other
@@ -185,6 +234,19 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
     if (u->gathered || s->direct) return FSDP_OK;   /* direct: the full buffer is the master */
     if (!from_part) sched_drop_secondary(u);
     fsdp_storage *st = u->full->storage;
+    fsdp_tensor *copy = NULL;
+    if (!u->secondary) FSDP_TRY(sched_current_copy(s, u, &copy));
+    if (copy && s->local_one && s->shard_device == s->device) {
+        /* a shard group of one: the copy is the whole unit, the full buffer points at it */
+        st->data = copy->storage->data;
+        u->full_is_copy = true;
+        u->full_version = st->version;
+        u->master->storage->copy_readers++;
+        u->gathered = true;
+        s->n_gathered++;
+        if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
+        return FSDP_OK;
+    }
     FSDP_TRY(fsdp_alloc(st->device, st->tag, st->nbytes, &st->data));
     if (u->secondary) {   /* hpZ: the backward's gather comes from the group's kept parts */
         fsdp_status r = s->reshard_size == 1 ? fsdp_copy(u->full, u->secondary)
@@ -202,14 +264,14 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
         if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
         return FSDP_OK;
     }
-    fsdp_tensor *src = u->master;
+    fsdp_tensor *src = copy ? copy : u->master;
     tensor_retain(src);
     fsdp_status r = FSDP_OK;
     /* cast where the master is: half the bytes to move when offloaded; a
      * shard group of one beside its master casts straight into the full
      * buffer below (fsdp_copy: one kernel, no staged copy) */
     bool cast_in_copy = s->local_one && s->shard_device == s->device;
-    if (s->compute_dtype != FSDP_F32 && !cast_in_copy) r = sched_convert_to(&src, s->compute_dtype, -1);
+    if (s->compute_dtype != FSDP_F32 && !copy && !cast_in_copy) r = sched_convert_to(&src, s->compute_dtype, -1);
     if (r == FSDP_OK && s->shard_device != s->device) r = sched_convert_to(&src, -1, s->device);
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
@@ -221,6 +283,10 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
         r = fsdp_copy(u->full, src);
     else
         r = fsdp_all_gather(&u->gather, s->shard_comm, u->full, src, u->name);
+    if (r == FSDP_OK && u->gather && src == copy) {   /* sent from the copy: read until the wait */
+        u->master->storage->copy_readers++;
+        u->gather_reads_copy = true;
+    }
     tensor_release(src);   /* the work holds it until done */
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
@@ -262,7 +328,16 @@ fsdp_status sched_reshard_unit(fsdp_sched *s, unit *u) {
     if (!u->gathered) return FSDP_OK;
     FSDP_TRY(sched_wait_gather(s, u));
     fsdp_storage *st = u->full->storage;
-    fsdp_free(st->device, st->tag, st->data, st->nbytes);
+    if (u->full_is_copy) {
+        fsdp_storage *ms = u->master->storage;
+        ms->copy_readers--;
+        u->full_is_copy = false;
+        /* the parameters were written while they were the copy: it no
+         * longer holds the master's values (which those writes never reached) */
+        if (st->version != u->full_version) ms->copy_version = 0;
+    } else {
+        fsdp_free(st->device, st->tag, st->data, st->nbytes);
+    }
     st->data = NULL;
     u->gathered = false;
     s->n_gathered--;
@@ -349,6 +424,7 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     s->forward_prefetch = forward_prefetch != 0;
     s->limit = limit;
     s->sync = true;
+    s->copy_mode = FSDP_COPY_AUTO;
     live_add(s);
     *out = s;
     return FSDP_OK;
@@ -379,6 +455,32 @@ fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on) {
                               fsdp_dtype_name(s->reduce_dtype), fsdp_device_name(s->shard_device),
                               fsdp_device_name(s->device));
     s->direct = on != 0;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_sched_set_compute_copy(fsdp_sched *s, fsdp_copy_mode mode) {
+    if (!s) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_compute_copy: schedule is NULL");
+    if (mode != FSDP_COPY_OFF && mode != FSDP_COPY_ON && mode != FSDP_COPY_AUTO)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_compute_copy: mode %d (expected FSDP_COPY_OFF 0, "
+                              "FSDP_COPY_ON 1 or FSDP_COPY_AUTO 2)", (int)mode);
+    if (s->n_units > 0)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_compute_copy: the schedule has %d units already; "
+                              "choose before adding units", s->n_units);
+    if (mode == FSDP_COPY_ON && s->compute_dtype == FSDP_F32)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_sched_set_compute_copy: the compute dtype is f32, so the "
+                              "masters are gathered as they are: there is no compute copy to keep");
+    s->copy_mode = mode;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_unit_compute_copy(fsdp_sched *s, int k, fsdp_tensor **copy, int *current) {
+    FSDP_TRY(sched_check_unit("fsdp_unit_compute_copy", s, k));
+    unit *u = &s->units[k];
+    if (copy) {
+        if (u->copy) tensor_retain(u->copy);
+        *copy = u->copy;
+    }
+    if (current) *current = u->copy && storage_copy_current(u->master->storage);
     return FSDP_OK;
 }
 

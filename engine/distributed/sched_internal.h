@@ -34,6 +34,11 @@ typedef struct unit {
     int *prefetch_list[2];         /* explicit prefetch when forward [0] / backward [1] starts, or NULL */
     int n_prefetch[2];             /* their lengths; -1: the default (the last forward's order) */
     fsdp_row_slicer *slicer;       /* a sliced unit: read and reduced by slices (set on full's storage), or NULL */
+    fsdp_tensor *copy;             /* (shard_n) compute dtype: the master's compute copy (master->storage->copy),
+                                      made on first use when the schedule keeps copies, or NULL */
+    bool gather_reads_copy;        /* the gather in flight sends the copy (it counts among its readers) */
+    bool full_is_copy;             /* a shard group of one: full's data is the copy's, nothing allocated */
+    uint64_t full_version;         /* full's storage version when it became the copy */
 } unit;
 
 typedef struct pending {
@@ -64,6 +69,8 @@ struct fsdp_sched {
     bool direct;                   /* a shard group of one: views of the masters, no gathers, gradients
                                       straight into the gradient shard, all-reduced there across replicas
                                       (fsdp_sched_set_direct) */
+    int copy_mode;                 /* masters' compute copies: FSDP_COPY_AUTO, _ON or _OFF
+                                      (fsdp_sched_set_compute_copy) */
     unit *units;
     int n_units, cap_units;
     int *order;                    /* units in the order of their last post_forward */
@@ -79,6 +86,12 @@ struct fsdp_sched {
 
 /* *t becomes its dtype (cast) or device (copy) in a new tensor. */
 fsdp_status sched_convert_to(fsdp_tensor **t, int dtype, int device);
+/* Whether the units of s keep their master's compute copy. */
+bool sched_keeps_copy(const fsdp_sched *s);
+/* *copy (borrowed): u's master in the compute dtype, current (cast now if
+ * the master was written since), or NULL when u keeps no copy or its copy
+ * is stale while something still reads it (then the caller casts). */
+fsdp_status sched_current_copy(fsdp_sched *s, unit *u, fsdp_tensor **copy);
 /* The gradient shard of a trainable unit, made zeroed on first use. */
 fsdp_status sched_ensure_grad(fsdp_sched *s, unit *u);
 fsdp_status sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,

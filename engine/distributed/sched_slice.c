@@ -24,14 +24,18 @@ static fsdp_status slice_gather(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     unit *u = NULL;
     FSDP_TRY(slice_range(sl, lo, n, "slice gather", &u));
     int64_t one = 1, total = n * s->shard_size;
-    fsdp_tensor *src = tensor_view(u->master, 1, &n, &one, u->master->offset + lo), *dst = NULL;
+    /* from the master's compute copy when it keeps one (cast whole, once, when stale) */
+    fsdp_tensor *copy = NULL;
+    if (!s->direct) FSDP_TRY(sched_current_copy(s, u, &copy));
+    fsdp_tensor *from = copy ? copy : u->master;
+    fsdp_tensor *src = tensor_view(from, 1, &n, &one, from->offset + lo), *dst = NULL;
     if (!src) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
-    if (s->direct) {   /* a world of one: the slice is a view of the master, nothing copied */
+    if (s->direct || (copy && s->local_one)) {   /* a world of one: the slice is a view, nothing copied */
         *out = src;
         return FSDP_OK;
     }
     fsdp_status r = FSDP_OK;
-    if (s->compute_dtype != FSDP_F32) r = sched_convert_to(&src, s->compute_dtype, -1);
+    if (s->compute_dtype != FSDP_F32 && !copy) r = sched_convert_to(&src, s->compute_dtype, -1);
     if (r == FSDP_OK && s->shard_device != s->device) r = sched_convert_to(&src, -1, s->device);
     if (r == FSDP_OK) r = tensor_new(&dst, s->compute_dtype, 1, &total, s->device, FSDP_TAG_PARAM, false);
     if (r == FSDP_OK) r = s->local_one ? fsdp_copy(dst, src) : fsdp_all_gather(NULL, s->shard_comm, dst, src, u->name);

@@ -560,6 +560,31 @@ fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device);
  * calling its communicator, unless FSDP_FORCE_COLLECTIVES=1 is set (so that
  * one GPU can exercise NCCL). */
 fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
+/* The masters' compute copies. With a compute dtype narrower than f32
+ * (bf16), a unit can keep its f32 master shard's values in the compute
+ * dtype beside it (2 bytes per element of the shard, on the shard's
+ * device): fsdp_adamw_step(_many) writes it as it updates the master (bit
+ * for bit the cast), and each gather sends it as it is instead of casting
+ * the master first; a shard group of one on the compute device then uses
+ * it as the full buffer itself, nothing copied. Any other write into a
+ * master (fill, copy, init, a collective, scale_/axpy_, SGD, a pointer from
+ * fsdp_tensor_data_ptr, an AdamW step while a gather still reads the copy)
+ * leaves the copy stale, and the next gather casts it again. FSDP_COPY_AUTO
+ * (the default): kept with a compute dtype other than f32 and shards on the
+ * compute device, not with offloaded shards (host memory there). ON keeps
+ * them wherever the shards are; OFF casts at each gather. Only before the
+ * first unit is added. */
+typedef enum fsdp_copy_mode {
+    FSDP_COPY_OFF = 0,
+    FSDP_COPY_ON = 1,
+    FSDP_COPY_AUTO = 2
+} fsdp_copy_mode;
+fsdp_status fsdp_sched_set_compute_copy(fsdp_sched *s, fsdp_copy_mode mode);
+/* A unit's compute copy as it is now: *copy a new reference (NULL when the
+ * unit keeps none, or none was made yet: the first gather makes it), and
+ * *current 1 when it holds the master's present values (else the next
+ * gather casts it again). Either out may be NULL. */
+fsdp_status fsdp_unit_compute_copy(fsdp_sched *s, int unit, fsdp_tensor **copy, int *current);
 /* A unit of n parameters with these element counts, in order; keep: leave it
  * gathered from forward to backward (the root; shard_grad_op). */
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,

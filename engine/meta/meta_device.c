@@ -54,6 +54,13 @@ static int64_t sum_counts(const int64_t *counts, int n) {
     return s;
 }
 
+/* the elements of the tensors that have ptrs[i] (ptrs may be NULL) */
+static int64_t sum_counts_with(const int64_t *counts, void *const *ptrs, int n) {
+    int64_t s = 0;
+    for (int i = 0; ptrs && i < n; i++) s += ptrs[i] && counts[i] > 0 ? counts[i] : 0;
+    return s;
+}
+
 static int64_t nonempty(const int64_t *counts, int n) {
     int64_t k = 0;
     for (int i = 0; i < n; i++) k += counts[i] > 0;
@@ -415,11 +422,12 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     X(void, sgd_f32, "optimizer", (float *p, const float *g, float *buf, int64_t n, float lr, float momentum,     \
       float dampening, float weight_decay, int nesterov, int first), F32 * n * (buf ? 3 : 2),                     \
       F32 * n * (buf ? 2 : 1), 4 * n, 1, 0, )                                                                      \
-    X(void, adamw_many_f32, "optimizer", (float *const *p, const float *const *g, float *const *m,               \
-      float *const *v, const int64_t *counts, const float *decay, const float *step_size,                         \
+    X(void, adamw_many_f32, "optimizer", (float *const *p, uint16_t *const *pb, const float *const *g,           \
+      float *const *m, float *const *v, const int64_t *counts, const float *decay, const float *step_size,        \
       const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale),                   \
-      4 * F32 * sum_counts(counts, n), 3 * F32 * sum_counts(counts, n), 13 * sum_counts(counts, n),              \
-      (nonempty(counts, n) + 63) / 64, 0, )            \
+      4 * F32 * sum_counts(counts, n),                                                                             \
+      3 * F32 * sum_counts(counts, n) + BF16 * sum_counts_with(counts, (void *const *)pb, n),                      \
+      13 * sum_counts(counts, n), (nonempty(counts, n) + 55) / 56, 0, )                                            \
     X(void, sum_dim_acc_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,           \
       int64_t inner), BF16 * (outer * red * inner + outer * inner), BF16 * outer * inner, outer * red * inner,     \
       sum_dim_launches(outer, red, inner, 1), 0, )                                                                 \

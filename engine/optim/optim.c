@@ -39,6 +39,7 @@ static fsdp_status check_flat(const char *op, const char *name, fsdp_tensor *t, 
 
 fsdp_status fsdp_scale_(fsdp_tensor *t, double s) {
     FSDP_TRY(check_flat("fsdp_scale_", "t", t, -1, false, NULL, NULL));
+    storage_written(t->storage);
     if (t->dtype == FSDP_F32) {
         KERNELS(t)->scale_f32(tensor_data(t), tensor_data(t), (float)s, tensor_numel(t));
         return FSDP_OK;
@@ -54,6 +55,7 @@ fsdp_status fsdp_scale_(fsdp_tensor *t, double s) {
 fsdp_status fsdp_axpy_(fsdp_tensor *y, fsdp_tensor *x, double alpha) {
     FSDP_TRY(check_flat("fsdp_axpy_", "y", y, -1, false, NULL, NULL));
     FSDP_TRY(check_flat("fsdp_axpy_", "x", x, tensor_numel(y), false, y, "y"));
+    storage_written(y->storage);
     if (y->dtype == FSDP_F32 && x->dtype == FSDP_BF16 && KERNELS(y)->axpy_f32_bf16 &&
         y->storage != x->storage) {   /* widened in registers, no staged copy */
         KERNELS(y)->axpy_f32_bf16(tensor_data(y), tensor_data(x), (float)alpha, tensor_numel(y));
@@ -141,6 +143,49 @@ fsdp_status fsdp_sumsq_many(fsdp_tensor *const *ts, int n, double *out) {
 
 /* ---- AdamW ---- */
 
+/* The compute copy of param's elements (an FSDP master shard's, sched.c)
+ * when AdamW may write it: it holds the master's current values and
+ * nothing reads it now. AdamW then writes the update's bf16 rounding
+ * beside the f32 value (bit for bit the cast a gather makes) and the copy
+ * stays current; otherwise it is left alone and goes stale with the
+ * master's write. Called for every parameter before any is written. */
+static uint16_t *adamw_copy_target(fsdp_tensor *param) {
+    fsdp_storage *s = param->storage;
+    if (!storage_copy_current(s) || s->copy_readers > 0 || s->copy_dtype != FSDP_BF16 || s->copy->device != s->device)
+        return NULL;
+    return (uint16_t *)s->copy->data + param->offset;
+}
+
+/* AdamW over n elements, then their bf16 copy into pb (when given) with
+ * the device's cast. On a device without the fused entry (the CPU) a chunk
+ * at a time, so that the cast reads p while it is still in cache; elsewhere
+ * in one piece (one launch each). */
+#define ADAMW_COPY_CHUNK ((int64_t)1 << 18)
+
+static void adamw_then_copy(const fsdp_device_kernels *k, float *p, uint16_t *pb, const float *g, float *m, float *v,
+                            int64_t n, float beta1, float beta2, float eps, float decay, float step_size,
+                            float inv_sqrt_bc2, float grad_scale) {
+    if (!pb) {
+        k->adamw_f32(p, g, m, v, n, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2, grad_scale);
+        return;
+    }
+    int64_t chunk = k->adamw_many_f32 ? n : ADAMW_COPY_CHUNK;
+    for (int64_t at = 0; at < n; at += chunk) {
+        int64_t len = n - at < chunk ? n - at : chunk;
+        k->adamw_f32(p + at, g + at, m + at, v + at, len, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2,
+                     grad_scale);
+        k->cast_any(pb + at, FSDP_BF16, p + at, FSDP_F32, len);
+    }
+}
+
+/* After AdamW wrote param (and its copy where target was given): the
+ * master's version moves on, the copy's with it when it was written. */
+static void adamw_written(fsdp_tensor *param, const uint16_t *target) {
+    fsdp_storage *s = param->storage;
+    storage_written(s);
+    if (target) s->copy_version = s->version;
+}
+
 fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *exp_avg, fsdp_tensor *exp_avg_sq,
                             double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
     const char *op = "fsdp_adamw_step";
@@ -156,9 +201,11 @@ fsdp_status fsdp_adamw_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *
     fsdp_tensor *g32;
     FSDP_TRY(tensor_as_f32(&g32, grad));
     double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
-    KERNELS(param)->adamw_f32(tensor_data(param), tensor_data(g32), tensor_data(exp_avg), tensor_data(exp_avg_sq), n,
-                              (float)beta1, (float)beta2, (float)eps, (float)(1.0 - lr * weight_decay),
-                              (float)(lr / bc1), (float)(1.0 / sqrt(bc2)), 1.0f);
+    uint16_t *pb = adamw_copy_target(param);
+    adamw_then_copy(KERNELS(param), tensor_data(param), pb, tensor_data(g32), tensor_data(exp_avg),
+                    tensor_data(exp_avg_sq), n, (float)beta1, (float)beta2, (float)eps,
+                    (float)(1.0 - lr * weight_decay), (float)(lr / bc1), (float)(1.0 / sqrt(bc2)), 1.0f);
+    adamw_written(param, pb);
     tensor_release(g32);
     return FSDP_OK;
 }
@@ -201,13 +248,18 @@ fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const 
     const fsdp_device_kernels *k = KERNELS(params[0]);
     float **pp = calloc((size_t)n, sizeof *pp), **mp = calloc((size_t)n, sizeof *mp);
     float **vp = calloc((size_t)n, sizeof *vp);
+    uint16_t **cp = calloc((size_t)n, sizeof *cp);   /* (n) compute copies AdamW writes, by m below */
+    uint16_t **targets = calloc((size_t)n, sizeof *targets);   /* (n) by parameter */
     const float **gp = calloc((size_t)n, sizeof *gp);
     int64_t *counts = calloc((size_t)n, sizeof *counts);
     float *decay = calloc((size_t)n, sizeof *decay), *step_size = calloc((size_t)n, sizeof *step_size);
     float *ibc2 = calloc((size_t)n, sizeof *ibc2);
-    fsdp_status st = pp && mp && vp && gp && counts && decay && step_size && ibc2
+    fsdp_status st = pp && mp && vp && cp && targets && gp && counts && decay && step_size && ibc2
                          ? FSDP_OK
                          : fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory for %d parameters", op, n);
+    /* which copies are written, decided before anything is: parameters
+     * sharing a master storage all see the version it had */
+    for (int i = 0; i < n && st == FSDP_OK; i++) targets[i] = adamw_copy_target(params[i]);
     int m = 0;   /* tensors with an f32 gradient, updated together below */
     for (int i = 0; i < n && st == FSDP_OK; i++) {
         double bc1 = 1.0 - pow(beta1, (double)steps[i]), bc2 = 1.0 - pow(beta2, (double)steps[i]);
@@ -218,13 +270,14 @@ fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const 
             fsdp_tensor *g = NULL;
             st = tensor_as_f32(&g, grads[i]);
             if (st != FSDP_OK) break;
-            k->adamw_f32(tensor_data(params[i]), tensor_data(g), tensor_data(exp_avgs[i]),
-                         tensor_data(exp_avg_sqs[i]), tensor_numel(params[i]), (float)beta1, (float)beta2, (float)eps,
-                         d, ss, ib, (float)grad_scale);
+            adamw_then_copy(k, tensor_data(params[i]), targets[i], tensor_data(g), tensor_data(exp_avgs[i]),
+                            tensor_data(exp_avg_sqs[i]), tensor_numel(params[i]), (float)beta1, (float)beta2,
+                            (float)eps, d, ss, ib, (float)grad_scale);
             tensor_release(g);
             continue;
         }
         pp[m] = tensor_data(params[i]);
+        cp[m] = targets[i];
         gp[m] = tensor_data(grads[i]);
         mp[m] = tensor_data(exp_avgs[i]);
         vp[m] = tensor_data(exp_avg_sqs[i]);
@@ -236,15 +289,20 @@ fsdp_status fsdp_adamw_step_many(fsdp_tensor *const *params, fsdp_tensor *const 
     }
     if (st == FSDP_OK) {
         if (k->adamw_many_f32) {
-            k->adamw_many_f32(pp, gp, mp, vp, counts, decay, step_size, ibc2, m, (float)beta1, (float)beta2,
+            k->adamw_many_f32(pp, cp, gp, mp, vp, counts, decay, step_size, ibc2, m, (float)beta1, (float)beta2,
                               (float)eps, (float)grad_scale);
         } else {
             for (int i = 0; i < m; i++)
-                k->adamw_f32(pp[i], gp[i], mp[i], vp[i], counts[i], (float)beta1, (float)beta2, (float)eps, decay[i],
-                             step_size[i], ibc2[i], (float)grad_scale);
+                adamw_then_copy(k, pp[i], cp[i], gp[i], mp[i], vp[i], counts[i], (float)beta1, (float)beta2,
+                                (float)eps, decay[i], step_size[i], ibc2[i], (float)grad_scale);
         }
     }
+    /* every parameter stepped or none (a failure above comes before any
+     * kernel ran, except the widened ones before it: written all the same) */
+    for (int i = 0; i < n && targets; i++) adamw_written(params[i], st == FSDP_OK ? targets[i] : NULL);
     free(pp);
+    free(cp);
+    free(targets);
     free(gp);
     free(mp);
     free(vp);
@@ -272,6 +330,7 @@ fsdp_status fsdp_sgd_step(fsdp_tensor *param, fsdp_tensor *grad, fsdp_tensor *mo
                               momentum, dampening);
     fsdp_tensor *g32;
     FSDP_TRY(tensor_as_f32(&g32, grad));
+    storage_written(param->storage);   /* a compute copy of it goes stale: a gather casts it again */
     KERNELS(param)->sgd_f32(tensor_data(param), tensor_data(g32), momentum != 0 ? tensor_data(momentum_buf) : NULL, n,
                             (float)lr, (float)momentum, (float)dampening, (float)weight_decay, nesterov != 0,
                             first_step != 0);

@@ -320,6 +320,15 @@ fsdp_status fsdp_sched_set_shard_device(fsdp_sched *s, fsdp_device device);
 
 fsdp_status fsdp_sched_set_direct(fsdp_sched *s, int on);
 
+typedef enum fsdp_copy_mode {
+    FSDP_COPY_OFF = 0,
+    FSDP_COPY_ON = 1,
+    FSDP_COPY_AUTO = 2
+} fsdp_copy_mode;
+fsdp_status fsdp_sched_set_compute_copy(fsdp_sched *s, fsdp_copy_mode mode);
+
+fsdp_status fsdp_unit_compute_copy(fsdp_sched *s, int unit, fsdp_tensor **copy, int *current);
+
 fsdp_status fsdp_sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                                 int *index);
 

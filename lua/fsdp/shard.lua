@@ -7,6 +7,7 @@
 --     prefetch = "backward_pre", forward_prefetch = false, limit = 2, seed = 1,
 --     offload = false,                           -- true: shards, gradients, optimizer state on the CPU
 --     reshard_after_forward = true,              -- G: keep 1/G for the backward, regathered in groups of G (hpZ)
+--     compute_copy = nil,                        -- bf16 copies of the masters, written by AdamW (see below)
 --   })
 --   local logits, loss = model(x, y)             -- the model is used as before
 --   loss:backward()                              -- gathers, reduce-scatters as it goes
@@ -45,6 +46,16 @@
 -- Each gather copies this rank's shard to the GPU first, each reduced
 -- gradient shard comes back (PyTorch's CPUOffload(offload_params=True)).
 -- Where the compute device is the CPU it changes nothing.
+--
+-- compute_copy: with a bf16 compute dtype each unit keeps its f32 master
+-- shard's values in bf16 beside it (2 bytes per parameter per shard);
+-- AdamW writes them as it updates the masters, and the gathers send them
+-- instead of casting the masters at every forward and backward (on one
+-- rank the unit's buffer is the copy itself). Any other write into a
+-- master (a load, an import, a user's copy, another optimizer) leaves its
+-- copy stale and the next gather casts it again. nil (the default): kept
+-- unless the shards are offloaded; true keeps them in host memory there
+-- too; false: cast at each gather. Ignored with f32 compute.
 --
 -- On a world of one (one rank, f32 compute and reduction, shards where the
 -- model computes) the unit buffers are the parameters themselves: module
@@ -310,7 +321,7 @@ local wrap_t = core.wrap
 
 -- The options fsdp.shard takes (a typo is an error naming the closest one).
 M.option_names = { "policy", "strategy", "group_size", "mixed_precision", "prefetch", "forward_prefetch", "limit",
-  "seed", "offload", "reshard_after_forward" }
+  "seed", "offload", "reshard_after_forward", "compute_copy" }
 local mixed_precision_names = { "compute", "reduce", "param" }
 
 --- fsdp.shard(model, opts) -> Sharded (see the top of this file).
@@ -345,6 +356,9 @@ function M.shard(model, opts)
   if opts.offload ~= nil and type(opts.offload) ~= "boolean" then
     error("fsdp.shard: offload must be true or false, got " .. tostring(opts.offload), 2)
   end
+  if opts.compute_copy ~= nil and type(opts.compute_copy) ~= "boolean" then
+    error("fsdp.shard: compute_copy must be true, false or nil (automatic), got " .. tostring(opts.compute_copy), 2)
+  end
   local groups = M.assign_units(model, opts.policy)
   local shard_comm, replica_comm, world = make_comms(strategy, opts.group_size)
   local rank = comm_info(world)
@@ -365,6 +379,8 @@ function M.shard(model, opts)
   local self = setmetatable({
     model = model, strategy = strategy, compute = compute, reduce = reduce,
     offload = offload, direct = direct,
+    -- the engine's FSDP_COPY_*: automatic unless asked (f32 compute has no copy to keep)
+    copy_mode = compute == "f32" and 2 or opts.compute_copy == nil and 2 or opts.compute_copy and 1 or 0,
     shard_comm = shard_comm, replica_comm = replica_comm,
     world = world, rank = rank,
     group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
@@ -394,6 +410,7 @@ function Sharded:_build(groups)
   local sched = ffi.gc(sched_box[0], C.fsdp_sched_free)
   if self.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
   if self.direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
+  if C.fsdp_sched_set_compute_copy(sched, self.copy_mode) ~= 0 then raise() end
   if self.reshard_comm and C.fsdp_sched_set_reshard_group(sched, self.reshard_comm) ~= 0 then raise() end
   local built = { sched = sched, units = {}, grads = {}, segments = {}, parts_of = {}, groups = groups }
   local keep_all = self.strategy == "shard_grad_op"
@@ -715,6 +732,17 @@ function Sharded:step_stats()
     wait_seconds = stat_dbl[0] }
   C.fsdp_comm_reset_stats()
   return s
+end
+
+--- The compute copy of unit u (an entry of sharded.units) as it is now: the
+-- bf16 tensor of its master shard's values (nil when it keeps none, or none
+-- was made yet) and whether it holds the master's present values (else the
+-- next gather casts it again).
+local current_box = ffi.new("int[1]")
+function Sharded:compute_copy(u)
+  if C.fsdp_unit_compute_copy(self.sched, u.index, out, current_box) ~= 0 then raise() end
+  local copy = core.wrap_or_nil()
+  return copy, current_box[0] == 1
 end
 
 --- The same statistics combined over ranks: the maximum of each, and the

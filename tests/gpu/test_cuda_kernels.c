@@ -1681,11 +1681,13 @@ static void test_random(void) {
 
 /* ---- optimizers ---- */
 
-/* adamw_many_f32: 70 tensors (more than a launch's group of 64; empty ones,
+/* adamw_many_f32: 70 tensors (more than a launch's group of 56; empty ones,
  * one element, odd and prime sizes, some over a block of 2048, several
  * slices of one buffer as a unit's shard gives them), each with its own
  * decay, step size and bias correction, against the CPU's adamw_f32 per
- * tensor: rtol 1e-6 as adamw_f32. */
+ * tensor: rtol 1e-6 as adamw_f32. Every tensor but each third writes its
+ * bf16 copy too: bit for bit the device's cast_any of its new p (the cast
+ * a gather makes), the others' copies untouched. */
 static void test_adamw_many(void) {
     test_check(G->adamw_many_f32 != NULL, "CUDA has adamw_many_f32");
     if (!G->adamw_many_f32) return;
@@ -1704,6 +1706,10 @@ static void test_adamw_many(void) {
     float *dp = dupf(p, total), *dg = dupf(g, total), *dm = dupf(m, total), *dv = dupf(v, total);
     float *pp[N], *mp[N], *vp[N], decay[N], step[N], ibc2[N];
     const float *gp[N];
+    uint16_t *pbp[N];
+    uint16_t *sentinel = halloc((size_t)total * sizeof(uint16_t));
+    for (int64_t i = 0; i < total; i++) sentinel[i] = 0x7fc1;   /* a NaN no cast writes */
+    uint16_t *dpb = dup(sentinel, (size_t)total * sizeof(uint16_t));
     float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, grad_scale = 0.37f;   /* a clip coefficient */
     for (int i = 0; i < N; i++) {
         float lr = 1e-3f * (1 + i % 3), t = (float)(1 + i % 5), wd = i % 2 ? 0.1f : 0.0f;
@@ -1716,15 +1722,32 @@ static void test_adamw_many(void) {
         gp[i] = dg + offs[i];
         mp[i] = dm + offs[i];
         vp[i] = dv + offs[i];
+        pbp[i] = i % 3 == 2 ? NULL : dpb + offs[i];
     }
-    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, N, b1, b2, eps, grad_scale);
+    G->adamw_many_f32(pp, pbp, gp, mp, vp, counts, decay, step, ibc2, N, b1, b2, eps, grad_scale);
     check_f("adamw_many_f32 p (70 tensors)", back(dp, total), p, total, 1e-6, 1e-7, -1);
+    {
+        uint16_t *cast = dalloc((size_t)(total > 0 ? total : 1) * sizeof(uint16_t));
+        G->cast_any(cast, FSDP_BF16, dp, FSDP_F32, total);
+        uint16_t *want = halloc((size_t)total * sizeof(uint16_t)), *got = halloc((size_t)total * sizeof(uint16_t));
+        G->copy_to_host(want, cast, (size_t)total * sizeof(uint16_t));
+        G->copy_to_host(got, dpb, (size_t)total * sizeof(uint16_t));
+        int64_t bad = 0, written = 0;
+        for (int i = 0; i < N; i++)
+            for (int64_t j = offs[i]; j < offs[i] + counts[i]; j++) {
+                uint16_t expect = pbp[i] ? want[j] : sentinel[j];
+                bad += got[j] != expect;
+                written += pbp[i] != NULL;
+            }
+        test_check(bad == 0 && written > 0, "adamw_many_f32 pb: %lld of %lld values differ from the cast of the new p "
+                   "(or were written where no copy was given)", (long long)bad, (long long)total);
+    }
     check_f("adamw_many_f32 m (70 tensors)", back(dm, total), m, total, 1e-6, 1e-7, -1);
     check_f("adamw_many_f32 v (70 tensors)", back(dv, total), v, total, 1e-6, 1e-7, -1);
     /* no tensors, and only empty ones: nothing to do, nothing touched */
-    G->adamw_many_f32(pp, gp, mp, vp, counts, decay, step, ibc2, 0, b1, b2, eps, grad_scale);
+    G->adamw_many_f32(pp, NULL, gp, mp, vp, counts, decay, step, ibc2, 0, b1, b2, eps, grad_scale);
     int64_t zeros[2] = {0, 0};
-    G->adamw_many_f32(pp, gp, mp, vp, zeros, decay, step, ibc2, 2, b1, b2, eps, grad_scale);
+    G->adamw_many_f32(pp, pbp, gp, mp, vp, zeros, decay, step, ibc2, 2, b1, b2, eps, grad_scale);
     check_f("adamw_many_f32 of no elements leaves p alone", back(dp, total), p, total, 1e-6, 1e-7, -1);
     free_case();
 }

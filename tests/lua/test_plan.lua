@@ -79,10 +79,13 @@ do
     "activation", "optimizer", "traffic of rank 0 per training step", "all-gather", "kernels per step" }) do
     t.ok(text:find(s, 1, true), "format shows '" .. s .. "'")
   end
-  -- bf16 compute halves the gathered buffers, not the f32 shards
+  -- bf16 compute halves the gathered buffers, not the f32 shards; the
+  -- masters' bf16 compute copies add 2 bytes per shard element to their 4
   local pb = plan(4, { policy = fsdp.policy.per_block(), mixed_precision = { compute = "bf16" } })
-  t.eq(pb.memory.param.current, p0.memory.param.current, "bf16: the same f32 master shards")
+  t.eq(pb.memory.param.current, p0.memory.param.current * 3 / 2, "bf16: the f32 master shards and their bf16 copies")
   t.eq(pb.traffic.gathered_bytes, p0.traffic.gathered_bytes / 2, "bf16: half the bytes gathered")
+  local pn = plan(4, { policy = fsdp.policy.per_block(), mixed_precision = { compute = "bf16" }, compute_copy = false })
+  t.eq(pn.memory.param.current, p0.memory.param.current, "bf16 without compute copies: the same f32 master shards")
 end
 
 -- ---- activation recomputation: less activation memory, more work ----

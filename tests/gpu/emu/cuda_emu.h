@@ -135,7 +135,7 @@ struct emu_launch_cfg {
 void emu_run(const emu_launch_cfg &cfg, const std::function<void()> &body);
 /* A pointer argument of a kernel must be NULL or device memory. */
 void emu_check_device_ptr(const void *p, const char *what);
-enum { EMU_MAX_KERNEL_PTRS = 256 };
+enum { EMU_MAX_KERNEL_PTRS = 320 };   /* AdamW's group: 56 tensors of 5 pointers */
 
 /* Ends the process: a kernel with more than EMU_MAX_KERNEL_PTRS pointers. */
 [[noreturn]] void emu_fail_kernel_ptrs(void);
