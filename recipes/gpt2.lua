@@ -32,6 +32,8 @@ local o = options.parse(..., {
   { "limit", "int", 2, "gathered units alive at once (besides the root)", min = 1 },
   { "reduce", { "f32", "bf16" }, "f32", "gradient reduction dtype" },
   { "offload", "bool", false, "keep shards and optimizer state in host memory (on a GPU)" },
+  { "compute_copy", "bool", nil, "--dtype=bf16: keep the master shards' bf16 copies, which AdamW writes, for the "
+    .. "gathers to send (2 bytes per parameter per shard; false: cast at every gather; default: on unless --offload)" },
   { "reshard_group", "int", 0, "keep 1/N of each block after its forward and regather it for the backward within "
     .. "groups of N ranks (hpZ; 0 = free it, the default)", min = 0 },
   { "ctx", "int", 64, "tokens per sequence", min = 1 },
@@ -98,7 +100,7 @@ local sharded = fsdp.shard(model, {
   policy = policies[o.wrap], strategy = o.strategy, group_size = o.group_size, seed = o.seed,
   mixed_precision = { compute = o.dtype, reduce = o.reduce }, prefetch = o.prefetch,
   forward_prefetch = o.forward_prefetch, limit = o.limit, offload = o.offload,
-  reshard_after_forward = o.reshard_group > 0 and o.reshard_group or nil,
+  reshard_after_forward = o.reshard_group > 0 and o.reshard_group or nil, compute_copy = o.compute_copy,
 })
 -- --init: each rank reads only its own slices of the file, into its shard
 if o.init then fsdp.checkpoint.import(o.init, sharded) end
