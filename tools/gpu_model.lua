@@ -67,6 +67,9 @@ local H200 = {
 -- An entry gpuspeed adds needs a line here only when it is compute-bound.
 local compute_rate = {
   matmul_bf16 = function() return H200.gemm_bf16 end,
+  -- cuBLASLt's GEMMs with a fused epilogue: as matmul_bf16 (the epilogue's
+  -- extra bytes and FLOPs are in the counts)
+  matmul_epilogue_bf16 = function() return H200.gemm_bf16 end,
   matmul_f32 = function() return H200.gemm_f32 end,
   attention_forward_f32 = function() return H200.attention_f32 end,
   attention_backward_f32 = function() return H200.attention_f32 end,
@@ -112,7 +115,7 @@ local function price(e)
   local rate = compute_rate[e.name]
   if rate then
     local r = rate()
-    if e.name == "matmul_bf16" then r = r * gemm_efficiency(e.flops / e.calls) end
+    if e.name == "matmul_bf16" or e.name == "matmul_epilogue_bf16" then r = r * gemm_efficiency(e.flops / e.calls) end
     t_flop = e.flops / r
   end
   return math.max(t_mem, t_flop, e.launches * H200.launch_s) + t_sync

@@ -271,6 +271,30 @@ typedef struct fsdp_device_kernels {
                                int64_t rows, int64_t cols);
 } fsdp_device_kernels;
 
+/* What the CUDA matmul_epilogue_bf16 fuses (engine/cuda/cuda_matmul_lt.cu), so
+ * that the counting device takes the path a GPU takes: M, N, K from 1 to
+ * 2^31 - 1; every buffer it touches (a, b, d, c when beta != 0, bias, aux,
+ * dbias) 16-byte aligned, the alignment its cuBLASLt algorithms are chosen
+ * for; with a GELU input (aux), N divisible by 8 (cuBLASLt's rule for the
+ * aux leading dimension, here N: the rows of the column-major D); for
+ * BGRAD_A, alpha 1 (its bias gradient is of op(A), unscaled). The device
+ * may still find no algorithm and return 0. */
+static inline int matmul_epilogue_covers(const void *d, const void *a, const void *b, const void *c, int64_t M,
+                                         int64_t N, int64_t K, float alpha, float beta, int epilogue,
+                                         const void *bias, const void *aux, const void *dbias) {
+    if (M < 1 || N < 1 || K < 1 || M > INT32_MAX || N > INT32_MAX || K > INT32_MAX) return 0;
+    int gelu = epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS || epilogue == FSDP_EPILOGUE_DGELU_BGRAD;
+    int with_bias = epilogue == FSDP_EPILOGUE_BIAS || epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS;
+    int with_dbias = epilogue == FSDP_EPILOGUE_DGELU_BGRAD || epilogue == FSDP_EPILOGUE_BGRAD_A;
+    const void *bufs[7] = {d, a, b, beta != 0.0f ? c : NULL, with_bias ? bias : NULL, gelu ? aux : NULL,
+                           with_dbias ? dbias : NULL};
+    for (int i = 0; i < 7; i++)
+        if ((uintptr_t)bufs[i] % 16 != 0) return 0;
+    if (gelu && N % 8 != 0) return 0;
+    if (epilogue == FSDP_EPILOGUE_BGRAD_A && alpha != 1.0f) return 0;
+    return epilogue >= FSDP_EPILOGUE_BIAS && epilogue <= FSDP_EPILOGUE_BGRAD_A;
+}
+
 /* The shapes of attention_flash_*_bf16: head dim D a multiple of 16 up to
  * 128, any T, B, H >= 1, with element offsets within int64 and at most
  * 2^31 - 1 blocks of 64 rows. */

@@ -150,6 +150,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .fill_f32 = cuda_fill_f32,
     .matmul_f32 = cuda_matmul_f32,
     .matmul_bf16 = cuda_matmul_bf16,
+    .matmul_epilogue_bf16 = cuda_matmul_epilogue_bf16,
     .binary_f32 = cuda_binary_f32,
     .scale_f32 = cuda_scale_f32,
     .add_scalar_f32 = cuda_add_scalar_f32,
@@ -276,6 +277,8 @@ extern "C" fsdp_status cuda_backend_init(int local_rank) {
     const char *tf32 = getenv("FSDP_CUDA_TF32");
     INIT_CHECK_BLAS(cublasSetMathMode(g_cublas, tf32 && strcmp(tf32, "1") == 0 ? CUBLAS_TF32_TENSOR_OP_MATH
                                                                                : CUBLAS_DEFAULT_MATH));
+    const char *lt_failed = cuda_lt_init();
+    if (lt_failed) return fsdp_set_error(FSDP_ERR_DEVICE, "%s on cuda:%d", lt_failed, local_rank);
     int pools = 0;
     INIT_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, local_rank));
     if (pools) {   /* keep freed temporaries in the pool rather than giving them back at every sync */

@@ -344,6 +344,12 @@ void cuda_matmul_bf16(uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t
 void cuda_matmul_f32(float *c, const float *a, const float *b, int64_t batch, int64_t M, int64_t N, int64_t K,
                      int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b,
                      int64_t stride_c);
+/* cuda_matmul_lt.cu: the cuBLASLt handle and workspace (start-up: NULL, or
+ * what failed), and the GEMM with a fused epilogue */
+const char *cuda_lt_init(void);
+int cuda_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, const uint16_t *c, int64_t M,
+                              int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta, int epilogue,
+                              const uint16_t *bias, uint16_t *aux, uint16_t *dbias);
 /* cuda_reduce.cu */
 void cuda_sum_dim_f32(float *out, const float *in, int64_t outer, int64_t red, int64_t inner);
 double cuda_sum_all_f32(const float *in, int64_t n);

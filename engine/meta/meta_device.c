@@ -19,7 +19,8 @@
  *
  * Adding a table entry to device.h: add one line to META_ENTRIES below with
  * its signature and its cost (bytes read, bytes written, FLOPs, launches,
- * host syncs). Until then the meta table has no such entry, which
+ * host syncs), or, when what it costs depends on whether it runs, one to
+ * META_ENTRIES_BY_HAND and its counting function. Until then the meta table has no such entry, which
  * fsdp_meta_mimic reports (and a test fails for the CUDA table). */
 #define _DEFAULT_SOURCE   /* MAP_ANONYMOUS, MAP_NORESERVE under -std=c11 */
 #include "internal.h"
@@ -472,12 +473,18 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       const uint16_t *res, int64_t rows, int64_t cols), BF16 * (2 * rows * cols + cols), BF16 * rows * cols,       \
       2 * rows * cols, rows > 0 && cols > 0, 0, )
 
+/* Entries whose counts depend on whether the device would run them: their
+ * counting functions are written out below (the cost columns here unused). */
+#define META_ENTRIES_BY_HAND(X)                                                                                     \
+    X(int, matmul_epilogue_bf16, "gemm_bf16", (void), 0, 0, 0, 0, 0, )
+
 /* ---- counters ---- */
 
 enum {
     E_RAW_ALLOC, E_RAW_FREE,
 #define X_ENUM(ret, name, ...) E_##name,
     META_ENTRIES(X_ENUM)
+    META_ENTRIES_BY_HAND(X_ENUM)
 #undef X_ENUM
     E_COUNT
 };
@@ -486,6 +493,7 @@ static const char *const entry_names[E_COUNT] = {
     "raw_alloc", "raw_free",
 #define X_NAME(ret, name, ...) #name,
     META_ENTRIES(X_NAME)
+    META_ENTRIES_BY_HAND(X_NAME)
 #undef X_NAME
 };
 
@@ -493,6 +501,7 @@ static const char *const entry_families[E_COUNT] = {
     "memory", "memory",
 #define X_FAMILY(ret, name, family, ...) family,
     META_ENTRIES(X_FAMILY)
+    META_ENTRIES_BY_HAND(X_FAMILY)
 #undef X_FAMILY
 };
 
@@ -622,6 +631,32 @@ META_ENTRIES(X_FN)
 #pragma GCC diagnostic pop
 #endif
 
+/* matmul_epilogue_bf16 counts only what the CUDA entry would run
+ * (matmul_epilogue_covers): a call it refuses costs nothing here, and the
+ * unfused ops the op layer then runs count themselves. Bytes: A, B, C when
+ * beta != 0 and D, as matmul_bf16, and the epilogue's vectors and matrix:
+ * the bias read (BIAS, GELU_AUX_BIAS), the GELU input written
+ * (GELU_AUX_BIAS) or read (DGELU_BGRAD), the bias gradient written. FLOPs:
+ * 2 M N K, plus the epilogue's as the fused kernels count theirs (bias 1,
+ * bias + GELU 9, GELU backward and its sum 14 per element of D; the bias
+ * gradient of A 1 per element of op(A)). One launch. */
+static int meta_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, const uint16_t *c, int64_t M,
+                                     int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta,
+                                     int epilogue, const uint16_t *bias, uint16_t *aux, uint16_t *dbias) {
+    (void)trans_a;
+    (void)trans_b;
+    if (!matmul_epilogue_covers(d, a, b, c, M, N, K, alpha, beta, epilogue, bias, aux, dbias)) return 0;
+    int64_t mn = M * N, rd = BF16 * (M * K + K * N + (beta != 0) * mn), wr = BF16 * mn, fl = 2 * M * N * K;
+    switch (epilogue) {
+    case FSDP_EPILOGUE_BIAS: rd += BF16 * N, fl += mn; break;
+    case FSDP_EPILOGUE_GELU_AUX_BIAS: rd += BF16 * N, wr += BF16 * mn, fl += 9 * mn; break;
+    case FSDP_EPILOGUE_DGELU_BGRAD: rd += BF16 * mn, wr += BF16 * N, fl += 14 * mn; break;
+    default: wr += BF16 * M, fl += M * K; break;   /* BGRAD_A */
+    }
+    record(E_matmul_epilogue_bf16, rd, wr, fl, 1, 0);
+    return 1;
+}
+
 /* Every entry this file knows. */
 static const fsdp_device_kernels meta_full = {
     .name = "meta",
@@ -629,6 +664,7 @@ static const fsdp_device_kernels meta_full = {
     .raw_free = meta_raw_free,
 #define X_INIT(ret, name, ...) .name = meta_##name,
     META_ENTRIES(X_INIT)
+    META_ENTRIES_BY_HAND(X_INIT)
 #undef X_INIT
 };
 
@@ -639,6 +675,7 @@ fsdp_device_kernels meta_device_kernels = {
     .raw_free = meta_raw_free,
 #define X_INIT(ret, name, ...) .name = meta_##name,
     META_ENTRIES(X_INIT)
+    META_ENTRIES_BY_HAND(X_INIT)
 #undef X_INIT
 };
 
@@ -670,6 +707,7 @@ static const char *slot_name(size_t i, bool *exact) {
         {"raw_free", offsetof(fsdp_device_kernels, raw_free)},
 #define X_OFF(ret, name, ...) {#name, offsetof(fsdp_device_kernels, name)},
         META_ENTRIES(X_OFF)
+        META_ENTRIES_BY_HAND(X_OFF)
 #undef X_OFF
     };
     size_t off = offsetof(fsdp_device_kernels, raw_alloc) + i * sizeof(slot_fn), best = 0;

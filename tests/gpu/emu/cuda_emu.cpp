@@ -119,6 +119,8 @@ static void check_range(const void *p, size_t n, const char *what) {
     }
 }
 
+void emu_check_device_range(const void *p, size_t n, const char *what) { check_range(p, n, what); }
+
 /* ---- the host guard ----
  * Live device memory is PROT_NONE except while a device op that was given
  * it runs: a kernel (its pointer arguments), a copy, a memset, a cuBLAS call
@@ -887,6 +889,7 @@ const char *cublasGetStatusString(cublasStatus_t s) {
     case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
     case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
     case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
     }
     return "CUBLAS_STATUS_UNKNOWN";
 }

@@ -29,7 +29,9 @@
  *   A new runtime, cuBLAS(Lt) or NCCL call that touches device memory wraps
  *   that access in emu_op_begin/emu_op_end (cuda_runtime.h) with its
  *   buffers, as the existing ones do.
- * - cuBLAS: column-major semantics and its leading-dimension rules.
+ * - cuBLAS: column-major semantics and its leading-dimension rules;
+ *   cuBLASLt: the epilogues, layout, alignment and workspace rules the
+ *   engine relies on (include/cublasLt.h, cublaslt_emu.cpp).
  * - Streams and events: see include/cuda_runtime.h (a comm stream runs its
  *   work late); NCCL: include/nccl.h.
  * Not modelled: warp-synchronous code without barriers, timing, memory
@@ -135,6 +137,9 @@ struct emu_launch_cfg {
 void emu_run(const emu_launch_cfg &cfg, const std::function<void()> &body);
 /* A pointer argument of a kernel must be NULL or device memory. */
 void emu_check_device_ptr(const void *p, const char *what);
+/* [p, p + n) must lie inside one live device allocation (a library call's
+ * buffer, as cuBLASLt's emulation checks them). */
+void emu_check_device_range(const void *p, size_t n, const char *what);
 enum { EMU_MAX_KERNEL_PTRS = 320 };   /* AdamW's group: 56 tensors of 5 pointers */
 
 /* Ends the process: a kernel with more than EMU_MAX_KERNEL_PTRS pointers. */

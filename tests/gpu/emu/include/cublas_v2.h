@@ -14,7 +14,8 @@ typedef struct emu_cublas_s *cublasHandle_t;
 typedef enum cublasStatus_t {
     CUBLAS_STATUS_SUCCESS = 0,
     CUBLAS_STATUS_NOT_INITIALIZED = 1,
-    CUBLAS_STATUS_INVALID_VALUE = 7
+    CUBLAS_STATUS_INVALID_VALUE = 7,
+    CUBLAS_STATUS_NOT_SUPPORTED = 15
 } cublasStatus_t;
 typedef enum cublasOperation_t { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 } cublasOperation_t;
 typedef enum cublasMath_t { CUBLAS_DEFAULT_MATH = 0, CUBLAS_TF32_TENSOR_OP_MATH = 3 } cublasMath_t;
