@@ -5,7 +5,10 @@
  *   the tied LM head), a large square, and small ones
  *   elementwise: cpu_binary_f32 ADD and cpu_scale_f32 vs memcpy, GB/s of
  *   bytes read + written (memcpy on one thread and split over the pool)
- * Usage: bench_kernels [--threads=N] (default 2) [--matmul] (matmuls only).
+ *   optimizer: the clipped step's passes (sum of squares, scale, AdamW, AdamW
+ *   with the clip's scale in its pass); --optim runs only these
+ * Usage: bench_kernels [--threads=N] (default 2) [--matmul] (matmuls only)
+ *        [--optim] (optimizer passes only).
  * Medians of several reps. */
 #define _POSIX_C_SOURCE 200809L   /* clock_gettime */
 #include "cpu_kernels.h"
@@ -209,19 +212,62 @@ static void bench_elementwise(void) {
     free(a); free(b); free(out);
 }
 
+/* ---- the optimizer step's passes over the gradients ----
+ * As a training step with clipping makes them, over arrays past the caches:
+ * the gradient norm's sum of squares, the clip's scale, AdamW, and AdamW
+ * reading the gradients scaled (opt:step { grad_scale }). Milliseconds and
+ * GB/s of bytes read + written, interleaved, medians. */
+#define OPT_REPS 7
+static void bench_optimizer(void) {
+    const int64_t n = 32 * 1024 * 1024;   /* 128 MiB per array */
+    float *p = alloc_filled(n, 1.0f), *g = alloc_filled(n, 0.01f), *m = alloc_filled(n, 0.0f);
+    float *v = alloc_filled(n, 0.0f), *flush = alloc_filled(n, 0.5f);
+    double t[4][OPT_REPS];
+    volatile double sink = 0;
+    for (int r = -1; r < OPT_REPS; r++) {   /* one warm-up round */
+        for (int k = 0; k < 4; k++) {
+            cpu_scale_f32(flush, flush, 1.0f, n);   /* the arrays out of the caches */
+            double t0 = now();
+            switch (k) {
+            case 0: sink += cpu_sumsq_f32(g, n); break;
+            case 1: cpu_scale_f32(g, g, 1.0f, n); break;
+            case 2: cpu_adamw_f32(p, g, m, v, n, 0.9f, 0.95f, 1e-8f, 0.9999f, 1e-4f, 1.0f, 1.0f); break;
+            default: cpu_adamw_f32(p, g, m, v, n, 0.9f, 0.95f, 1e-8f, 0.9999f, 1e-4f, 1.0f, 0.5f); break;
+            }
+            if (r >= 0) t[k][r] = now() - t0;
+        }
+    }
+    const char *what[4] = {"sumsq (the gradient norm)", "scale (the clip as a pass)", "adamw",
+                           "adamw with grad_scale (the clip in its pass)"};
+    const double bytes[4] = {4, 8, 28, 28};
+    double ms[4];
+    for (int k = 0; k < 4; k++) {
+        ms[k] = median(t[k], OPT_REPS) * 1e3;
+        printf("| %s, 32M floats | %7.2f ms | %6.1f GB/s |\n", what[k], ms[k], bytes[k] * n / ms[k] * 1e-6);
+    }
+    printf("| clip + step as passes (sumsq, scale, adamw) | %7.2f ms | |\n", ms[0] + ms[1] + ms[2]);
+    printf("| clip in the step (sumsq, adamw with grad_scale) | %7.2f ms | |\n", ms[0] + ms[3]);
+    free(p); free(g); free(m); free(v); free(flush);
+}
+
 int main(int argc, char **argv) {
-    int threads = 2, matmul_only = 0;
+    int threads = 2, matmul_only = 0, optim_only = 0;
     for (int i = 1; i < argc; i++) {
         if (strncmp(argv[i], "--threads=", 10) == 0) threads = atoi(argv[i] + 10);
         else if (strcmp(argv[i], "--matmul") == 0) matmul_only = 1;
-        else { fprintf(stderr, "usage: %s [--threads=N] [--matmul]\n", argv[0]); return 2; }
+        else if (strcmp(argv[i], "--optim") == 0) optim_only = 1;
+        else { fprintf(stderr, "usage: %s [--threads=N] [--matmul] [--optim]\n", argv[0]); return 2; }
     }
     cpu_threads_set(threads);   /* OpenBLAS too */
     printf("threads: %d\n\n", cpu_threads_get());
-    printf("matmul, GFLOP/s, median of %d interleaved reps\n", MM_REPS);
-    bench_matmuls(threads);
-    if (matmul_only) return 0;
-    printf("\n| elementwise (bytes read + written) | bandwidth | of best memcpy |\n|---|---|---|\n");
-    bench_elementwise();
+    if (!optim_only) {
+        printf("matmul, GFLOP/s, median of %d interleaved reps\n", MM_REPS);
+        bench_matmuls(threads);
+        if (matmul_only) return 0;
+        printf("\n| elementwise (bytes read + written) | bandwidth | of best memcpy |\n|---|---|---|\n");
+        bench_elementwise();
+    }
+    printf("\n| optimizer passes (bytes read + written) | time | bandwidth |\n|---|---|---|\n");
+    bench_optimizer();
     return 0;
 }

@@ -145,10 +145,13 @@ static fsdp_status before_backward(void *p) {
         if (s->direct) {   /* gradients accumulate into the gradient shard itself */
             int64_t one = 1;
             FSDP_TRY(sched_ensure_grad(s, u));
+            /* a shard that holds the schedule's zeros takes each parameter's first gradient as a write:
+             * the values of an add into zeros, without reading them (a GEMM's beta 0) */
+            bool zeros = u->grad_zero;
             u->grad_zero = false;
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
-            FSDP_TRY(link_grads(u, false));
+            FSDP_TRY(link_grads(u, zeros));
         } else {
             /* not zeroed: each parameter's first gradient is written (a sliced unit is reduced by slices,
              * and its flat gradient zeroed as before) */

@@ -513,8 +513,9 @@ static void test_sum_dim(void) {
 }
 
 static void test_sum_all(void) {
-    static const int64_t ns[] = {1, 7, 97, 65537, 1000003};
-    for (int t = 0; t < 5; t++) {
+    /* 63, 64, 1031: below, at and past the four 16-float streams of sumsq's vector loop, with a tail */
+    static const int64_t ns[] = {1, 7, 63, 64, 97, 1031, 65537, 1000003};
+    for (int t = 0; t < 8; t++) {
         int64_t n = ns[t];
         float *x = fmalloc(n);
         test_fill_nonzero(&rng, x, n, 2.0f);
