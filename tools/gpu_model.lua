@@ -152,7 +152,10 @@ end
 table.sort(shown)
 
 local ok, err = pcall(meta.mimic, "cuda")
-if not ok then
+if not ok and tostring(err):find("FSDP_CUDA_EPILOGUES", 1, true) then
+  io.stdout:write("gpu-model: " .. tostring(err) .. "\n")
+  os.exit(1)
+elseif not ok then
   io.stdout:write("gpu-model: no CUDA kernel table in this build (nvcc was not found when it was configured), "
     .. "so there is no GPU kernel set to model\n")
   os.exit(1)

@@ -263,6 +263,11 @@ extern "C" fsdp_status cuda_backend_init(int local_rank) {
         snprintf(g_reason, sizeof g_reason, "rank with local rank %d has no GPU: this node has %d", local_rank, n);
         return fsdp_set_error(FSDP_ERR_DEVICE, "rank with local rank %d has no GPU: this node has %d", local_rank, n);
     }
+    const char *epi_value = NULL;
+    int epilogues = cuda_epilogues_wanted(&epi_value);
+    if (epilogues < 0)
+        return fsdp_set_error(FSDP_ERR_INVALID, "cuda:%d start-up: FSDP_CUDA_EPILOGUES is \"%s\", expected 1 (the "
+                              "default: cuBLASLt's fused epilogues) or 0 (none)", local_rank, epi_value);
     INIT_CHECK(cudaSetDevice(local_rank));
     cudaDeviceProp prop;
     INIT_CHECK(cudaGetDeviceProperties(&prop, local_rank));
@@ -293,15 +298,15 @@ extern "C" fsdp_status cuda_backend_init(int local_rank) {
     g_reason[0] = 0;
     int smem_optin = 0;
     INIT_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, local_rank));
-    if ((size_t)smem_optin >= cuda_attention_flash_smem_max()) {
-        device_register(FSDP_DEVICE_CUDA, &cuda_device_kernels);
-    } else {   /* too little shared memory per block for the flash kernels: bf16 attention takes the GEMM path */
-        static fsdp_device_kernels small_smem;
-        small_smem = cuda_device_kernels;
-        small_smem.attention_flash_forward_bf16 = NULL;
-        small_smem.attention_flash_backward_bf16 = NULL;
-        device_register(FSDP_DEVICE_CUDA, &small_smem);
+    static fsdp_device_kernels table;
+    table = cuda_device_kernels;
+    if ((size_t)smem_optin < cuda_attention_flash_smem_max()) {
+        /* too little shared memory per block for the flash kernels: bf16 attention takes the GEMM path */
+        table.attention_flash_forward_bf16 = NULL;
+        table.attention_flash_backward_bf16 = NULL;
     }
+    if (!epilogues) table.matmul_epilogue_bf16 = NULL;
+    device_register(FSDP_DEVICE_CUDA, &table);
     const char *want = getenv("FSDP_DEVICE");
     if (!(want && strcmp(want, "cpu") == 0)) return fsdp_set_default_device(FSDP_DEVICE_CUDA);
     return FSDP_OK;

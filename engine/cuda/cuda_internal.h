@@ -31,6 +31,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #ifdef FSDP_CUDA_EMU
 #define cuda_backend_init emu_cuda_backend_init
@@ -95,6 +97,17 @@ FSDP_CUDA_EXPORT cudaStream_t cuda_compute_stream(void);
 #ifdef __cplusplus
 }
 #endif
+
+/* FSDP_CUDA_EPILOGUES: 1 (or unset: the default) keeps matmul_epilogue_bf16,
+ * cuBLASLt's fused epilogues, in the CUDA table; 0 leaves it out, so the op
+ * layer composes the unfused kernels (A/B runs; the counting device follows
+ * it too). 1 or 0, or -1 for anything else (start-up then fails, naming it). */
+static inline int cuda_epilogues_wanted(const char **value) {
+    const char *v = getenv("FSDP_CUDA_EPILOGUES");
+    if (value) *value = v;
+    if (!v || !*v || strcmp(v, "1") == 0) return 1;
+    return strcmp(v, "0") == 0 ? 0 : -1;
+}
 
 /* ---------------------------------------------------------------------------
  * 2. Random numbers, shared by the host and the device.

@@ -734,8 +734,14 @@ extern const fsdp_device_kernels cuda_device_kernels;
 static const fsdp_device_kernels *mimic_table(int device) {
     if (device == FSDP_DEVICE_CPU) return device_kernels(FSDP_DEVICE_CPU);
 #ifdef FSDP_HAVE_CUDA
-    /* the CUDA table's entry set, whether or not a GPU is there */
-    if (device == FSDP_DEVICE_CUDA) return &cuda_device_kernels;
+    /* the CUDA table's entry set, whether or not a GPU is there (less the
+     * epilogue GEMM under FSDP_CUDA_EPILOGUES=0, as a GPU's start-up does) */
+    if (device == FSDP_DEVICE_CUDA) {
+        static fsdp_device_kernels cuda_set;
+        cuda_set = cuda_device_kernels;
+        if (cuda_epilogues_wanted(NULL) == 0) cuda_set.matmul_epilogue_bf16 = NULL;
+        return &cuda_set;
+    }
 #endif
     return NULL;
 }
@@ -746,6 +752,12 @@ fsdp_status fsdp_meta_mimic(fsdp_device device) {
     if (device != FSDP_DEVICE_CPU && device != FSDP_DEVICE_CUDA)
         return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_meta_mimic: device %d (%s), expected cpu (0) or cuda (1)",
                               device, fsdp_device_name(device));
+#ifdef FSDP_HAVE_CUDA
+    const char *epi_value = NULL;
+    if (device == FSDP_DEVICE_CUDA && cuda_epilogues_wanted(&epi_value) < 0)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_meta_mimic(cuda): FSDP_CUDA_EPILOGUES is \"%s\", expected 1 "
+                              "(the default: cuBLASLt's fused epilogues) or 0 (none)", epi_value);
+#endif
     const fsdp_device_kernels *target = mimic_table(device);
     if (!target)
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "fsdp_meta_mimic: the CUDA kernel table is not built into this "

@@ -24,7 +24,8 @@
  * Outputs start as NaN, so an element not written fails.
  *
  * Flags: --fault (a call with an unknown epilogue must end the process
- * with a message naming the device and the op). */
+ * with a message naming the device and the op), --off (under
+ * FSDP_CUDA_EPILOGUES=0: the entry must be absent). */
 #include "convert.h"
 #include "cuda_internal.h"
 #include "device.h"
@@ -504,8 +505,21 @@ static int fault(void) {
     return 1;
 }
 
+/* FSDP_CUDA_EPILOGUES=0: the entry is left out of the CUDA table and of the
+ * counting device's CUDA set, so the op layer composes the unfused ops. */
+static int epilogues_off(void) {
+    test_check(G->matmul_epilogue_bf16 == NULL && G->matmul_bf16 != NULL,
+               "FSDP_CUDA_EPILOGUES=0: no matmul_epilogue_bf16 in the CUDA table");
+    test_check(fsdp_meta_mimic(FSDP_DEVICE_CUDA) == FSDP_OK &&
+                   device_kernels(FSDP_DEVICE_META)->matmul_epilogue_bf16 == NULL,
+               "FSDP_CUDA_EPILOGUES=0: none in the meta device's CUDA set either");
+    fsdp_meta_mimic(FSDP_DEVICE_CPU);
+    return test_summary();
+}
+
 int main(int argc, char **argv) {
     int do_fault = argc > 1 && strcmp(argv[1], "--fault") == 0;
+    int do_off = argc > 1 && strcmp(argv[1], "--off") == 0;
     test_rng_seed(&rng, 20261201);
 #ifdef FSDP_CUDA_EMU
     emu_set_device_count(1);
@@ -520,6 +534,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     G = device_kernels(FSDP_DEVICE_CUDA);
+    if (G && do_off) return epilogues_off();
     test_check(G && G->matmul_epilogue_bf16, "the CUDA table has matmul_epilogue_bf16");
     if (!G || !G->matmul_epilogue_bf16) return test_summary();
     test_check(device_kernels(FSDP_DEVICE_CPU)->matmul_epilogue_bf16 == NULL, "the CPU table has none");
