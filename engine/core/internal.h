@@ -165,7 +165,7 @@ fsdp_status tensor_as_i64(fsdp_tensor **out, fsdp_tensor *t);
 fsdp_status tensor_from_f32(fsdp_tensor **out, fsdp_tensor *src_f32, int dtype);
 
 /* ---- tape (tape.c) ---- */
-#define FSDP_NODE_MAX_IN 4
+#define FSDP_NODE_MAX_IN 6   /* fsdp_mlp: x, two weights, two biases, the residual */
 #define FSDP_NODE_MAX_OUT 4
 #define FSDP_NODE_MAX_SAVED 4
 

@@ -349,6 +349,13 @@ fsdp_status fsdp_bias_residual(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b
  * it runs there. */
 fsdp_status fsdp_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias,
                         fsdp_tensor *res, int act);
+/* GPT-2's MLP as one op: y = [res +] gelu(x W_fc^T + b_fc) W_proj^T + b_proj,
+ * x (..., in), w_fc (hidden, in), w_proj (out, hidden), the biases or NULL,
+ * res (..., out) or NULL. bf16 with both biases on a device with GEMM
+ * epilogues: two epilogue GEMMs forward, and the GELU backward with c_fc's
+ * bias gradient inside c_proj's dx GEMM; elsewhere two fsdp_linear. */
+fsdp_status fsdp_mlp(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w_fc, fsdp_tensor *b_fc, fsdp_tensor *w_proj,
+                     fsdp_tensor *b_proj, fsdp_tensor *res);
 /* table (V, C), ids integer (...): out (..., C). */
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids);
 /* logits (N, V), targets integer (N): mean loss over targets != ignore_index.

@@ -14,7 +14,15 @@
  * Everywhere else (the CPU, f32, no bias, gelu with res, the entry returning
  * 0) the op is the composition it replaces: fsdp_matmul, then fsdp_bias_gelu,
  * fsdp_bias_residual or the unfused ops, node for node, so values and speed
- * there do not change. */
+ * there do not change.
+ *
+ *   fsdp_mlp     y = [res +] gelu(x W_fc^T + b_fc) W_proj^T + b_proj   (GPT-2's MLP)
+ *
+ * Both Linears in one node, so that the GELU's backward can ride on c_proj's
+ * dx GEMM: d pre = (dy W_proj) gelu'(aux) with c_fc's bias gradient from the
+ * same GEMM (DGELU_BGRAD), where two nodes would write d h and read it back
+ * for the GELU backward. Forward: GELU_AUX_BIAS, then BIAS (res as C); it
+ * saves aux and h, as the two Linears do. Elsewhere: two fsdp_linear. */
 #include "ops_util.h"
 #include "trace.h"
 #include "device.h"
@@ -288,5 +296,172 @@ fsdp_status fsdp_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, 
         node->i[0] = act;
         node->i[1] = res != NULL;
     }
+    return st;
+}
+
+/* ---- fsdp_mlp ---- */
+
+/* node->in of the fused node (MLP_RES when node->i[0]); node->saved: aux
+ * (M, H), the pre-activation, and h = gelu(aux) (M, H) */
+enum { MLP_X, MLP_W_FC, MLP_B_FC, MLP_W_PROJ, MLP_B_PROJ, MLP_RES };
+
+/* d pre (M, H) = (dy (M, N) W_proj (N, H)) gelu'(aux), with c_fc's bias
+ * gradient, the column sums of d pre, from the same GEMM (DGELU_BGRAD);
+ * unfused where the device does not take it: the GEMM, the GELU backward
+ * and a column sum. */
+static fsdp_status mlp_dpre(fsdp_node *node, const fsdp_tensor *g, const fsdp_tensor *w_proj, fsdp_tensor **dpre,
+                            int64_t M, int64_t H, int64_t N) {
+    const fsdp_device_kernels *k = KERNELS(g);
+    const fsdp_tensor *aux = node->saved[0];
+    int64_t shape[2] = {M, H};
+    bool want_b = node_needs_grad(node, MLP_B_FC);
+    bias_grad bg = {0};
+    fsdp_tensor *scratch = NULL, *dh = NULL;   /* the epilogue's column sums when c_fc's bias wants none */
+    FSDP_TRY(op_new_as(dpre, FSDP_BF16, 2, shape));
+    fsdp_status st = want_b ? bias_grad_open(node, MLP_B_FC, H, &bg) : op_new_as(&scratch, FSDP_BF16, 1, &H);
+    if (st == FSDP_OK) {
+        uint16_t *dst = want_b ? bias_grad_dst(&bg) : tensor_data(scratch);
+        bool fused = k->matmul_epilogue_bf16(tensor_data(*dpre), tensor_data(g), tensor_data(w_proj), NULL, M, H, N, 0,
+                                             0, 1.0f, 0.0f, FSDP_EPILOGUE_DGELU_BGRAD, NULL, tensor_data(aux),
+                                             dst) != 0;
+        bool summed_into_grad = false;
+        if (!fused) {
+            st = op_new_as(&dh, FSDP_BF16, 2, shape);
+            if (st == FSDP_OK) {
+                k->matmul_bf16(tensor_data(dh), tensor_data(g), tensor_data(w_proj), 1, M, H, N, 0, 0, 1.0f, 0.0f, 0,
+                               0, 0);
+                k->gelu_backward_bf16(tensor_data(*dpre), tensor_data(aux), tensor_data(dh), M * H);
+                if (want_b) {
+                    bias_grad_sum(&bg, *dpre, M, H);
+                    summed_into_grad = bg.grad && !bg.write && k->sum_dim_acc_bf16;
+                }
+            }
+        }
+        if (st == FSDP_OK && want_b) st = bias_grad_close(node, MLP_B_FC, &bg, summed_into_grad);
+    }
+    bias_grad_drop(&bg);
+    tensor_release(scratch);
+    tensor_release(dh);
+    if (st != FSDP_OK) {
+        tensor_release(*dpre);
+        *dpre = NULL;
+    }
+    return st;
+}
+
+static fsdp_status mlp_backward(fsdp_node *node) {
+    fsdp_tensor *x = node->in[MLP_X], *w_fc = node->in[MLP_W_FC], *w_proj = node->in[MLP_W_PROJ];
+    bool has_res = node->i[0] != 0;
+    lin_dims fc = dims_of(x, w_fc);                 /* M, H, C */
+    lin_dims proj = {fc.M, w_proj->shape[0], fc.N}; /* M, N, H */
+    fsdp_tensor *g, *dpre = NULL, *xs = NULL, *w_fc_s = NULL, *w_proj_s = NULL;
+    FSDP_TRY(op_grad_out_as(node, 0, FSDP_BF16, &g));
+    if (!g) return FSDP_OK;
+    /* c_proj: dW_proj = dy^T h with its bias gradient (BGRAD_A) */
+    fsdp_status st = weight_grads(node, MLP_W_PROJ, MLP_B_PROJ, g, node->saved[1], proj);
+    bool want_fc = node_needs_grad(node, MLP_X) || node_needs_grad(node, MLP_W_FC) || node_needs_grad(node, MLP_B_FC);
+    if (st == FSDP_OK && want_fc) st = tensor_contiguous(&w_proj_s, w_proj);
+    if (st == FSDP_OK && want_fc) st = mlp_dpre(node, g, w_proj_s, &dpre, fc.M, fc.N, proj.N);
+    /* c_fc: dW_fc = d pre^T x (its bias's gradient came with d pre), dx = d pre W_fc */
+    if (st == FSDP_OK && want_fc) st = tensor_contiguous(&xs, x);
+    if (st == FSDP_OK && want_fc) st = weight_grads(node, MLP_W_FC, -1, dpre, xs, fc);
+    if (st == FSDP_OK && node_needs_grad(node, MLP_X)) st = tensor_contiguous(&w_fc_s, w_fc);
+    if (st == FSDP_OK && node_needs_grad(node, MLP_X)) st = input_grad(node, MLP_X, dpre, w_fc_s, fc);
+    if (st == FSDP_OK && has_res && node_needs_grad(node, MLP_RES)) {   /* the gradient itself, shared */
+        tensor_retain(g);
+        st = op_give_grad(node, MLP_RES, g);
+    }
+    tensor_release(xs);
+    tensor_release(w_fc_s);
+    tensor_release(w_proj_s);
+    tensor_release(dpre);
+    tensor_release(g);
+    return st;
+}
+
+fsdp_status fsdp_mlp(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w_fc, fsdp_tensor *b_fc, fsdp_tensor *w_proj,
+                     fsdp_tensor *b_proj, fsdp_tensor *res) {
+    TRACE_OP("mlp", out);
+    const char *names[] = {"x", "w_fc", "b_fc", "w_proj", "b_proj", "res"};
+    fsdp_tensor *ts[] = {x, w_fc, b_fc, w_proj, b_proj, res};
+    const bool optional[] = {false, false, true, false, true, true};
+    const char *op = "fsdp_mlp";
+    FSDP_TRY(op_check(op, out, 6, names, ts, optional));
+    FSDP_TRY(op_check_float(op, 6, names, ts));
+    if (x->ndim < 2) return op_fail(FSDP_ERR_SHAPE, op, 6, names, ts, "x must have at least 2 dims (..., in)");
+    int64_t C = x->shape[x->ndim - 1];
+    if (w_fc->ndim != 2 || w_fc->shape[1] != C)
+        return op_fail(FSDP_ERR_SHAPE, op, 6, names, ts, "w_fc must be (hidden, in) with in = %lld (the last dim of x)",
+                       (long long)C);
+    int64_t H = w_fc->shape[0];
+    if (b_fc && (b_fc->ndim != 1 || b_fc->shape[0] != H))
+        return op_fail(FSDP_ERR_SHAPE, op, 6, names, ts, "b_fc must be 1-D with %lld elements (the rows of w_fc)",
+                       (long long)H);
+    if (w_proj->ndim != 2 || w_proj->shape[1] != H)
+        return op_fail(FSDP_ERR_SHAPE, op, 6, names, ts, "w_proj must be (out, hidden) with hidden = %lld (the rows of w_fc)",
+                       (long long)H);
+    int64_t N = w_proj->shape[0];
+    if (b_proj && (b_proj->ndim != 1 || b_proj->shape[0] != N))
+        return op_fail(FSDP_ERR_SHAPE, op, 6, names, ts, "b_proj must be 1-D with %lld elements (the rows of w_proj)",
+                       (long long)N);
+    if (res) {
+        bool same = res->ndim == x->ndim && res->shape[x->ndim - 1] == N;
+        for (int k = 0; same && k < x->ndim - 1; k++) same = res->shape[k] == x->shape[k];
+        if (!same)
+            return op_fail(FSDP_ERR_SHAPE, op, 6, names, ts,
+                           "res must have the output's shape (x's with the last dim %lld); it is not broadcast",
+                           (long long)N);
+    }
+    lin_dims fc = dims_of(x, w_fc);
+    /* fused: both GEMMs with their epilogues; unfused: the two Linears (each fused on its own where it can be) */
+    bool fusable = linear_fusable(x, b_fc, NULL, FSDP_LINEAR_GELU, fc) && b_proj && N > 0;
+    fsdp_tensor *xs = NULL, *w1 = NULL, *b1 = NULL, *w2 = NULL, *b2 = NULL, *rs = NULL, *aux = NULL, *h = NULL,
+                *y = NULL;
+    fsdp_status st = FSDP_OK;
+    int ran = 0;
+    if (fusable) {
+        int64_t hshape[2] = {fc.M, H}, shape[FSDP_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+        shape[x->ndim - 1] = N;
+        st = tensor_contiguous(&xs, x);
+        if (st == FSDP_OK) st = tensor_contiguous(&w1, w_fc);
+        if (st == FSDP_OK) st = tensor_contiguous(&b1, b_fc);
+        if (st == FSDP_OK) st = tensor_contiguous(&w2, w_proj);
+        if (st == FSDP_OK) st = tensor_contiguous(&b2, b_proj);
+        if (st == FSDP_OK && res) st = tensor_contiguous(&rs, res);
+        if (st == FSDP_OK) st = op_new_as(&aux, FSDP_BF16, 2, hshape);
+        if (st == FSDP_OK) st = op_new_as(&h, FSDP_BF16, 2, hshape);
+        if (st == FSDP_OK) st = op_new_as(&y, FSDP_BF16, x->ndim, shape);
+        const fsdp_device_kernels *k = KERNELS(x);
+        if (st == FSDP_OK)   /* h = gelu(aux), aux = x W_fc^T + b_fc */
+            ran = k->matmul_epilogue_bf16(tensor_data(h), tensor_data(xs), tensor_data(w1), NULL, fc.M, H, C, 0, 1,
+                                          1.0f, 0.0f, FSDP_EPILOGUE_GELU_AUX_BIAS, tensor_data(b1), tensor_data(aux),
+                                          NULL);
+        if (st == FSDP_OK && ran)   /* y = [res +] h W_proj^T + b_proj */
+            ran = k->matmul_epilogue_bf16(tensor_data(y), tensor_data(h), tensor_data(w2), rs ? tensor_data(rs) : NULL,
+                                          fc.M, N, H, 0, 1, 1.0f, rs ? 1.0f : 0.0f, FSDP_EPILOGUE_BIAS,
+                                          tensor_data(b2), NULL, NULL);
+    }
+    tensor_release(xs);
+    tensor_release(w1);
+    tensor_release(b1);
+    tensor_release(w2);
+    tensor_release(b2);
+    tensor_release(rs);
+    if (st != FSDP_OK || !ran) {
+        tensor_release(aux);
+        tensor_release(h);
+        tensor_release(y);
+        if (st != FSDP_OK) return st;
+        fsdp_tensor *hid;   /* the two Linears */
+        FSDP_TRY(fsdp_linear(&hid, x, w_fc, b_fc, NULL, FSDP_LINEAR_GELU));
+        st = fsdp_linear(out, hid, w_proj, b_proj, res, FSDP_LINEAR_NONE);
+        tensor_release(hid);
+        return st;
+    }
+    fsdp_node *node = NULL;
+    fsdp_tensor *saved[] = {aux, h};
+    st = op_done(out, &node, y, FSDP_BF16, "mlp", mlp_backward, res ? 6 : 5, ts, 2, saved);
+    if (st == FSDP_OK && node) node->i[0] = res != NULL;
     return st;
 }

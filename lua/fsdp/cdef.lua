@@ -236,6 +236,9 @@ fsdp_status fsdp_bias_residual(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *b
 fsdp_status fsdp_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *bias,
                         fsdp_tensor *res, int act);
 
+fsdp_status fsdp_mlp(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w_fc, fsdp_tensor *b_fc, fsdp_tensor *w_proj,
+                     fsdp_tensor *b_proj, fsdp_tensor *res);
+
 fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids);
 
 fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tensor *targets,

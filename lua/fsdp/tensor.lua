@@ -482,6 +482,16 @@ function M.linear(x, w, b, opts)
   end
   return wrap()
 end
+--- fsdp.mlp(x (..., in), w_fc (hidden, in), b_fc, w_proj (out, hidden), b_proj, {residual = r}):
+-- [r +] gelu(x W_fc^T + b_fc) W_proj^T + b_proj as one op (biases may be nil)
+function M.mlp(x, w1, b1, w2, b2, opts)
+  local res = opts and opts.residual
+  if C.fsdp_mlp(out, T(x, "mlp"), T(w1, "mlp w_fc"), b1 and T(b1, "mlp b_fc"), T(w2, "mlp w_proj"),
+                b2 and T(b2, "mlp b_proj"), res and T(res, "mlp residual")) ~= 0 then
+    raise()
+  end
+  return wrap()
+end
 function M.add(a, b) return mt.__add(a, b) end
 function M.sub(a, b) return mt.__sub(a, b) end
 function M.mul(a, b) return mt.__mul(a, b) end

@@ -10,6 +10,7 @@ package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"
+local meta = require "fsdp.meta"
 
 local dev = fsdp.default_device()
 local function flat(x) return x:float():cpu():contiguous():view(-1):tolist() end
@@ -229,7 +230,7 @@ for _, bias in ipairs({ true, false }) do
 end
 
 -- the kernels it runs: the counting device with CUDA's kernel set
-local meta = require "fsdp.meta"
+
 if pcall(meta.mimic, "cuda") and meta.by_name().matmul_epilogue_bf16 and meta.by_name().matmul_epilogue_bf16.present then
   local M, K, N = 6, 16, 8
   local function counts(opts, bias)
@@ -263,6 +264,183 @@ if pcall(meta.mimic, "cuda") and meta.by_name().matmul_epilogue_bf16 and meta.by
 end
 meta.mimic("cpu")
 
+-- ---- fsdp.mlp: y = [r +] gelu(x W1^T + b1) W2^T + b2, one node ----
+
+local function mlp_composed(x, w1, b1, w2, b2, r)   -- two fsdp.linear (what it runs where it does not fuse)
+  return fsdp.linear(fsdp.linear(x, w1, b1, { gelu = true }), w2, b2, { residual = r })
+end
+local function mlp_plain(x, w1, b1, w2, b2, r)   -- the basic ops
+  local h = x:matmul(w1, { tb = true })
+  if b1 then h = h + b1 end
+  local y = h:gelu():matmul(w2, { tb = true })
+  if b2 then y = y + b2 end
+  if r then y = r + y end
+  return y
+end
+local function mlp_magnitudes(x, w1, b1, w2, b2, r)   -- |gelu(v)| <= |v|, |gelu'(v)| <= 1.13
+  local h = x:matmul(w1, { tb = true })
+  if b1 then h = h + b1 end
+  local y = (h * 1.13):matmul(w2, { tb = true })
+  if b2 then y = y + b2 end
+  if r then y = r + y end
+  return y
+end
+local mlp_fused = function(x, w1, b1, w2, b2, r) return fsdp.mlp(x, w1, b1, w2, b2, { residual = r }) end
+
+-- x's leading dims, in, hidden, out
+local mlp_shapes = { { { 1 }, 1, 1, 1 }, { { 3 }, 5, 8, 7 }, { { 2, 3 }, 7, 16, 5 }, { { 17 }, 8, 24, 8 },
+  { { 1 }, 16, 8, 16 }, { { 4 }, 3, 13, 2 } }
+local bias_sets = { { true, true, "biases" }, { false, false, "no biases" }, { true, false, "b_fc only" },
+  { false, true, "b_proj only" } }
+for _, s in ipairs(mlp_shapes) do
+  local lead, C, H, N = s[1], s[2], s[3], s[4]
+  local xs, ys = { unpack(lead) }, { unpack(lead) }
+  xs[#xs + 1], ys[#ys + 1] = C, N
+  local tag = table.concat(xs, "x") .. "->" .. H .. "->" .. N
+  local list = { input(21, unpack(xs)), input(22, H, C), input(23, H), input(24, N, H), input(25, N),
+    input(26, unpack(ys)) }
+  local wo = input(27, unpack(ys))
+  for _, with_res in ipairs({ true, false }) do
+    for _, bs in ipairs(bias_sets) do
+      local name = string.format("mlp %s%s %s", bs[3], with_res and " + residual" or "", tag)
+      local function args(fn)
+        return function(x, w1, b1, w2, b2, r)
+          return fn(x, w1, bs[1] and b1 or nil, w2, bs[2] and b2 or nil, with_res and r or nil)
+        end
+      end
+      local used = { true, true, bs[1], true, bs[2], with_res }
+      local y0, g0 = run(args(mlp_composed), list, wo, dev, "f32")
+      local y1, g1 = run(args(mlp_fused), list, wo, dev, "f32")
+      local same = same_bits(y1, y0)
+      for i = 1, 6 do
+        if used[i] then same = same and g1[i] ~= nil and same_bits(g1[i], g0[i]) end
+      end
+      t.ok(same, name .. " f32: two fsdp.linear's values and gradients, bit for bit (" .. dev .. ")")
+      local yp, gp = run(args(mlp_plain), list, wo, "cpu", "f32")
+      close(y1, yp, 1e-5, name .. " f32 out vs the basic ops")
+      for i = 1, 6 do
+        if used[i] then close(g1[i], gp[i], 1e-5, name .. " f32 grad " .. i .. " vs the basic ops") end
+      end
+      -- bf16 on the device against f32 on the CPU, held to the terms' magnitudes
+      local yb, gb = run(args(mlp_fused), list, wo, dev, "bf16")
+      local ya, ga = run(args(mlp_magnitudes), abs_all(list), abs_of(wo), "cpu", "f32")
+      t.eq(yb:dtype(), "bf16", name .. " bf16 stays bf16")
+      close_to(yb, yp, ya, 1 / 64, name .. " bf16 out (" .. dev .. ")")
+      local what = { "dx", "dW_fc", "db_fc", "dW_proj", "db_proj", "dres" }
+      for i = 1, 6 do
+        if used[i] then close_to(gb[i], gp[i], ga[i], 1 / 64, name .. " bf16 " .. what[i]) end
+      end
+      if dev == "cpu" then
+        local yc, gc = run(args(mlp_composed), list, wo, dev, "bf16")
+        local eq = same_bits(yb, yc)
+        for i = 1, 6 do
+          if used[i] then eq = eq and same_bits(gb[i], gc[i]) end
+        end
+        t.ok(eq, name .. " bf16 on the CPU: two fsdp.linear bit for bit")
+      end
+    end
+  end
+end
+
+-- finite differences of sum(mlp(...) * wo) in f32, every input
+do
+  local list = { input(28, 2, 3), input(29, 4, 3), input(30, 4), input(31, 2, 4), input(32, 2), input(33, 2, 2) }
+  local wo = input(34, 2, 2)
+  local _, g = run(mlp_fused, list, wo, dev, "f32")
+  local function loss(v)
+    local d = {}
+    for i = 1, 6 do d[i] = v[i]:to(dev) end
+    return (mlp_fused(unpack(d)):cpu() * wo):sum():item()
+  end
+  local h, worst = 1e-2, 0
+  for k = 1, 6 do
+    local vals, gk = flat(list[k]), flat(g[k])
+    for i = 1, #vals do
+      local p, q = { unpack(vals) }, { unpack(vals) }
+      p[i], q[i] = vals[i] + h, vals[i] - h
+      local a, c = { unpack(list) }, { unpack(list) }
+      a[k] = fsdp.tensor(p, list[k]:shape(), { device = "cpu" })
+      c[k] = fsdp.tensor(q, list[k]:shape(), { device = "cpu" })
+      worst = math.max(worst, math.abs((loss(a) - loss(c)) / (2 * h) - gk[i]))
+    end
+  end
+  t.ok(worst < 2e-3, string.format("mlp: every gradient matches finite differences (worst %.3g)", worst))
+end
+
+-- gradients added over two backwards, and only some inputs needing them
+for _, dt in ipairs({ "f32", "bf16" }) do
+  local base = { input(35, 6, 16), input(36, 24, 16), input(37, 24), input(38, 8, 24), input(39, 8), input(40, 6, 8) }
+  local v = {}
+  for i = 1, 6 do v[i] = base[i]:to(dev):cast(dt) end
+  for i = 2, 5 do v[i] = v[i]:requires_grad(true) end
+  local function step() fsdp.mlp(v[1], v[2], v[3], v[4], v[5], { residual = v[6] }):float():sum():backward() end
+  step()
+  local once = {}
+  for i = 2, 5 do once[i] = v[i]:get_grad():float():cpu() end
+  step()
+  local tol = dt == "bf16" and 1 / 128 or 1e-6
+  for i = 2, 5 do close(v[i]:get_grad(), once[i] * 2, tol, "mlp " .. dt .. ": gradient " .. i .. " added into .grad") end
+  close(once[5], fsdp.full({ 8 }, 6, { device = "cpu" }), 0, "mlp " .. dt .. ": db_proj = the rows' count")
+
+  local wo = input(41, 6, 8)
+  local _, want = run(mlp_plain, base, wo, "cpu", "f32")
+  local ya, ga = run(mlp_magnitudes, abs_all(base), abs_of(wo), "cpu", "f32")
+  for k = 1, 6 do
+    local u = {}
+    for i = 1, 6 do u[i] = base[i]:to(dev):cast(dt) end
+    u[k] = u[k]:requires_grad(true)
+    ;(fsdp.mlp(u[1], u[2], u[3], u[4], u[5], { residual = u[6] }):float() * wo:to(dev)):sum():backward()
+    local none = true
+    for j = 1, 6 do
+      if j ~= k then none = none and u[j]:get_grad() == nil end
+    end
+    t.ok(none, "mlp " .. dt .. ": only input " .. k .. " gets a gradient")
+    if dt == "bf16" then close_to(u[k]:get_grad(), want[k], ga[k], 1 / 64, "mlp bf16: gradient " .. k .. " alone")
+    else close(u[k]:get_grad(), want[k], 1e-5, "mlp f32: gradient " .. k .. " alone") end
+  end
+end
+
+-- nn.MLP over it, and over its Linears when one of them must be called on its own
+do
+  local tr = require "fsdp.nn.transformer"
+  local mlp = tr.MLP(8, { hidden = 16 }):materialize { seed = 3 }
+  mlp.c_fc.bias:copy(input(42, 16):to(dev))
+  mlp.c_proj.bias:copy(input(43, 8):to(dev))
+  local x, r = input(44, 3, 8):to(dev), input(45, 3, 8):to(dev)
+  local want = mlp_plain(x, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias, r)
+  close(mlp(x, r), want, 1e-6, "MLP(x, res): fsdp.mlp")
+  local calls = 0
+  local fc = mlp.c_fc
+  rawset(fc, "forward", function(m, ...) calls = calls + 1; return getmetatable(m).__index.forward(m, ...) end)
+  close(mlp(x, r), want, 1e-6, "MLP(x, res) with c_fc's forward wrapped")
+  t.eq(calls, 1, "MLP: a wrapped c_fc is called (an FSDP unit of its own keeps its gather)")
+  rawset(fc, "forward", nil)
+end
+
+-- the kernels it runs: the counting device with CUDA's kernel set
+if pcall(meta.mimic, "cuda") and meta.by_name().matmul_epilogue_bf16 and meta.by_name().matmul_epilogue_bf16.present then
+  local M, C, H, N = 6, 16, 32, 16
+  local v = {}
+  local shapes_of = { { M, C }, { H, C }, { H }, { N, H }, { N }, { M, N } }
+  for i = 1, 6 do
+    local a = { unpack(shapes_of[i]) }
+    a[#a + 1] = { seed = i, device = "meta" }
+    v[i] = fsdp.randn(unpack(a)):cast("bf16"):requires_grad(true)
+  end
+  meta.reset()
+  local y = fsdp.mlp(v[1], v[2], v[3], v[4], v[5], { residual = v[6] })
+  local f = meta.by_name()
+  t.ok(f.matmul_epilogue_bf16.calls == 2 and f.matmul_bf16.calls == 0, "CUDA set, mlp: forward is two epilogue GEMMs")
+  meta.reset()
+  y:backward(fsdp.ones(M, N, { device = "meta" }):cast("bf16"))
+  local e = meta.by_name()
+  t.ok(e.matmul_epilogue_bf16.calls == 2 and e.matmul_bf16.calls == 2, "CUDA set, mlp: backward is c_proj's dx "
+    .. "GEMM with the GELU backward and dW GEMM with its bias gradient, then c_fc's two GEMMs")
+  t.eq(e.gelu_backward_bf16.calls + e.bias_gelu_backward_bf16.calls + e.sum_dim_bf16.calls, 0,
+    "CUDA set, mlp: no GELU backward or bias-sum pass of its own")
+end
+meta.mimic("cpu")
+
 -- bad input: a clear error naming the op and the tensors
 local x, w, b = fsdp.zeros(3, 4), fsdp.zeros(5, 4), fsdp.zeros(5)
 t.raises(function() return fsdp.linear(x, fsdp.zeros(5, 3), b) end, { "fsdp_linear", "weight", "[5,3]", "in = 4" },
@@ -281,6 +459,21 @@ t.raises(function() return fsdp.linear(x, w, b, { residual = fsdp.zeros(5) }) en
 t.raises(function() return fsdp.linear(x, w, b, { residual = fsdp.zeros(3, 4) }) end,
   { "fsdp_linear", "res", "[3,4]" }, "linear: a residual of another shape")
 t.raises(function() return fsdp.linear(x, nil, b) end, { "linear weight" }, "linear: no weight")
+local w1, w2 = fsdp.zeros(6, 4), fsdp.zeros(2, 6)
+t.raises(function() return fsdp.mlp(x, fsdp.zeros(6, 3), nil, w2, nil) end, { "fsdp_mlp", "w_fc", "[6,3]", "in = 4" },
+  "mlp: w_fc of the wrong width")
+t.raises(function() return fsdp.mlp(x, w1, fsdp.zeros(5), w2, nil) end, { "fsdp_mlp", "b_fc", "[5]", "6 elements" },
+  "mlp: b_fc of the wrong length")
+t.raises(function() return fsdp.mlp(x, w1, nil, fsdp.zeros(2, 5), nil) end,
+  { "fsdp_mlp", "w_proj", "[2,5]", "hidden = 6" }, "mlp: w_proj of the wrong width")
+t.raises(function() return fsdp.mlp(x, w1, nil, w2, fsdp.zeros(3)) end, { "fsdp_mlp", "b_proj", "[3]", "2 elements" },
+  "mlp: b_proj of the wrong length")
+t.raises(function() return fsdp.mlp(x, w1, nil, w2, nil, { residual = fsdp.zeros(3, 4) }) end,
+  { "fsdp_mlp", "res", "[3,4]", "not broadcast" }, "mlp: a residual of another shape")
+t.raises(function() return fsdp.mlp(x, w1:bf16(), nil, w2, nil) end, { "fsdp_mlp", "dtypes differ" },
+  "mlp: dtypes differ")
+t.raises(function() return fsdp.mlp(fsdp.zeros(4), w1, nil, w2, nil) end, { "fsdp_mlp", "at least 2 dims" },
+  "mlp: a 1-D x")
 if dev ~= "cpu" then
   t.raises(function() return fsdp.linear(x:cpu(), w, b) end, { "fsdp_linear", "different devices" },
     "linear: tensors on two devices")

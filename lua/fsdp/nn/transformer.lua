@@ -15,8 +15,15 @@ function MLP:__init(dim, opts)
   self:add("c_fc", layers.Linear(dim, hidden, { bias = opts.bias }))
   self:add("c_proj", layers.Linear(hidden, dim, { bias = opts.bias, std = opts.proj_std }))
 end
--- mlp(x, res): res + mlp(x), the residual added by c_proj's bias pass
-function MLP:forward(x, res) return self.c_proj(self.c_fc(x, { gelu = true }), { residual = res }) end
+-- A Linear called on its own: its forward wrapped (an FSDP unit of its own) or recomputed.
+local function own_call(lin) return rawget(lin, "forward") ~= nil or lin._recompute end
+-- mlp(x, res): res + mlp(x). One op (fsdp.mlp: with GEMM epilogues, the GELU's
+-- backward rides on c_proj's dx GEMM) unless c_fc or c_proj must be called on its own.
+function MLP:forward(x, res)
+  local fc, proj = self.c_fc, self.c_proj
+  if own_call(fc) or own_call(proj) then return proj(fc(x, { gelu = true }), { residual = res }) end
+  return fsdp.mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, { residual = res })
+end
 M.MLP = MLP
 
 --- SwiGLU(dim, {hidden=, proj_std=}): w2(silu(w1 x) * w3 x), no biases.
