@@ -9,7 +9,8 @@
  * Then our epilogues are cuBLASLt's, on the swapped problem:
  *   BIAS          D = P + bias[n]          CUBLASLT_EPILOGUE_BIAS (bias of D's rows m = N)
  *   GELU_AUX_BIAS aux = P + bias, gelu     CUBLASLT_EPILOGUE_GELU_AUX_BIAS (aux N x M, ld N)
- *   DGELU_BGRAD   D = P gelu'(aux), dbias  CUBLASLT_EPILOGUE_DGELU_BGRAD (dbias over D's columns: N)
+ *   DGELU_BGRAD   D = P gelu'(aux), dbias  CUBLASLT_EPILOGUE_DGELU_BGRAD (dbias of D's rows m = N,
+ *                                          our row-major D's columns)
  *   BGRAD_A       dbias[m] = sum_k op(A)   CUBLASLT_EPILOGUE_BGRADB (cuBLASLt's B is our A:
  *                                          its bias gradient has D's columns count n = M)
  * GELU is the tanh form in both (device.h).
@@ -22,7 +23,7 @@
  * it saw. So every plan asks for 16-byte buffers, the entry takes only
  * 16-byte aligned ones (matmul_epilogue_covers) and keys its plans on the
  * alignment of bias and aux too. A query that finds no algorithm
- * (CUBLAS_STATUS_NOT_SUPPORTED, or none returned) makes the entry return 0
+ * (CUBLAS_STATUS_NOT_SUPPORTED or INVALID_VALUE, or none returned) makes the entry return 0
  * for that plan from then on, and the op layer composes the unfused ops.
  *
  * One handle and one workspace for the process, made at start-up
@@ -148,8 +149,11 @@ static void plan_make(lt_plan *p, const lt_key *k, const void *bias_ptr, const v
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_lt, p->desc, p->lay_a, p->lay_b, p->lay_cd, p->lay_cd, pref,
                                                        1, &res, &found);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-    /* no algorithm is an answer; any other failure is a wrong descriptor here */
-    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED)
+    /* no algorithm is an answer. So is INVALID_VALUE: cuBLASLt has been seen to
+     * answer so for a matrix of one row or column (PyTorch avoids it there),
+     * and composing the unfused ops is right either way. Any other failure
+     * is a wrong descriptor here. */
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
         cuda_fail(__func__, __FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", cublasGetStatusString(st));
     p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS &&
             res.workspaceSize <= LT_WORKSPACE;

@@ -327,9 +327,11 @@ static void test_plans(void) {
     test_check(emu_cublaslt_heuristic_queries() - q0 == 1, "another transpose: a new plan");
 
     /* the heuristic finds nothing: 0, nothing written, and the answer kept */
-    for (int mode = 1; mode <= 2; mode++) {
+    const char *no_algo[3] = {"no heuristic (CUBLAS_STATUS_NOT_SUPPORTED)", "no algorithm returned",
+                              "the heuristic refuses the shape (CUBLAS_STATUS_INVALID_VALUE)"};
+    for (int mode = 1; mode <= 3; mode++) {
         emu_cublaslt_set_no_algo(mode);
-        refusal r = {mode == 1 ? "no heuristic (CUBLAS_STATUS_NOT_SUPPORTED)" : "no algorithm returned",
+        refusal r = {no_algo[mode - 1],
                      FSDP_EPILOGUE_DGELU_BGRAD, 5 + mode, 24, 3, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
         q0 = emu_cublaslt_heuristic_queries();
         run_refusal(&r);

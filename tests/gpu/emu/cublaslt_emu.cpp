@@ -193,6 +193,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     if (st != CUBLAS_STATUS_SUCCESS) return st;
     if (g_no_algo == 1) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (g_no_algo == 2) return CUBLAS_STATUS_SUCCESS;
+    if (g_no_algo == 3) return CUBLAS_STATUS_INVALID_VALUE;
     for (uint32_t a : pref->align)
         if (a == 0 || (a & (a - 1)) != 0) return CUBLAS_STATUS_INVALID_VALUE;
     cublasLtMatmulHeuristicResult_t r;

@@ -121,7 +121,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
 /* ---- test controls ----
  * 0: the heuristic answers as it does; 1: it finds no heuristic for any
  * configuration (CUBLAS_STATUS_NOT_SUPPORTED); 2: it succeeds with no
- * algorithm (returned count 0). Both are answers the real library gives. */
+ * algorithm (returned count 0); 3: it refuses the shape
+ * (CUBLAS_STATUS_INVALID_VALUE). Each is an answer the real library gives. */
 void emu_cublaslt_set_no_algo(int mode);
 long long emu_cublaslt_heuristic_queries(void);   /* cublasLtMatmulAlgoGetHeuristic calls so far */
 long long emu_cublaslt_matmuls(void);             /* cublasLtMatmul calls that ran */
