@@ -125,7 +125,7 @@ for step = first_step, o.steps do
   for m = 1, o.accum do
     local xs, ys = x:narrow(1, (m - 1) * rows + 1, rows):contiguous(), y:narrow(1, (m - 1) * rows + 1, rows):contiguous()
     local function forward_backward()
-      local _, l = model(xs, ys)
+      local _, l = model(xs, ys, { logits = false })   -- the loss alone: the head keeps its logits inside
       if o.accum > 1 then l = l * (1 / o.accum) end
       l:backward()
       loss = loss + l:item()

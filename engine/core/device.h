@@ -194,6 +194,17 @@ typedef struct fsdp_device_kernels {
                                    int64_t V, int64_t valid_v, int64_t ignore_index);
     void (*cross_entropy_rows_bf16)(float *losses, float *lse, const uint16_t *logits, const int64_t *targets,
                                     int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
+    /* The loss and its gradient in one pass over the logits (the fused
+     * classifier of llm.c): losses as cross_entropy_rows_*, then, from the
+     * row just read, dlogits for a loss gradient of one written over the
+     * logits (in place): the values cross_entropy_backward_* gives with the
+     * row's lse, dloss[0] = 1 and count. The caller knows count (the rows
+     * not ignored); nothing comes back to the host. Optional (NULL: the op
+     * layer runs the forward and the backward kernels in turn). */
+    void (*cross_entropy_fused_f32)(float *losses, float *logits, const int64_t *targets, int64_t N, int64_t V,
+                                    int64_t valid_v, int64_t ignore_index, int64_t count);
+    void (*cross_entropy_fused_bf16)(float *losses, uint16_t *logits, const int64_t *targets, int64_t N, int64_t V,
+                                     int64_t valid_v, int64_t ignore_index, int64_t count);
     /* the embedding's gradient for a bf16 table: dtable (vocab, dim)
      * overwritten, each id's rows of dout summed in f32, rounded once.
      * Optional (NULL: staged through f32). */

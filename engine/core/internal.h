@@ -199,6 +199,14 @@ fsdp_status tape_on_finish(fsdp_status (*fn)(void *ctx), void *ctx, void (*relea
 
 /* True when gradients are enabled and some input requires them. */
 bool tape_wants(int n_in, fsdp_tensor *const *in);
+/* Gradients whose every element the host knows during a backward walk:
+ * the implicit one of backward() on a scalar, and what a scale by a host
+ * constant makes of such a gradient. An op that can fold its output's
+ * gradient into a GEMM's alpha (the fused classifier) asks instead of making
+ * a pass over a large tensor. tape_note_value records g (retained until the
+ * walk ends; ignored outside one); tape_known_value looks g up. */
+void tape_note_value(fsdp_tensor *g, double v);
+bool tape_known_value(const fsdp_tensor *g, double *v);
 /* Appends a node (inputs and outputs retained, outputs marked as requiring
  * grad). Returns NULL only when out of memory (error set). */
 fsdp_node *tape_record(const char *op, fsdp_backward_fn fn, int n_in, fsdp_tensor *const *in,

@@ -28,6 +28,10 @@ typedef struct tape {
     /* run after a completed backward walk */
     int n_finish;
     struct { fsdp_status (*fn)(void *); void *ctx; void (*release)(void *); } finish[16];
+    /* gradients of this walk whose every element the host knows (retained:
+     * a later add into one copies it first, so the value stays true) */
+    int n_known;
+    struct { fsdp_tensor *g; double v; } known[8];
     struct tape *below;
 } tape;
 
@@ -83,6 +87,8 @@ static void tape_reset(tape *tp) {
     for (int k = 0; k < tp->n_finish; k++)
         if (tp->finish[k].release) tp->finish[k].release(tp->finish[k].ctx);
     tp->n_finish = 0;
+    for (int k = 0; k < tp->n_known; k++) tensor_release(tp->known[k].g);
+    tp->n_known = 0;
 }
 
 /* Runs the finish hooks of a completed walk; the first failure wins but
@@ -325,6 +331,25 @@ fsdp_tensor *node_grad_accumulator(fsdp_node *node, int i, int dtype) {
     return g;
 }
 
+void tape_note_value(fsdp_tensor *g, double v) {
+    tape *tp = current_tape();
+    if (!tp->in_backward || !g || tp->n_known == (int)(sizeof tp->known / sizeof tp->known[0])) return;
+    tensor_retain(g);
+    tp->known[tp->n_known].g = g;
+    tp->known[tp->n_known].v = v;
+    tp->n_known++;
+}
+
+bool tape_known_value(const fsdp_tensor *g, double *v) {
+    tape *tp = current_tape();
+    for (int k = 0; g && k < tp->n_known; k++)
+        if (tp->known[k].g == g) {
+            *v = tp->known[k].v;
+            return true;
+        }
+    return false;
+}
+
 fsdp_tensor *node_grad_target(fsdp_node *node, int i, int dtype, float *beta) {
     fsdp_tensor *g = node_grad_peek(node, i, dtype);
     *beta = g && !g->unwritten ? 1.0f : 0.0f;
@@ -464,10 +489,19 @@ fsdp_status fsdp_backward_begin(fsdp_tensor *root, fsdp_tensor *grad) {
                                   tensor_desc(grad, e, sizeof e), tensor_desc(root, d, sizeof d));
         FSDP_TRY(fresh_grad(&seed, root, grad, fsdp_default_tag()));
     }
-    FSDP_TRY(tensor_accumulate_grad(root, seed));
+    if (!grad) tensor_retain(seed);   /* (the tape's reference, below: accumulate takes one) */
+    fsdp_status st = tensor_accumulate_grad(root, seed);
+    if (st != FSDP_OK) {
+        if (!grad) tensor_release(seed);
+        return st;
+    }
     tp->in_backward = true;
     tp->pos = tp->n - 1;
     tp->paused = NULL;
+    if (!grad) {   /* the implicit gradient of a scalar root: one, known here */
+        tape_note_value(seed, 1.0);
+        tensor_release(seed);
+    }
     return FSDP_OK;
 }
 

@@ -197,6 +197,12 @@ int64_t cpu_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_t
 void cpu_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
                                      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
                                      int64_t ignore_index, const float *dloss, int64_t count);
+/* Both on each row in turn (the row still in cache), dlogits written over
+ * the logits: the values of the two kernels with dloss[0] = 1. */
+void cpu_cross_entropy_fused_f32(float *losses, float *logits, const int64_t *targets, int64_t N, int64_t V,
+                                 int64_t valid_v, int64_t ignore_index, int64_t count);
+void cpu_cross_entropy_fused_bf16(float *losses, uint16_t *logits, const int64_t *targets, int64_t N, int64_t V,
+                                  int64_t valid_v, int64_t ignore_index, int64_t count);
 
 /* ---- vocabulary-chunked classifier and embedding (classifier.c) ----
  * A slice of a (V, dim) table: `blocks` runs of block_rows rows, run b from

@@ -471,6 +471,10 @@ void cuda_cross_entropy_rows_f32(float *losses, float *lse, const float *logits,
                                  int64_t V, int64_t valid_v, int64_t ignore_index);
 void cuda_cross_entropy_rows_bf16(float *losses, float *lse, const uint16_t *logits, const int64_t *targets, int64_t N,
                                   int64_t V, int64_t valid_v, int64_t ignore_index);
+void cuda_cross_entropy_fused_f32(float *losses, float *logits, const int64_t *targets, int64_t N, int64_t V,
+                                  int64_t valid_v, int64_t ignore_index, int64_t count);
+void cuda_cross_entropy_fused_bf16(float *losses, uint16_t *logits, const int64_t *targets, int64_t N, int64_t V,
+                                   int64_t valid_v, int64_t ignore_index, int64_t count);
 /* cuda_random.cu */
 void cuda_init_normal_f32(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                           int64_t offset);

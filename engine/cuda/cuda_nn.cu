@@ -620,6 +620,77 @@ __global__ void ce_bwd_kernel(T *__restrict__ dlogits, const T *__restrict__ log
     }
 }
 
+/* The loss and its gradient in one pass over each row (after llm.c): the
+ * forward's online max and sum, then, from the row just read (in L2),
+ * dlogits = g (softmax - onehot) written over it, g = 1 / count (dloss 1):
+ * element for element the expression of ce_bwd_kernel, so the values are
+ * those of the forward and backward kernels run one after the other. The
+ * target's logit is read before the block's reductions, whose barriers keep
+ * it ahead of any write. */
+template <class T, int W>
+__global__ void ce_fused_kernel(float *losses, T *logits, const int64_t *targets, int64_t N, int64_t V,
+                                int64_t valid_v, int64_t ignore_index, int64_t count) {
+    typedef ce_pack<T, W> P;
+    __shared__ double sd[32];
+    __shared__ float sf[32];
+    const float g = count ? 1.0f / (float)count : 0.0f;
+    const int64_t packs = valid_v / W;
+    FOR_ROWS(n, N) {
+        T *xr = logits + n * V;   // (V): logits in, dlogits out
+        const int64_t t = targets[n];
+        const bool ignored = t == ignore_index;
+        float xt = 0.0f;
+        if (threadIdx.x == 0 && !ignored) xt = ldf(xr[t]);
+        float m = -FLT_MAX, s = 0.0f;
+        for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+            P xv = ((const P *)xr)[p];
+#pragma unroll
+            for (int k = 0; k < W; k++) ce_online(m, s, ldf(xv.v[k]));
+        }
+        for (int64_t j = packs * W + threadIdx.x; j < valid_v; j += blockDim.x) ce_online(m, s, ldf(xr[j]));
+        float M = block_max_f(m, sf);
+        double sum = block_sum_d((double)s * (double)expf(m - M), sd);   /* every thread gets the same M, sum */
+        float logsum = (float)log(sum), l = M + logsum;
+        if (threadIdx.x == 0) losses[n] = ignored ? 0.0f : (M - xt) + logsum;
+        const int64_t vpacks = W > 1 ? V / W : 0;   /* the wide path has V % W == 0 */
+        for (int64_t p = threadIdx.x; p < vpacks; p += blockDim.x) {
+            P xv = ((const P *)xr)[p], dv;
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                int64_t j = p * W + k;
+                float d = 0.0f;
+                if (!ignored && j < valid_v) {
+                    d = __fmul_rn(g, expf(ldf(xv.v[k]) - l));
+                    if (j == t) d -= g;
+                }
+                stf(&dv.v[k], d);
+            }
+            ((P *)xr)[p] = dv;
+        }
+        for (int64_t j = vpacks * W + threadIdx.x; j < V; j += blockDim.x) {
+            float d = 0.0f;
+            if (!ignored && j < valid_v) {
+                d = __fmul_rn(g, expf(ldf(xr[j]) - l));
+                if (j == t) d -= g;
+            }
+            stf(xr + j, d);
+        }
+    }
+}
+
+template <class T>
+static void cross_entropy_fused(float *losses, T *logits, const int64_t *targets, int64_t N, int64_t V,
+                                int64_t valid_v, int64_t ignore_index, int64_t count) {
+    if (N <= 0 || V <= 0) return;
+    const int W = 16 / (int)sizeof(T);
+    bool wide = V % W == 0 && ((uintptr_t)logits & 15u) == 0 && valid_v >= W;
+    void (*kernel)(float *, T *, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t) =
+        wide ? ce_fused_kernel<T, 16 / sizeof(T)> : ce_fused_kernel<T, 1>;
+    LAUNCH(kernel, row_blocks(N), cuda_row_threads(wide ? V / W : V), 0)(losses, logits, targets, N, V, valid_v,
+                                                                          ignore_index, count);
+    CUDA_CHECK_LAUNCH();
+}
+
 template <class T>
 static int64_t cross_entropy_forward(float *losses, float *lse, const T *logits, const int64_t *targets, int64_t N,
                                      int64_t V, int64_t valid_v, int64_t ignore_index) {
@@ -688,4 +759,16 @@ void cuda_cross_entropy_rows_bf16(float *losses, float *lse, const uint16_t *log
                                   int64_t V, int64_t valid_v, int64_t ignore_index) {
     CUDA_ENTER();
     cross_entropy_rows(losses, lse, logits, targets, N, V, valid_v, ignore_index);
+}
+
+void cuda_cross_entropy_fused_f32(float *losses, float *logits, const int64_t *targets, int64_t N, int64_t V,
+                                  int64_t valid_v, int64_t ignore_index, int64_t count) {
+    CUDA_ENTER();
+    cross_entropy_fused(losses, logits, targets, N, V, valid_v, ignore_index, count);
+}
+
+void cuda_cross_entropy_fused_bf16(float *losses, uint16_t *logits, const int64_t *targets, int64_t N, int64_t V,
+                                   int64_t valid_v, int64_t ignore_index, int64_t count) {
+    CUDA_ENTER();
+    cross_entropy_fused(losses, logits, targets, N, V, valid_v, ignore_index, count);
 }

@@ -372,6 +372,20 @@ fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tens
  * gradient reduce-scattered, on its own (chunk_rows rows over the group). */
 fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *targets,
                                        int64_t chunk_rows, int64_t ignore_index, int64_t valid_vocab);
+/* The same loss over the whole vocabulary at once (llm.c's fused
+ * classifier): the (N, V) logits = x @ weight^T stay inside the op and are
+ * never handed out. With gradients recorded, one pass over each row writes
+ * its loss and then dlogits (for a loss gradient of one) over the logits;
+ * the backward reads only those, folding the loss's gradient into the
+ * GEMMs' alpha when the host knows it (loss:backward(), a loss scaled by a
+ * constant) and scaling dlogits on the device otherwise. Without gradients
+ * it writes no dlogits. The loss stays on the device (no host sync) when the
+ * targets' host range leaves out ignore_index; otherwise the targets are read
+ * once, as fsdp_cross_entropy reads them. The value of fsdp_matmul +
+ * fsdp_cross_entropy, and the same gradients (bit for bit for a loss
+ * gradient of one). */
+fsdp_status fsdp_classifier_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
+                                          fsdp_tensor *targets, int64_t ignore_index, int64_t valid_vocab);
 /* fsdp_embedding by chunks of chunk_rows rows of table (a sliced unit's
  * parameter too); backward reduces each chunk's gradient on its own. */
 fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids, int64_t chunk_rows);

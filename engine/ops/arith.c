@@ -271,6 +271,12 @@ static fsdp_status scale_backward(fsdp_node *node) {
         KERNELS(r)->scale_bf16(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
     else if (st == FSDP_OK)
         KERNELS(r)->scale_f32(tensor_data(r), tensor_data(g), (float)node->f[0], tensor_numel(g));
+    /* a gradient the host knows (backward()'s one) stays known: the kernel's product, rounded alike */
+    double v;
+    if (st == FSDP_OK && tensor_numel(r) == 1 && tape_known_value(node_grad_out(node, 0), &v)) {
+        float p = (float)v * (float)node->f[0];
+        tape_note_value(r, r->dtype == FSDP_BF16 ? (double)bf16_to_f32(f32_to_bf16(p)) : (double)p);
+    }
     tensor_release(g);
     FSDP_TRY(st);
     return op_give_grad(node, 0, r);
@@ -413,8 +419,9 @@ static bool matmul_in_bf16(fsdp_tensor *a, fsdp_tensor *b) {
 /* The backward of matmul_in_bf16: dA and dB in bf16. Not for a shared b
  * whose gradient sums over a batch loop: that goes through f32, so that the
  * sum is rounded once. */
-static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int ta, int tb) {
-    fsdp_tensor *g0 = node_grad_out(node, 0), *g = NULL, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
+static fsdp_status matmul_backward_bf16(fsdp_node *node, fsdp_tensor *g0, float alpha, const mm_dims *m, int ta,
+                                       int tb) {
+    fsdp_tensor *g = NULL, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
     if (!g0) return FSDP_OK;
     fsdp_status st;
     if ((st = tensor_from_f32(&g, g0, FSDP_BF16)) != FSDP_OK) goto out;   /* (bf16 contiguous, whatever came in) */
@@ -425,8 +432,10 @@ static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int t
     if (node_needs_grad(node, 0)) {
         if ((st = tensor_new(&ga, FSDP_BF16, a->ndim, a->shape, fsdp_op_device(), fsdp_default_tag(), false)))
             goto out;
-        if (!ta) KERNELS(ga)->matmul_bf16(tensor_data(ga), G, B, m->batch, m->M, m->K, m->N, 0, !tb, 1, 0, sc, sb, sa);
-        else KERNELS(ga)->matmul_bf16(tensor_data(ga), B, G, m->batch, m->K, m->M, m->N, tb, 1, 1, 0, sb, sc, sa);
+        if (!ta)
+            KERNELS(ga)->matmul_bf16(tensor_data(ga), G, B, m->batch, m->M, m->K, m->N, 0, !tb, alpha, 0, sc, sb, sa);
+        else
+            KERNELS(ga)->matmul_bf16(tensor_data(ga), B, G, m->batch, m->K, m->M, m->N, tb, 1, alpha, 0, sb, sc, sa);
         st = op_give_grad(node, 0, ga);
         ga = NULL;
         if (st != FSDP_OK) goto out;
@@ -444,9 +453,11 @@ static fsdp_status matmul_backward_bf16(fsdp_node *node, const mm_dims *m, int t
         }
         int64_t per = m->shared_b ? 1 : m->batch;
         if (!tb)
-            KERNELS(gb)->matmul_bf16(tensor_data(gb), A, G, per, m->K, m->N, m->M, !ta, 0, 1, beta, sa, sc, m->K * m->N);
+            KERNELS(gb)->matmul_bf16(tensor_data(gb), A, G, per, m->K, m->N, m->M, !ta, 0, alpha, beta, sa, sc,
+                                     m->K * m->N);
         else
-            KERNELS(gb)->matmul_bf16(tensor_data(gb), G, A, per, m->N, m->K, m->M, 1, ta, 1, beta, sc, sa, m->K * m->N);
+            KERNELS(gb)->matmul_bf16(tensor_data(gb), G, A, per, m->N, m->K, m->M, 1, ta, alpha, beta, sc, sa,
+                                     m->K * m->N);
         if (!acc) st = op_give_grad(node, 1, gb);
         else tensor_release(gb);
         gb = NULL;
@@ -460,14 +471,15 @@ out:
     return st;
 }
 
-static fsdp_status matmul_backward(fsdp_node *node) {
+fsdp_status matmul_grads(fsdp_node *node, fsdp_tensor *g0, float alpha) {
     int ta = (int)node->i[0], tb = (int)node->i[1];
     mm_dims m = {node->i[2], node->i[3], node->i[4], node->i[5], node->i[6] != 0};
     bool b_sums_batches = m.shared_b && m.batch > 1 && node_needs_grad(node, 1);
-    if (matmul_in_bf16(node->in[0], node->in[1]) && !b_sums_batches) return matmul_backward_bf16(node, &m, ta, tb);
+    if (!g0) return FSDP_OK;
+    if (matmul_in_bf16(node->in[0], node->in[1]) && !b_sums_batches)
+        return matmul_backward_bf16(node, g0, alpha, &m, ta, tb);
     fsdp_tensor *g, *a = NULL, *b = NULL, *ga = NULL, *gb = NULL;
-    FSDP_TRY(op_grad_out_f32(node, 0, &g));
-    if (!g) return FSDP_OK;
+    FSDP_TRY(tensor_as_f32(&g, g0));
     fsdp_status st;
     if ((st = tensor_as_f32(&a, node->in[0])) != FSDP_OK) goto done;
     if ((st = tensor_as_f32(&b, node->in[1])) != FSDP_OK) goto done;
@@ -476,9 +488,9 @@ static fsdp_status matmul_backward(fsdp_node *node) {
     if (node_needs_grad(node, 0)) {
         if ((st = op_new_f32(&ga, a->ndim, a->shape)) != FSDP_OK) goto done;
         if (!ta) /* dA (M,K) = dC (M,N) @ op(B)^T */
-            KERNELS(ga)->matmul_f32(tensor_data(ga), G, B, m.batch, m.M, m.K, m.N, 0, !tb, 1.0f, 0.0f, sc, sb, sa);
+            KERNELS(ga)->matmul_f32(tensor_data(ga), G, B, m.batch, m.M, m.K, m.N, 0, !tb, alpha, 0.0f, sc, sb, sa);
         else     /* dA stored (K,M) = op(B) (K,N) @ dC^T */
-            KERNELS(ga)->matmul_f32(tensor_data(ga), B, G, m.batch, m.K, m.M, m.N, tb, 1, 1.0f, 0.0f, sb, sc, sa);
+            KERNELS(ga)->matmul_f32(tensor_data(ga), B, G, m.batch, m.K, m.M, m.N, tb, 1, alpha, 0.0f, sb, sc, sa);
     }
     fsdp_tensor *acc = NULL;   /* b's .grad, written by the GEMM itself (an f32 weight's, an FSDP unit's slice) */
     float beta0 = 0.0f;
@@ -496,9 +508,11 @@ static fsdp_status matmul_backward(fsdp_node *node) {
             const float *Ak = A + k * sa, *Gk = G + k * sc;
             float beta = k ? 1.0f : beta0;
             if (!tb) /* dB (K,N) = op(A)^T (K,M) @ dC (M,N) */
-                KERNELS(gb)->matmul_f32(tensor_data(gb), Ak, Gk, per, m.K, m.N, m.M, !ta, 0, 1.0f, beta, sa, sc, m.K * m.N);
+                KERNELS(gb)->matmul_f32(tensor_data(gb), Ak, Gk, per, m.K, m.N, m.M, !ta, 0, alpha, beta, sa, sc,
+                                        m.K * m.N);
             else     /* dB stored (N,K) = dC^T (N,M) @ op(A) (M,K) */
-                KERNELS(gb)->matmul_f32(tensor_data(gb), Gk, Ak, per, m.N, m.K, m.M, 1, ta, 1.0f, beta, sc, sa, m.K * m.N);
+                KERNELS(gb)->matmul_f32(tensor_data(gb), Gk, Ak, per, m.N, m.K, m.M, 1, ta, alpha, beta, sc, sa,
+                                        m.K * m.N);
         }
     }
     if (ga) { st = op_give_grad(node, 0, ga); ga = NULL; }
@@ -511,6 +525,8 @@ done:
     tensor_release(gb);
     return st;
 }
+
+static fsdp_status matmul_backward(fsdp_node *node) { return matmul_grads(node, node_grad_out(node, 0), 1.0f); }
 
 fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int trans_a, int trans_b) {
     TRACE_OP("matmul", out);

@@ -423,3 +423,187 @@ fsdp_status fsdp_chunked_logits(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *
     }
     return op_finish(out, res, x->dtype);
 }
+
+/* ---- the whole-vocabulary head with its loss (the fused classifier) ---- */
+
+/* Checks targets (i64) as fsdp_cross_entropy does and counts the rows not
+ * ignored. The host knows the count without reading the targets back when
+ * their host range holds only valid ids (every row counts); otherwise they
+ * are read once, for the check and the count together (on a GPU that read
+ * is the check's own host sync; fsdp_cross_entropy reads them alike). */
+static fsdp_status check_count_targets(const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
+                                       fsdp_tensor *t64, int64_t valid_v, int64_t ignore_index, int64_t *count) {
+    int64_t N = tensor_numel(t64), lo, hi;
+    if (tensor_host_range(t64, &lo, &hi) && lo >= 0 && hi < valid_v && (ignore_index < lo || ignore_index > hi)) {
+        *count = N;
+        return FSDP_OK;
+    }
+    const int64_t *p = tensor_data(t64);
+    int64_t *host = NULL;
+    if (tensor_device(t64) != FSDP_DEVICE_CPU) {   /* (the counting device reads back zeros) */
+        host = malloc((size_t)(N ? N : 1) * sizeof *host);
+        if (!host) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", op);
+        KERNELS(t64)->copy_to_host(host, p, (size_t)N * sizeof *host);
+        p = host;
+    }
+    fsdp_status st = FSDP_OK;
+    int64_t c = 0;
+    for (int64_t i = 0; i < N && st == FSDP_OK; i++) {
+        if (p[i] == ignore_index) continue;
+        if (p[i] < 0 || p[i] >= valid_v)
+            st = op_fail(FSDP_ERR_INDEX, op, n, names, ts,
+                         "targets[%lld] is %lld, expected 0 <= target < %lld (valid_vocab) or ignore_index %lld",
+                         (long long)i, (long long)p[i], (long long)valid_v, (long long)ignore_index);
+        c++;
+    }
+    free(host);
+    *count = c;
+    return st;
+}
+
+/* out = grad * dloss where dloss (one element, out's dtype) is a device value:
+ * the backward of a loss whose gradient the host does not know (a pass over
+ * the (N, V) dlogits, which a known gradient folds into the GEMMs instead). */
+static fsdp_status scale_by_device_scalar(fsdp_tensor **out, fsdp_tensor *grad, fsdp_tensor *dloss) {
+    const int64_t zero[2] = {0, 0};
+    const fsdp_device_kernels *k = KERNELS(grad);
+    if (grad->dtype == FSDP_BF16 && dloss->dtype == FSDP_BF16 && k->binary_bf16) {
+        FSDP_TRY(tensor_new(out, FSDP_BF16, 2, grad->shape, fsdp_op_device(), fsdp_default_tag(), false));
+        k->binary_bf16(FSDP_MUL, tensor_data(*out), tensor_data(grad), grad->strides, tensor_data(dloss), zero, 2,
+                       grad->shape);
+        return FSDP_OK;
+    }
+    fsdp_tensor *g32 = NULL, *d32 = NULL, *r = NULL;
+    fsdp_status st = tensor_as_f32(&g32, grad);
+    if (st == FSDP_OK) st = tensor_as_f32(&d32, dloss);
+    if (st == FSDP_OK) st = op_new_f32(&r, 2, grad->shape);
+    if (st == FSDP_OK) k->binary_f32(FSDP_MUL, f32p(r), f32p(g32), g32->strides, f32p(d32), zero, 2, grad->shape);
+    tensor_release(g32);
+    tensor_release(d32);
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        return st;
+    }
+    return op_finish(out, r, grad->dtype);
+}
+
+/* in: x, weight, targets; i[0..6] the logits' matmul (fsdp_matmul's layout:
+ * 0, 1, 1, N, V, C, 1); saved[0] dlogits (N, V) for a loss gradient of one,
+ * written over the logits by the forward. The backward reads only them: the
+ * loss's gradient goes into the GEMMs' alpha when the host knows it (the one
+ * of loss:backward(), or that scaled by a constant), else one pass scales
+ * the dlogits first. */
+static fsdp_status classifier_ce_backward(fsdp_node *node) {
+    fsdp_tensor *dloss = node_grad_out(node, 0), *dl = node->saved[0], *scaled = NULL;
+    if (!dloss || !dl) return FSDP_OK;
+    double v;
+    float alpha = 1.0f;
+    fsdp_status st = FSDP_OK;
+    if (tape_known_value(dloss, &v)) alpha = (float)v;
+    else st = scale_by_device_scalar(&scaled, dl, dloss);
+    if (st == FSDP_OK) st = matmul_grads(node, scaled ? scaled : dl, alpha);
+    tensor_release(scaled);
+    node->saved[0] = NULL;   /* the (N, V) buffer goes now, before the nodes below run */
+    tensor_release(dl);
+    return st;
+}
+
+fsdp_status fsdp_classifier_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
+                                          fsdp_tensor *targets, int64_t ignore_index, int64_t valid_vocab) {
+    TRACE_OP("classifier_cross_entropy", out);
+    const char *op = "fsdp_classifier_cross_entropy", *names[] = {"x", "weight", "targets"};
+    fsdp_tensor *ts[] = {x, weight, targets};
+    FSDP_TRY(op_check(op, out, 3, names, ts, NULL));
+    FSDP_TRY(op_check_float(op, 2, names, ts));
+    if (!dtype_is_index(targets->dtype)) return op_fail(FSDP_ERR_DTYPE, op, 3, names, ts, "targets must be i32, i64 or u16");
+    if (x->ndim != 2 || weight->ndim != 2 || x->shape[1] != weight->shape[1])
+        return op_fail(FSDP_ERR_SHAPE, op, 3, names, ts, "x must be 2-D (N, C) and weight 2-D (V, C), the same C");
+    int64_t N = x->shape[0], V = weight->shape[0], C = x->shape[1];
+    if (targets->ndim != 1 || targets->shape[0] != N)
+        return op_fail(FSDP_ERR_SHAPE, op, 3, names, ts, "targets must be 1-D with %lld elements (the rows of x)",
+                       (long long)N);
+    if (valid_vocab < 0 || valid_vocab > V)
+        return op_fail(FSDP_ERR_INVALID, op, 3, names, ts, "valid_vocab is %lld, expected 0..%lld (0 = all rows)",
+                       (long long)valid_vocab, (long long)V);
+    const fsdp_device_kernels *k = KERNELS(x);
+    fsdp_tensor *grads_of[] = {x, weight};
+    bool train = tape_wants(2, grads_of), bf16 = x->dtype == FSDP_BF16;
+    if (train && !(bf16 ? k->cross_entropy_fused_bf16 != NULL : k->cross_entropy_fused_f32 != NULL))
+        return op_fail(FSDP_ERR_UNSUPPORTED, op, 3, names, ts, "the %s device has no fused classifier kernel for %s",
+                       fsdp_device_name(tensor_device(x)), bf16 ? "bf16" : "f32");
+    int64_t valid_v = valid_vocab ? valid_vocab : V, nshape[1] = {N}, count = 0;
+    fsdp_tensor *t64 = NULL, *logits = NULL, *l32 = NULL, *losses = NULL, *lse = NULL, *r = NULL;
+    FSDP_TRY(tensor_as_i64(&t64, targets));
+    fsdp_status st = check_count_targets(op, 3, names, ts, t64, valid_v, ignore_index, &count);
+    if (st == FSDP_OK) {   /* logits (N, V) = x @ weight^T: fsdp_matmul's GEMM, not recorded */
+        int was = 1;
+        fsdp_set_grad_enabled(0, &was);
+        st = fsdp_matmul(&logits, x, weight, 0, 1);
+        fsdp_set_grad_enabled(was, NULL);
+        fsdp_set_op_device(tensor_device(x));
+    }
+    if (st == FSDP_OK) st = op_new_f32(&losses, 1, nshape);
+    if (st == FSDP_OK && train) {   /* losses, and dlogits over the logits, in one pass */
+        if (bf16) k->cross_entropy_fused_bf16(f32p(losses), tensor_data(logits), tensor_data(t64), N, V, valid_v,
+                                              ignore_index, count);
+        else k->cross_entropy_fused_f32(f32p(losses), f32p(logits), tensor_data(t64), N, V, valid_v, ignore_index,
+                                        count);
+    } else if (st == FSDP_OK) {   /* no gradient: the loss alone, as fsdp_cross_entropy computes it */
+        bool native = bf16 && k->cross_entropy_forward_bf16;
+        st = native ? FSDP_OK : tensor_as_f32(&l32, logits);
+        if (st == FSDP_OK) st = op_new_f32(&lse, 1, nshape);
+        if (st == FSDP_OK && native && k->cross_entropy_rows_bf16)
+            k->cross_entropy_rows_bf16(f32p(losses), f32p(lse), tensor_data(logits), tensor_data(t64), N, V, valid_v,
+                                       ignore_index);
+        else if (st == FSDP_OK && native)
+            k->cross_entropy_forward_bf16(f32p(losses), f32p(lse), tensor_data(logits), tensor_data(t64), N, V,
+                                          valid_v, ignore_index);
+        else if (st == FSDP_OK && k->cross_entropy_rows_f32)
+            k->cross_entropy_rows_f32(f32p(losses), f32p(lse), f32p(l32), tensor_data(t64), N, V, valid_v,
+                                      ignore_index);
+        else if (st == FSDP_OK)
+            k->cross_entropy_forward_f32(f32p(losses), f32p(lse), f32p(l32), tensor_data(t64), N, V, valid_v,
+                                         ignore_index);
+    }
+    if (st == FSDP_OK) st = op_new_f32(&r, 0, NULL);
+    if (st == FSDP_OK) {
+        /* the mean over the rows not ignored (no rows: 0); on a device with
+         * cross_entropy_rows (a GPU) it stays there, as in fsdp_cross_entropy */
+        if (count == 0) k->fill_f32(f32p(r), 0.0f, 1);
+        else if (k->cross_entropy_rows_f32) {
+            k->sum_dim_f32(f32p(r), f32p(losses), 1, N, 1);
+            k->scale_f32(f32p(r), f32p(r), (float)(1.0 / (double)count), 1);
+        } else {
+            k->fill_f32(f32p(r), (float)(k->sum_all_f32(f32p(losses), N) / (double)count), 1);
+        }
+    }
+    tensor_release(t64);
+    tensor_release(l32);
+    tensor_release(lse);
+    tensor_release(losses);
+    if (!train || st != FSDP_OK) {   /* no backward: the logits go now */
+        tensor_release(logits);
+        logits = NULL;
+    }
+    if (st != FSDP_OK) {
+        tensor_release(r);
+        return st;
+    }
+    fsdp_tensor *res = NULL;
+    st = op_finish(&res, r, x->dtype);
+    fsdp_node *node = st == FSDP_OK ? op_record(&st, "classifier_cross_entropy", classifier_ce_backward, 3, ts, 1, &res)
+                                    : NULL;
+    if (node) {
+        const int64_t mm[7] = {0, 1, 1, N, V, C, 1};   /* not transposed, transposed, batch, M, N, K, shared */
+        for (int i = 0; i < 7; i++) node->i[i] = mm[i];
+        node->saved[0] = logits;
+    } else {
+        tensor_release(logits);
+    }
+    if (st != FSDP_OK) {
+        tensor_release(res);
+        return st;
+    }
+    *out = res;
+    return FSDP_OK;
+}

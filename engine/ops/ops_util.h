@@ -157,6 +157,12 @@ static inline fsdp_node *op_record(fsdp_status *st, const char *op, fsdp_backwar
     return node;
 }
 
+/* The gradients of a matmul node's inputs in[0] (a) and in[1] (b), the
+ * node's i[0..6] as fsdp_matmul records them (trans_a, trans_b, batch, M,
+ * N, K, shared_b), from g0, the output's gradient, times alpha (folded
+ * into the GEMMs; 1 for matmul's own backward). arith.c. */
+fsdp_status matmul_grads(fsdp_node *node, fsdp_tensor *g0, float alpha);
+
 /* A tensor's data as float *, NULL for none. */
 static inline float *f32p(const fsdp_tensor *t) { return t ? (float *)tensor_data(t) : NULL; }
 

@@ -247,6 +247,9 @@ fsdp_status fsdp_cross_entropy(fsdp_tensor **out, fsdp_tensor *logits, fsdp_tens
 fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, fsdp_tensor *targets,
                                        int64_t chunk_rows, int64_t ignore_index, int64_t valid_vocab);
 
+fsdp_status fsdp_classifier_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight,
+                                          fsdp_tensor *targets, int64_t ignore_index, int64_t valid_vocab);
+
 fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *ids, int64_t chunk_rows);
 
 fsdp_status fsdp_chunked_logits(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, int64_t chunk_rows);

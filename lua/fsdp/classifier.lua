@@ -7,6 +7,8 @@
 --            ignore_index = -100, valid_vocab = 0 })    -- = cross_entropy(x @ weight^T)
 --   x = fsdp.chunked_embedding(weight, ids, { chunk = 8192 })   -- = fsdp.embedding(weight, ids)
 --   logits = fsdp.chunked_logits(x, weight, { chunk = 8192 })   -- (N, V), without gradients
+--   loss = fsdp.classifier_cross_entropy(x, weight, targets, { ignore_index = -100, valid_vocab = 0 })
+--            -- the whole vocabulary at once, the logits kept inside (dlogits written over them)
 local core = require "fsdp.core"
 local options = require "fsdp.options"
 
@@ -37,6 +39,22 @@ function M.chunked_cross_entropy(x, weight, targets, opts)
   local chunk = M.check_chunk(opts.chunk, what, 2)
   if C.fsdp_chunked_cross_entropy(out, T(x, what), T(weight, what .. " weight"), T(targets, what .. " targets"),
         chunk, opts.ignore_index or -100, opts.valid_vocab or 0) ~= 0 then
+    raise()
+  end
+  return wrap()
+end
+
+--- fsdp.classifier_cross_entropy(x (N, C), weight (V, C), targets (N), {ignore_index=-100, valid_vocab=0})
+-- = cross_entropy(x @ weight^T) over the whole vocabulary in one op (llm.c's
+-- fused classifier): the logits stay inside, and with gradients recorded
+-- their memory holds dlogits, written in the same pass as the loss.
+function M.classifier_cross_entropy(x, weight, targets, opts)
+  local what = "fsdp.classifier_cross_entropy"
+  opts = opts or {}
+  if type(opts) ~= "table" then error(what .. ": options must be a table, got " .. type(opts), 2) end
+  options.check_keys(opts, { "ignore_index", "valid_vocab" }, what, 2)
+  if C.fsdp_classifier_cross_entropy(out, T(x, what), T(weight, what .. " weight"), T(targets, what .. " targets"),
+        opts.ignore_index or -100, opts.valid_vocab or 0) ~= 0 then
     raise()
   end
   return wrap()

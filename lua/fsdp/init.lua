@@ -43,6 +43,7 @@ do   -- the vocabulary-chunked head, loss and embedding
   fsdp.chunked_cross_entropy = classifier.chunked_cross_entropy
   fsdp.chunked_embedding = classifier.chunked_embedding
   fsdp.chunked_logits = classifier.chunked_logits
+  fsdp.classifier_cross_entropy = classifier.classifier_cross_entropy
 end
 --- Gives every dead tensor's memory back now. Lua's collector sees only
 -- the small handles, so it may otherwise keep the engine memory of

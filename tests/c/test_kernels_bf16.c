@@ -206,8 +206,16 @@ static void test_cross_entropy(void) {
         ref_cross_entropy_backward(want, x.d, tg, N, V, valid, -100, dloss);
         snprintf(name, sizeof name, "cross-entropy backward %lldx%lld", (long long)N, (long long)V);
         check(name, got, f, want, n, 1.0 / 256);
+        /* the fused kernel, in place: the forward's losses and the backward's dlogits, bit for bit */
+        uint16_t *fx = xmalloc(n * 2);
+        float *floss = xmalloc(N * sizeof(float));
+        memcpy(fx, x.h, n * 2);
+        cpu_cross_entropy_fused_bf16(floss, fx, tg, N, V, valid, -100, c1);
+        test_check(memcmp(floss, loss, N * sizeof(float)) == 0 && memcmp(fx, got, n * 2) == 0,
+                   "cross-entropy fused bf16 %lldx%lld: losses and dlogits (over the logits) equal the forward's and "
+                   "the backward's [threads %d]", (long long)N, (long long)V, nthreads);
         bvec_free(&x); free(tg); free(loss); free(lse); free(loss2); free(lse2); free(dl); free(dlse);
-        free(got); free(f); free(want);
+        free(got); free(f); free(want); free(fx); free(floss);
     }
 }
 

@@ -266,6 +266,13 @@ static void ce_case(int64_t N, int64_t V, int64_t valid_v, float scale, prec p) 
         for (int64_t j = 0; j < V; j++)
             if ((targets[n] == IGNORE || j >= valid_v) && dlogits[n * V + j] != 0.0f) nonzero++;
     test_check(nonzero == 0, "ce_bwd %s: %lld masked gradients not 0", shape, (long long)nonzero);
+    /* the fused kernel, dlogits written over a copy of the logits: the two kernels' values, bit for bit */
+    float *fx = talloc((size_t)(N * V) * sizeof(float)), *floss = fnan(N);
+    memcpy(fx, logits, (size_t)(N * V) * sizeof(float));
+    cpu_cross_entropy_fused_f32(floss, fx, targets, N, V, valid_v, IGNORE, count);
+    test_check(!memcmp(floss, losses, (size_t)N * sizeof(float)) &&
+                   !memcmp(fx, dlogits, (size_t)(N * V) * sizeof(float)),
+               "ce fused %s: losses and dlogits equal the forward's and the backward's", shape);
     free_all();
 }
 

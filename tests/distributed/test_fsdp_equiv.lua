@@ -9,6 +9,9 @@
 -- added to every score of a row), so what it gets is rounding noise, which
 -- AdamW normalizes into full-size updates; any change of summation order,
 -- even the gradient norm's, moves that one tensor by a few 1e-5.
+-- The sharded model is asked for the loss alone (forward{logits = false}:
+-- the fused classifier, dlogits written in the loss's pass), the reference
+-- for logits and fsdp.cross_entropy.
 -- --head-chunk=R: the sharded model's head and loss by vocabulary chunks of R
 -- rows (its tied embedding gathered and reduced by chunks).
 -- --offload keeps shards and optimizer state on the CPU (the model computes
@@ -95,7 +98,7 @@ for step = 1, STEPS do
     local first = (m - 1) * per_micro + rank * mine + 1
     local xs, ys = x:narrow(1, first, mine):contiguous(), y:narrow(1, first, mine):contiguous()
     local function run()
-      local _, l = model(xs, ys)
+      local _, l = model(xs, ys, { logits = false })   -- the loss alone (the fused classifier), as recipes ask
       loss = loss + l:item() / MICRO
       local scaled = l * (1 / MICRO)
       scaled:backward()

@@ -1376,6 +1376,36 @@ static void test_cross_entropy_online(void) {
             snprintf(name, sizeof name, "cross_entropy_backward_bf16 (%lld, %lld) valid %lld %s off %d", (long long)N,
                      (long long)V, (long long)valid, kinds[kind], off);
             check_f(name, back_bf16(gdxh, N * V), want, N * V, ULP16, 1e-6, 1.0 / (double)div);
+            /* the fused kernel: the losses of the forward, dlogits over the logits (in place), against the
+             * reference and bit for bit against the rows kernel followed by the backward on its lse */
+            for (int bf = 0; bf < 2; bf++) {
+                float *fl = dnan(N), *rl = dnan(N), *rlse = dnan(N);
+                float *hx = hnan(N * V + 4);
+                memcpy(hx + off, x, (size_t)(N * V) * sizeof(float));
+                void *fx = bf ? (void *)(dup(xb, (size_t)(N * V + 8) * 2)) : (void *)dupf(hx, N * V + 4);
+                void *fxo = bf ? (void *)((uint16_t *)fx + off) : (void *)((float *)fx + off);
+                void *bdx = bf ? (void *)dnan16(N * V) : (void *)dnan(N * V);
+                if (bf) {
+                    G->cross_entropy_fused_bf16(fl, fxo, dt, N, V, valid, ignore, count);
+                    G->cross_entropy_rows_bf16(rl, rlse, dxh, dt, N, V, valid, ignore);
+                    G->cross_entropy_backward_bf16(bdx, dxh, rlse, dt, N, V, valid, ignore, gone, count);
+                } else {
+                    G->cross_entropy_fused_f32(fl, fxo, dt, N, V, valid, ignore, count);
+                    G->cross_entropy_rows_f32(rl, rlse, dx, dt, N, V, valid, ignore);
+                    G->cross_entropy_backward_f32(bdx, dx, rlse, dt, N, V, valid, ignore, gone, count);
+                }
+                snprintf(name, sizeof name, "cross_entropy_fused_%s (%lld, %lld) valid %lld %s off %d",
+                         bf ? "bf16" : "f32", (long long)N, (long long)V, (long long)valid, kinds[kind], off);
+                check_f(name, back(fl, N), wlf, N, 1e-5, 1e-5, 1);
+                check_bits(name, back(fl, N), back(rl, N), (size_t)N * sizeof(float));
+                float *got = bf ? back_bf16(fxo, N * V) : back(fxo, N * V);
+                check_f(name, got, want, N * V, bf ? ULP16 : 1e-5, 1e-6, 1.0 / (double)div);
+                size_t es = bf ? 2 : 4, bytes = (size_t)(N * V) * es;
+                unsigned char *hf = halloc(bytes), *hb = halloc(bytes);
+                G->copy_to_host(hf, fxo, bytes);
+                G->copy_to_host(hb, bdx, bytes);
+                check_bits(name, hf, hb, bytes);
+            }
             free_case();
         }
     }

@@ -108,9 +108,36 @@ local function chunked_head(self, x, head, targets, B, T)
   return fsdp.chunked_logits(x:view(B * T, C), head, { chunk = self.head_chunk }):view(B, T, self.padded_vocab)
 end
 
---- model(idx (B, T) integer, targets (B, T) or nil) -> logits (B, T, padded V), loss or nil
--- (with config.head_chunk and targets: nil, loss)
-function GPT:forward(idx, targets)
+-- What forward(idx, targets, opts) may be told: logits = false (with
+-- targets) asks for the loss alone, so the head is one op whose logits never
+-- leave it (fsdp.classifier_cross_entropy: dlogits are written over them in
+-- the loss's own pass, no (B, T, V) tensor is handed out, the backward reads
+-- only dlogits). The default keeps the logits, which the caller may read.
+local function wants_logits(self, targets, opts)
+  if opts == nil then return true end
+  if type(opts) ~= "table" then error(string.format("%s: forward options must be a table, got %s", self.__name,
+    type(opts)), 3) end
+  require("fsdp.options").check_keys(opts, { "logits" }, self.__name .. ":forward", 4)
+  if opts.logits ~= nil and type(opts.logits) ~= "boolean" then
+    error(string.format("%s: forward option logits must be a boolean, got %s", self.__name, type(opts.logits)), 3)
+  end
+  if opts.logits == false and not targets then
+    error(string.format("%s: forward{logits = false} needs targets (the loss is all it returns)", self.__name), 3)
+  end
+  return opts.logits ~= false
+end
+
+-- The loss of the whole-vocabulary head without logits.
+local function fused_head(self, x, head, targets, B, T)
+  local C = x:shape()[3]
+  return nil, fsdp.classifier_cross_entropy(x:view(B * T, C), head, targets:view(B * T),
+    { ignore_index = -100, valid_vocab = self.vocab_size })
+end
+
+--- model(idx (B, T) integer, targets (B, T) or nil, opts) -> logits (B, T, padded V), loss or nil
+-- (with config.head_chunk and targets, or opts.logits = false: nil, loss)
+function GPT:forward(idx, targets, opts)
+  local keep_logits = wants_logits(self, targets, opts)
   local B, T = check_ids(self, idx, "idx")
   local pos = self.pos_cache and self.pos_cache[T]
   if not pos then
@@ -126,6 +153,7 @@ function GPT:forward(idx, targets)
   x = self.ln_f(x)
   local head = self.lm_head and self.lm_head.weight or self.wte.weight
   if chunk then return chunked_head(self, x, head, targets, B, T) end
+  if not keep_logits then return fused_head(self, x, head, targets, B, T) end
   local logits = x:matmul(head, { tb = true })                 -- (B, T, Vp)
   local loss
   if targets then
@@ -263,12 +291,14 @@ function Llama:__init(cfg)
   self:add("lm_head", layers.Linear(C, self.padded_vocab, { bias = false }))
 end
 
-function Llama:forward(idx, targets)
+function Llama:forward(idx, targets, opts)
+  local keep_logits = wants_logits(self, targets, opts)
   local B, T = check_ids(self, idx, "idx")
   local x = self.wte(idx)
   for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
   x = self.ln_f(x)
   if self.head_chunk then return chunked_head(self, x, self.lm_head.weight, targets, B, T) end
+  if not keep_logits then return fused_head(self, x, self.lm_head.weight, targets, B, T) end
   local logits = self.lm_head(x)
   local loss
   if targets then
