@@ -38,6 +38,13 @@ out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --batch=3 2>&1); rc=$?
 [ $rc -ne 0 ] && [ "$(grep -c 'batch=3 is not divisible by 2 ranks' <<<"$out")" -eq 1 ] && ok ||
   bad "a batch the ranks cannot split, once" "$out"
 
+# the Llama with its untied lm_head an FSDP unit of its own (a size policy):
+# the recipe's loss-only forward gathers it (its forward makes the logits)
+out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --model=llama --wrap=size --wrap-size=1000 --steps=2 --eval-every=0 \
+  --sample=0 2>&1); rc=$?
+[ $rc -eq 0 ] && [ "$(grep -c '^done: 2 steps' <<<"$out")" -eq 1 ] && ok ||
+  bad "llama, lm_head a unit of its own, 2 ranks: exits $rc" "$out"
+
 # checkpoints: a run resumed from its step-3 checkpoint logs the same steps 4-6
 # as the run that went on (same schedule: --steps=6 both times)
 TMP=$(mktemp -d)

@@ -7,8 +7,9 @@
 -- prime vocabulary, one row, padded rows, ignored rows, all rows ignored and
 -- huge logits; scaled losses, an explicit gradient and a loss times a
 -- tensor (dloss != 1) within a stated tolerance; two backwards adding into
--- .grad; finite differences in f32; no dlogits under no_grad; the GPT and
--- Llama heads with forward{logits = false}; and bad input.
+-- .grad; finite differences in f32; no dlogits under no_grad; the GPT's
+-- head (fused) and the Llama's (plain, logits dropped) with
+-- forward{logits = false}; and bad input.
 package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"

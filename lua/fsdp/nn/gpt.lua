@@ -109,10 +109,11 @@ local function chunked_head(self, x, head, targets, B, T)
 end
 
 -- What forward(idx, targets, opts) may be told: logits = false (with
--- targets) asks for the loss alone, so the head is one op whose logits never
--- leave it (fsdp.classifier_cross_entropy: dlogits are written over them in
--- the loss's own pass, no (B, T, V) tensor is handed out, the backward reads
--- only dlogits). The default keeps the logits, which the caller may read.
+-- targets) asks for the loss alone. The GPT's head is then one op whose
+-- logits never leave it (fsdp.classifier_cross_entropy: dlogits are written
+-- over them in the loss's own pass, no (B, T, V) tensor is handed out, the
+-- backward reads only dlogits); the Llama drops its logits (see there). The
+-- default keeps the logits, which the caller may read.
 local function wants_logits(self, targets, opts)
   if opts == nil then return true end
   if type(opts) ~= "table" then error(string.format("%s: forward options must be a table, got %s", self.__name,
@@ -298,12 +299,18 @@ function Llama:forward(idx, targets, opts)
   for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
   x = self.ln_f(x)
   if self.head_chunk then return chunked_head(self, x, self.lm_head.weight, targets, B, T) end
-  if not keep_logits then return fused_head(self, x, self.lm_head.weight, targets, B, T) end
+  -- The untied lm_head is a module that a wrap policy may make an FSDP unit
+  -- of its own, gathered only around its forward: so its logits are always
+  -- made there, and { logits = false } only drops them (no fused classifier).
   local logits = self.lm_head(x)
   local loss
   if targets then
     loss = fsdp.cross_entropy(logits:view(B * T, self.padded_vocab), targets:view(B * T),
       { ignore_index = -100, valid_vocab = self.vocab_size })
+  end
+  if not keep_logits then
+    logits:free()   -- nothing else holds them: their memory goes back now
+    return nil, loss
   end
   return logits, loss
 end
