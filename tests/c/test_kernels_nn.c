@@ -203,6 +203,7 @@ static void test_norm(prec p) {
         for (int b = 0; b < NSIZES; b++) norm_case(SIZES[a], SIZES[b], 1, p);
     norm_case(7, 97, 0, p);
     norm_case(300, 200, 1, p);   /* several column blocks for the weight gradient */
+    norm_case(4, 777, 1, p);     /* wide rows: the row sums in 16 lanes, and a tail */
 }
 
 /* ---- embedding ---- */
