@@ -200,8 +200,7 @@ static void rms_fwd_range(void *p, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
         const float *x = (const float *)c->x + r * C;
         float *out = (float *)c->out + r * C;
-        double ss = 0;
-        for (int64_t j = 0; j < C; j++) ss += (double)x[j] * x[j];
+        double ss = row_sq_dev(x, C, 0.0, F32);   /* sum x^2 */
         float rstd = (float)(1.0 / sqrt(ss / C + c->eps));
         for (int64_t j = 0; j < C; j++) out[j] = weight ? x[j] * rstd * weight[j] : x[j] * rstd;
         c->rstd[r] = rstd;
@@ -217,11 +216,18 @@ static void rms_bwd_dx_range(void *p, int64_t begin, int64_t end) {
         const float *x = (const float *)c->x + r * C, *dout = (const float *)c->dout + r * C;
         float *dx = (float *)c->out + r * C;
         float rstd = c->rstd_in[r];
-        double sgx = 0;
-        for (int64_t j = 0; j < C; j++) {
-            float g = weight ? dout[j] * weight[j] : dout[j];
-            sgx += g * (x[j] * rstd);
+        double agx[ROW_LANES] = {0}, sgx = 0;   /* sum_j g xhat, in lanes as row_sum */
+        int64_t k = 0;
+        for (; k + ROW_LANES <= C; k += ROW_LANES)
+            for (int l = 0; l < ROW_LANES; l++) {
+                float g = weight ? dout[k + l] * weight[k + l] : dout[k + l];
+                agx[l] += g * (x[k + l] * rstd);
+            }
+        for (; k < C; k++) {
+            float g = weight ? dout[k] * weight[k] : dout[k];
+            sgx += g * (x[k] * rstd);
         }
+        for (int l = 0; l < ROW_LANES; l++) sgx += agx[l];
         float mgx = (float)(sgx / C);
         for (int64_t j = 0; j < C; j++) {
             float g = weight ? dout[j] * weight[j] : dout[j];
