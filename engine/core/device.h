@@ -210,6 +210,11 @@ typedef struct fsdp_device_kernels {
      * Optional (NULL: staged through f32). */
     void (*embedding_backward_bf16)(uint16_t *dtable, int64_t vocab, const int64_t *ids, int64_t n,
                                     const uint16_t *dout, int64_t dim);
+    /* embedding_forward_f32 for a bf16 table: out (n, dim) bf16 gets the
+     * rows the ids pick, as they are (ids checked by the op layer).
+     * Optional (NULL: the host gathers rows in place, another device widens
+     * the table and narrows the rows). */
+    void (*embedding_forward_bf16)(uint16_t *out, const int64_t *ids, int64_t n, const uint16_t *table, int64_t dim);
     /* random.c */
     void (*init_normal_f32)(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream,
                             int64_t offset);

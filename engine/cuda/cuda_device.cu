@@ -211,6 +211,7 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .cross_entropy_fused_f32 = cuda_cross_entropy_fused_f32,
     .cross_entropy_fused_bf16 = cuda_cross_entropy_fused_bf16,
     .embedding_backward_bf16 = nullptr,   /* none yet: the op layer stages through f32 */
+    .embedding_forward_bf16 = cuda_embedding_forward_bf16,
     .init_normal_f32 = cuda_init_normal_f32,
     .init_uniform_f32 = cuda_init_uniform_f32,
     .dropout_f32 = cuda_dropout_f32,

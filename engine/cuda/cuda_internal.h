@@ -429,6 +429,7 @@ void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits,
                                       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
                                       int64_t ignore_index, const float *dloss, int64_t count);
 void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
+void cuda_embedding_forward_bf16(uint16_t *out, const int64_t *ids, int64_t n, const uint16_t *table, int64_t dim);
 void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
                                  int64_t dim);
 int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,

@@ -463,10 +463,11 @@ void cuda_layernorm_backward_addx_bf16(uint16_t *dx, uint16_t *dweight, uint16_t
 
 /* ---- embedding ---- */
 
-/* out (n, dim) [i] = table (V, dim) [ids[i]] */
-__global__ void embedding_fwd_kernel(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim) {
+/* out (n, dim) [i] = table (V, dim) [ids[i]]; T float or bf16 (copied as it is) */
+template <class T>
+__global__ void embedding_fwd_kernel(T *out, const int64_t *ids, int64_t n, const T *table, int64_t dim) {
     FOR_ROWS(i, n) {
-        const float *src = table + ids[i] * dim;
+        const T *src = table + ids[i] * dim;
         for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
     }
 }
@@ -509,7 +510,14 @@ __global__ void embedding_bwd_kernel(float *dtable, const int64_t *ids, int64_t 
 void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim) {
     CUDA_ENTER();
     if (n <= 0 || dim <= 0) return;
-    LAUNCH(embedding_fwd_kernel, row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, table, dim);
+    LAUNCH(embedding_fwd_kernel<float>, row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, table, dim);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_embedding_forward_bf16(uint16_t *out, const int64_t *ids, int64_t n, const uint16_t *table, int64_t dim) {
+    CUDA_ENTER();
+    if (n <= 0 || dim <= 0) return;
+    LAUNCH(embedding_fwd_kernel<uint16_t>, row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, table, dim);
     CUDA_CHECK_LAUNCH();
 }
 

@@ -208,7 +208,16 @@ fsdp_status sched_current_copy(fsdp_sched *s, unit *u, fsdp_tensor **copy) {
     if (!sched_keeps_copy(s)) return FSDP_OK;
     fsdp_storage *ms = u->master->storage;
     if (!u->copy) {   /* first use: made, and owned by the master's storage too */
-        FSDP_TRY(tensor_new(&u->copy, s->compute_dtype, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, false));
+        fsdp_status r = tensor_new(&u->copy, s->compute_dtype, 1, &u->shard_n, s->shard_device, FSDP_TAG_PARAM, false);
+        if (r != FSDP_OK) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", fsdp_last_error());
+            return fsdp_set_error(r, "unit %s: its %s compute copy (%lld bytes on %s, rank %d) could not be made: %s; "
+                                  "fsdp.shard's compute_copy = false casts the master at each gather instead", u->name,
+                                  fsdp_dtype_name(s->compute_dtype),
+                                  (long long)(u->shard_n * (int64_t)fsdp_dtype_size(s->compute_dtype)),
+                                  fsdp_device_name(s->shard_device), fsdp_current_rank(), why);
+        }
         atomic_fetch_add(&u->copy->storage->refcount, 1);
         ms->copy = u->copy->storage;
         ms->copy_dtype = s->compute_dtype;

@@ -362,6 +362,8 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       BF16 * N * V + F32 * N, 7 * N * valid_v, 1, 0, )                                                             \
     X(void, embedding_backward_bf16, "embedding", (uint16_t *dtable, int64_t vocab, const int64_t *ids,         \
       int64_t n, const uint16_t *dout, int64_t dim), 8 * n + 2 * BF16 * n * dim, BF16 * vocab * dim, n * dim, 2, 0, ) \
+    X(void, embedding_forward_bf16, "embedding", (uint16_t *out, const int64_t *ids, int64_t n,                 \
+      const uint16_t *table, int64_t dim), 8 * n + BF16 * n * dim, BF16 * n * dim, 0, 1, 0, )                      \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
       const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
       3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \

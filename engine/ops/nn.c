@@ -507,6 +507,8 @@ fsdp_status fsdp_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_tensor *i
         else if (tensor_device(table) == FSDP_DEVICE_CPU)
             gather_rows(tensor_data(res), tensor_data(tab), tensor_data(ids64), n,
                         (size_t)C * fsdp_dtype_size(table->dtype));
+        else if (BF16_KERNEL(table, embedding_forward))   /* the rows as they are, no widened table */
+            KERNELS(res)->embedding_forward_bf16(tensor_data(res), tensor_data(ids64), n, tensor_data(tab), C);
         else {   /* another device: widen, gather, narrow */
             fsdp_tensor *t32 = NULL, *r32 = NULL;
             st = tensor_as_f32(&t32, tab);

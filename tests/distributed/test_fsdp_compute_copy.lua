@@ -246,6 +246,21 @@ end
 t.raises(function() fsdp.shard(nn.GPT(cfg), { compute_copy = "yes" }) end, "compute_copy must be true, false or nil",
   "a compute_copy that is not a boolean")
 
+-- no room for a copy (a memory cap at what is reserved now): the gather
+-- fails with a message naming the unit and the way out, not a crash
+do
+  local e = make(true)
+  local xs, ys = batch(1)
+  local device = on_device and fsdp.default_device() or (opts.offload and "cpu" or nil)
+  fsdp.memory.empty_cache(device)
+  fsdp.memory.set_cap(fsdp.memory.stats(nil, device).reserved, device)
+  local ok, err = pcall(function() e.model(xs, ys) end)
+  fsdp.memory.set_cap(0, device)
+  t.ok(not ok and tostring(err):find("compute copy", 1, true) and tostring(err):find("compute_copy = false", 1, true),
+    "a copy that does not fit: " .. tostring(err))
+  fsdp.tape_clear()
+end
+
 fsdp.distributed.barrier()
 if rank == 0 then
   os.execute("rm -rf '" .. ckdir .. "'")

@@ -705,6 +705,20 @@ static void test_embedding(void) {
         snprintf(name, sizeof name, "embedding_backward_f32 V %lld n %lld dim %lld", (long long)V, (long long)n,
                  (long long)dim);
         check_bits(name, back(gdt, V * dim), wdt, (size_t)(V * dim) * sizeof(float));
+        /* a bf16 table: the picked rows bit for bit (the host's gather of the same bits) */
+        if (G->embedding_forward_bf16) {
+            uint16_t *t16 = halloc((size_t)(V * dim) * sizeof(uint16_t)), *w16 = halloc((size_t)(n * dim) * 2);
+            for (int64_t k = 0; k < V * dim; k++) t16[k] = f32_to_bf16(table[k]);
+            for (int64_t r = 0; r < n; r++) memcpy(w16 + r * dim, t16 + ids[r] * dim, (size_t)dim * 2);
+            uint16_t *h16 = halloc((size_t)(n * dim) * 2);
+            for (int64_t k = 0; k < n * dim; k++) h16[k] = 0x7fc1;   /* a NaN where nothing was written */
+            uint16_t *dt16 = dup(t16, (size_t)(V * dim) * 2), *g16 = dup(h16, (size_t)(n * dim) * 2);
+            G->embedding_forward_bf16(g16, dids, n, dt16, dim);
+            snprintf(name, sizeof name, "embedding_forward_bf16 V %lld n %lld dim %lld", (long long)V, (long long)n,
+                     (long long)dim);
+            G->copy_to_host(h16, g16, (size_t)(n * dim) * 2);
+            check_bits(name, h16, w16, (size_t)(n * dim) * 2);
+        }
         free_case();
     }
 }
