@@ -236,6 +236,28 @@ if pcall(meta.mimic, "cuda") then
   e = counts_of(function() fsdp.classifier_cross_entropy(x, w, with_ignored):backward() end)
   t.eq(e.copy_to_host.calls, 1, "meta: targets that may hold ignore_index: read once, checked and counted")
   t.eq(syncs(e), 1, "meta: and that read is the only host sync")
+  -- memory: dlogits live in the logits' buffer, so the step's activation
+  -- peak is one (N, V) bf16 tensor below the plain head's (logits and dlogits)
+  local NB, VB = 64, 4096
+  local xb = fsdp.randn(NB, C, { seed = 5, device = "meta" }):cast("bf16"):requires_grad(true)
+  local wb = fsdp.randn(VB, C, { seed = 6, device = "meta" }):cast("bf16"):requires_grad(true)
+  local yb = fsdp.arange(0, NB, { dtype = "i64", device = "meta" })
+  local function peak_of(fn)
+    fsdp.collect()
+    local before = fsdp.memory.stats("activation", "meta").current
+    fsdp.memory.reset_peak("meta")
+    fn()
+    return fsdp.memory.stats("activation", "meta").peak - before
+  end
+  local plain = peak_of(function()
+    local lg = xb:matmul(wb, { tb = true })
+    local l = fsdp.cross_entropy(lg, yb)
+    lg:free()
+    l:backward()
+  end)
+  local fused = peak_of(function() fsdp.classifier_cross_entropy(xb, wb, yb):backward() end)
+  t.ok(plain - fused >= 2 * NB * VB, string.format("meta: activation peak %d B fused, %d B plain: one (N, V) bf16 "
+    .. "(%d B) less", fused, plain, 2 * NB * VB))
   meta.mimic("cpu")
 end
 
