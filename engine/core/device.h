@@ -19,6 +19,7 @@ enum fsdp_epilogue {
     FSDP_EPILOGUE_GELU_AUX_BIAS, /* aux = P + bias[n]; D = gelu(aux), tanh form       bias (N), aux (M, N) */
     FSDP_EPILOGUE_DGELU_BGRAD,   /* D = P * gelu'(aux); dbias[n] = sum_m D[m, n]      aux (M, N), dbias (N) */
     FSDP_EPILOGUE_BGRAD_A,       /* D = P; dbias[m] = sum_k op(A)[m, k]               dbias (M)       */
+    FSDP_EPILOGUE_GELU_BIAS,     /* D = gelu(P + bias[n]), no GELU input kept         bias (N)        */
 };
 /* (gelu: the tanh form of engine/cpu/gelu.h. cuBLASLt's GELU epilogue is that form too: PyTorch's
  * addmm with a GELU activation runs that epilogue, and where it cannot, gelu(approximate="tanh").)
@@ -299,8 +300,9 @@ static inline int matmul_epilogue_covers(const void *d, const void *a, const voi
                                          int64_t N, int64_t K, float alpha, float beta, int epilogue,
                                          const void *bias, const void *aux, const void *dbias) {
     if (M < 1 || N < 1 || K < 1 || M > INT32_MAX || N > INT32_MAX || K > INT32_MAX) return 0;
-    int gelu = epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS || epilogue == FSDP_EPILOGUE_DGELU_BGRAD;
-    int with_bias = epilogue == FSDP_EPILOGUE_BIAS || epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS;
+    int gelu = epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS || epilogue == FSDP_EPILOGUE_DGELU_BGRAD;   /* with aux */
+    int with_bias = epilogue == FSDP_EPILOGUE_BIAS || epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS ||
+                    epilogue == FSDP_EPILOGUE_GELU_BIAS;
     int with_dbias = epilogue == FSDP_EPILOGUE_DGELU_BGRAD || epilogue == FSDP_EPILOGUE_BGRAD_A;
     const void *bufs[7] = {d, a, b, beta != 0.0f ? c : NULL, with_bias ? bias : NULL, gelu ? aux : NULL,
                            with_dbias ? dbias : NULL};
@@ -308,7 +310,7 @@ static inline int matmul_epilogue_covers(const void *d, const void *a, const voi
         if ((uintptr_t)bufs[i] % 16 != 0) return 0;
     if (gelu && N % 8 != 0) return 0;
     if (epilogue == FSDP_EPILOGUE_BGRAD_A && alpha != 1.0f) return 0;
-    return epilogue >= FSDP_EPILOGUE_BIAS && epilogue <= FSDP_EPILOGUE_BGRAD_A;
+    return epilogue >= FSDP_EPILOGUE_BIAS && epilogue <= FSDP_EPILOGUE_GELU_BIAS;
 }
 
 /* The shapes of attention_flash_*_bf16: head dim D a multiple of 16 up to

@@ -285,7 +285,7 @@ extern "C" fsdp_status cuda_backend_init(int local_rank) {
     const char *tf32 = getenv("FSDP_CUDA_TF32");
     INIT_CHECK_BLAS(cublasSetMathMode(g_cublas, tf32 && strcmp(tf32, "1") == 0 ? CUBLAS_TF32_TENSOR_OP_MATH
                                                                                : CUBLAS_DEFAULT_MATH));
-    const char *lt_failed = cuda_lt_init();
+    const char *lt_failed = epilogues ? cuda_lt_init() : NULL;   /* (no workspace for an entry left out) */
     if (lt_failed) return fsdp_set_error(FSDP_ERR_DEVICE, "%s on cuda:%d", lt_failed, local_rank);
     int pools = 0;
     INIT_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, local_rank));

@@ -89,6 +89,13 @@ FSDP_CUDA_EXPORT int cuda_device_ordinal(void);
 /* The most dynamic shared memory a flash attention block asks for (its
  * largest head dim's); a GPU that cannot give it gets no flash entries. */
 FSDP_CUDA_EXPORT size_t cuda_attention_flash_smem_max(void);
+/* cuBLASLt's workspace (bytes; 0 when none was made: FSDP_CUDA_EPILOGUES=0),
+ * a raw cudaMalloc that the engine allocator's statistics do not count. */
+FSDP_CUDA_EXPORT size_t cuda_lt_workspace_bytes(void);
+/* The plans matmul_epilogue_bf16 keeps: how many now, and the most it
+ * keeps (n <= 0: the default, 256); setting it destroys every plan. */
+FSDP_CUDA_EXPORT int cuda_lt_plans(void);
+FSDP_CUDA_EXPORT void cuda_lt_set_plan_limit(int n);
 #if defined(FSDP_CUDA_SOURCE) || defined(CUDART_VERSION)
 /* The stream every kernel of this process runs on (NULL before start-up). */
 FSDP_CUDA_EXPORT cudaStream_t cuda_compute_stream(void);

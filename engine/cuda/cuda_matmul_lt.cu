@@ -13,6 +13,8 @@
  *                                          our row-major D's columns)
  *   BGRAD_A       dbias[m] = sum_k op(A)   CUBLASLT_EPILOGUE_BGRADB (cuBLASLt's B is our A:
  *                                          its bias gradient has D's columns count n = M)
+ *   GELU_BIAS     D = gelu(P + bias)       CUBLASLT_EPILOGUE_GELU_BIAS (no GELU input: a forward
+ *                                          that records nothing)
  * GELU is the tanh form in both (device.h).
  *
  * The cuBLASLt rules relied on (its header): the GELU input's leading
@@ -27,11 +29,15 @@
  * for that plan from then on, and the op layer composes the unfused ops.
  *
  * One handle and one workspace for the process, made at start-up
- * (cuda_lt_init); a plan (descriptor, layouts, algorithm) per shape,
- * epilogue, transposes and those alignments, made at its first call and
- * kept, so a training step after the first creates nothing: a call sets the
- * descriptor's bias and aux pointers (host-side attributes) and enqueues
- * the GEMM on the compute stream. */
+ * (cuda_lt_init) unless FSDP_CUDA_EPILOGUES=0; a plan (descriptor, layouts,
+ * algorithm) per shape, epilogue, transposes and those alignments, made at
+ * its first call and kept, so a training step after the first creates
+ * nothing: a call sets the descriptor's bias and aux pointers (host-side
+ * attributes) and enqueues the GEMM on the compute stream. The plans are
+ * bounded (LT_MAX_PLANS, the least recently used one destroyed for a new
+ * one): a workload whose row count changes every call (sampling a growing
+ * sequence) would otherwise add a heuristic query and four descriptors a
+ * call, never freed. */
 #include "cuda_internal.h"
 #ifdef FSDP_CUDA_EMU
 #include "cublasLt.h"
@@ -44,10 +50,17 @@
 #include <string.h>
 
 static cublasLtHandle_t g_lt;
+/* Raw cudaMalloc, outside the engine allocator's statistics (fsdp.memory),
+ * as cuBLAS's own workspace and the CUDA context are: the device's free
+ * memory shows it, and cuda_lt_workspace_bytes() says how much it is. */
 static void *g_workspace;
 /* what cuBLAS itself keeps on Hopper: enough for its split-K algorithms */
 static const size_t LT_WORKSPACE = (size_t)32 << 20;
 static const uint32_t LT_ALIGN = 16;
+/* plans kept: a model's GEMMs are a few dozen shapes, far fewer */
+static const int LT_MAX_PLANS = 256;
+
+size_t cuda_lt_workspace_bytes(void) { return g_workspace ? LT_WORKSPACE : 0; }
 
 const char *cuda_lt_init(void) {
     if (g_lt) return NULL;
@@ -71,7 +84,8 @@ typedef struct {
 
 typedef struct {
     lt_key key;
-    int ok;   /* 0: no algorithm for it (the entry returns 0) */
+    uint64_t used;   /* g_tick at its last call: the least recently used goes first */
+    int ok;          /* 0: no algorithm for it (the entry returns 0) */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t lay_a, lay_b, lay_cd;   /* cuBLASLt's A (our B), B (our A), C and D */
     cublasLtMatmulAlgo_t algo;
@@ -79,7 +93,8 @@ typedef struct {
 
 static pthread_mutex_t g_plans_mu = PTHREAD_MUTEX_INITIALIZER;
 static lt_plan *g_plans;
-static int g_n_plans, g_cap_plans;
+static int g_n_plans, g_cap_plans, g_plan_limit = LT_MAX_PLANS;
+static uint64_t g_tick;
 
 static int align_class(const void *p) {
     uintptr_t u = (uintptr_t)p;
@@ -98,6 +113,7 @@ static cublasLtEpilogue_t lt_epilogue(int e) {
     case FSDP_EPILOGUE_BIAS: return CUBLASLT_EPILOGUE_BIAS;
     case FSDP_EPILOGUE_GELU_AUX_BIAS: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
     case FSDP_EPILOGUE_DGELU_BGRAD: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case FSDP_EPILOGUE_GELU_BIAS: return CUBLASLT_EPILOGUE_GELU_BIAS;
     default: return CUBLASLT_EPILOGUE_BGRADB;
     }
 }
@@ -169,21 +185,63 @@ static void plan_make(lt_plan *p, const lt_key *k, const void *bias_ptr, const v
     p->lay_a = p->lay_b = p->lay_cd = NULL;
 }
 
-/* The plan of k (g_plans_mu held). */
-static lt_plan *plan_for(const lt_key *k, const void *bias_ptr, const void *aux) {
-    for (int i = 0; i < g_n_plans; i++)
-        if (key_eq(&g_plans[i].key, k)) return &g_plans[i];
-    if (g_n_plans == g_cap_plans) {
-        int cap = g_cap_plans ? 2 * g_cap_plans : 32;
-        lt_plan *np = (lt_plan *)realloc(g_plans, (size_t)cap * sizeof *np);
-        if (!np) cuda_fail(__func__, __FILE__, __LINE__, "realloc", "out of host memory for cuBLASLt plans");
-        g_plans = np;
-        g_cap_plans = cap;
+/* Destroys what plan_make made for p (a plan without an algorithm holds nothing). */
+static void plan_destroy(lt_plan *p) {
+    if (p->ok) {
+        CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lay_a));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lay_b));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lay_cd));
     }
-    lt_plan *p = &g_plans[g_n_plans];
+    memset(p, 0, sizeof *p);
+}
+
+/* The plan of k (g_plans_mu held): a kept one, else a new one in a free
+ * slot or in the least recently used one's. */
+static lt_plan *plan_for(const lt_key *k, const void *bias_ptr, const void *aux) {
+    g_tick++;
+    for (int i = 0; i < g_n_plans; i++)
+        if (key_eq(&g_plans[i].key, k)) {
+            g_plans[i].used = g_tick;
+            return &g_plans[i];
+        }
+    lt_plan *p;
+    if (g_n_plans < g_plan_limit) {
+        if (g_n_plans == g_cap_plans) {
+            int cap = g_cap_plans ? 2 * g_cap_plans : 32;
+            if (cap > g_plan_limit) cap = g_plan_limit;
+            lt_plan *np = (lt_plan *)realloc(g_plans, (size_t)cap * sizeof *np);
+            if (!np) cuda_fail(__func__, __FILE__, __LINE__, "realloc", "out of host memory for cuBLASLt plans");
+            g_plans = np;
+            g_cap_plans = cap;
+        }
+        p = &g_plans[g_n_plans++];
+    } else {
+        p = &g_plans[0];
+        for (int i = 1; i < g_n_plans; i++)
+            if (g_plans[i].used < p->used) p = &g_plans[i];
+        plan_destroy(p);
+    }
     plan_make(p, k, bias_ptr, aux);
-    g_n_plans++;
+    p->used = g_tick;
     return p;
+}
+
+void cuda_lt_set_plan_limit(int n) {
+    pthread_mutex_lock(&g_plans_mu);
+    for (int i = 0; i < g_n_plans; i++) plan_destroy(&g_plans[i]);
+    free(g_plans);
+    g_plans = NULL;
+    g_n_plans = g_cap_plans = 0;
+    g_plan_limit = n > 0 ? n : LT_MAX_PLANS;
+    pthread_mutex_unlock(&g_plans_mu);
+}
+
+int cuda_lt_plans(void) {
+    pthread_mutex_lock(&g_plans_mu);
+    int n = g_n_plans;
+    pthread_mutex_unlock(&g_plans_mu);
+    return n;
 }
 
 static const char *epilogue_name(int e) {
@@ -192,6 +250,7 @@ static const char *epilogue_name(int e) {
     case FSDP_EPILOGUE_GELU_AUX_BIAS: return "GELU_AUX_BIAS";
     case FSDP_EPILOGUE_DGELU_BGRAD: return "DGELU_BGRAD";
     case FSDP_EPILOGUE_BGRAD_A: return "BGRAD_A";
+    case FSDP_EPILOGUE_GELU_BIAS: return "GELU_BIAS";
     }
     return "unknown";
 }
@@ -201,12 +260,13 @@ int cuda_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b,
                               const uint16_t *bias, uint16_t *aux, uint16_t *dbias) {
     CUDA_ENTER();
     /* a call without what its epilogue needs is the caller's bug, not a shape to fall back from */
-    bool need_bias = epilogue == FSDP_EPILOGUE_BIAS || epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS;
+    bool need_bias = epilogue == FSDP_EPILOGUE_BIAS || epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS ||
+                     epilogue == FSDP_EPILOGUE_GELU_BIAS;
     bool need_aux = epilogue == FSDP_EPILOGUE_GELU_AUX_BIAS || epilogue == FSDP_EPILOGUE_DGELU_BGRAD;
     bool need_dbias = epilogue == FSDP_EPILOGUE_DGELU_BGRAD || epilogue == FSDP_EPILOGUE_BGRAD_A;
     char why[160];
-    if (epilogue < FSDP_EPILOGUE_BIAS || epilogue > FSDP_EPILOGUE_BGRAD_A) {
-        snprintf(why, sizeof why, "epilogue %d, expected 1..4 (enum fsdp_epilogue)", epilogue);
+    if (epilogue < FSDP_EPILOGUE_BIAS || epilogue > FSDP_EPILOGUE_GELU_BIAS) {
+        snprintf(why, sizeof why, "epilogue %d, expected 1..5 (enum fsdp_epilogue)", epilogue);
         cuda_fail(__func__, __FILE__, __LINE__, "the argument check", why);
     }
     if (!d || !a || !b || (beta != 0.0f && !c) || (need_bias && !bias) || (need_aux && !aux) ||

@@ -646,7 +646,7 @@ META_ENTRIES(X_FN)
  * (matmul_epilogue_covers): a call it refuses costs nothing here, and the
  * unfused ops the op layer then runs count themselves. Bytes: A, B, C when
  * beta != 0 and D, as matmul_bf16, and the epilogue's vectors and matrix:
- * the bias read (BIAS, GELU_AUX_BIAS), the GELU input written
+ * the bias read (BIAS, GELU_AUX_BIAS, GELU_BIAS), the GELU input written
  * (GELU_AUX_BIAS) or read (DGELU_BGRAD), the bias gradient written. FLOPs:
  * 2 M N K, plus the epilogue's as the fused kernels count theirs (bias 1,
  * bias + GELU 9, GELU backward and its sum 14 per element of D; the bias
@@ -661,6 +661,7 @@ static int meta_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint1
     switch (epilogue) {
     case FSDP_EPILOGUE_BIAS: rd += BF16 * N, fl += mn; break;
     case FSDP_EPILOGUE_GELU_AUX_BIAS: rd += BF16 * N, wr += BF16 * mn, fl += 9 * mn; break;
+    case FSDP_EPILOGUE_GELU_BIAS: rd += BF16 * N, fl += 9 * mn; break;   /* no GELU input written */
     case FSDP_EPILOGUE_DGELU_BGRAD: rd += BF16 * mn, wr += BF16 * N, fl += 14 * mn; break;
     default: wr += BF16 * M, fl += M * K; break;   /* BGRAD_A */
     }

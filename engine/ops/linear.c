@@ -5,7 +5,8 @@
  * On a device whose table has matmul_epilogue_bf16 (cuBLASLt on CUDA), bf16
  * tensors with a bias take one GEMM with an epilogue each way:
  *   forward   BIAS (res as the GEMM's C, beta 1) or GELU_AUX_BIAS (aux = the
- *             pre-activation, saved for the backward)
+ *             pre-activation, saved for the backward; GELU_BIAS, no aux,
+ *             when the tape records nothing: evaluation, sampling)
  *   backward  dpre = dy, or dy gelu'(aux) (one elementwise pass);
  *             dx (M, in) = dpre (M, out) W (out, in);
  *             dW (out, in) = dpre^T x, with BGRAD_A giving dbias = the column
@@ -96,7 +97,14 @@ static fsdp_status bias_grad_close(fsdp_node *node, int i, bias_grad *bg, bool s
     return st;
 }
 
-static void bias_grad_drop(bias_grad *bg) {
+/* Frees what bias_grad_open made; st: how the backward went. On an error,
+ * a .grad it claimed (cleared its unwritten mark) gets the mark back: its
+ * memory may hold an unzeroed flat gradient's garbage, and with the mark
+ * the next backward writes it (or the unit zeroes it) instead of adding
+ * into it. */
+static void bias_grad_drop(bias_grad *bg, fsdp_status st) {
+    if (st != FSDP_OK && bg->grad && bg->write) bg->grad->unwritten = true;
+    bg->write = false;
     tensor_release(bg->fresh);
     bg->fresh = NULL;
 }
@@ -113,19 +121,25 @@ static fsdp_status weight_grads(fsdp_node *node, int iw, int ib, const fsdp_tens
     bool want_w = node_needs_grad(node, iw), want_b = ib >= 0 && node_needs_grad(node, ib);
     if (!want_w && !want_b) return FSDP_OK;
     bias_grad bg = {0};
-    fsdp_status st = want_b ? bias_grad_open(node, ib, d.N, &bg) : FSDP_OK;
-    if (st != FSDP_OK) return st;
+    fsdp_status st = FSDP_OK;
     bool fused_b = false, summed_into_grad = false;
-    if (want_w) {
-        float beta = 0.0f;
-        fsdp_tensor *acc = node_grad_target(node, iw, FSDP_BF16, &beta), *gw = NULL;
+    fsdp_tensor *acc = NULL, *gw = NULL;
+    float beta = 0.0f;
+    if (want_w) {   /* W's gradient first: the bias's .grad is claimed only when nothing before its write can fail */
+        acc = node_grad_target(node, iw, FSDP_BF16, &beta);
         if (acc) {
             tensor_retain(acc);
             gw = acc;
-        } else if ((st = op_new_as(&gw, FSDP_BF16, 2, node->in[iw]->shape)) != FSDP_OK) {
-            bias_grad_drop(&bg);
-            return st;
+        } else {
+            FSDP_TRY(op_new_as(&gw, FSDP_BF16, 2, node->in[iw]->shape));
         }
+    }
+    if (want_b && (st = bias_grad_open(node, ib, d.N, &bg)) != FSDP_OK) {
+        if (acc && beta == 0.0f) acc->unwritten = true;   /* claimed, not written: as bias_grad_drop does */
+        tensor_release(gw);
+        return st;
+    }
+    if (want_w) {
         uint16_t *W = tensor_data(gw);
         if (want_b)
             fused_b = k->matmul_epilogue_bf16(W, tensor_data(dpre), tensor_data(xs), W, d.N, d.K, d.M, 1, 0, 1.0f,
@@ -140,7 +154,7 @@ static fsdp_status weight_grads(fsdp_node *node, int iw, int ib, const fsdp_tens
         summed_into_grad = bg.grad && !bg.write && k->sum_dim_acc_bf16;
     }
     if (want_b && st == FSDP_OK) st = bias_grad_close(node, ib, &bg, summed_into_grad);
-    bias_grad_drop(&bg);
+    bias_grad_drop(&bg, st);
     return st;
 }
 
@@ -271,10 +285,13 @@ fsdp_status fsdp_linear(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *weight, 
     if (st == FSDP_OK) st = tensor_contiguous(&bs, bias);
     if (st == FSDP_OK && res) st = tensor_contiguous(&rs, res);
     if (st == FSDP_OK) st = op_new_as(&y, FSDP_BF16, x->ndim, shape);
-    if (st == FSDP_OK && act == FSDP_LINEAR_GELU) st = op_new_as(&aux, FSDP_BF16, x->ndim, shape);
+    bool record = tape_wants(res ? 4 : 3, ts);   /* the GELU input is kept only for a backward */
+    if (st == FSDP_OK && act == FSDP_LINEAR_GELU && record) st = op_new_as(&aux, FSDP_BF16, x->ndim, shape);
     int ran = 0;
     if (st == FSDP_OK) {
-        int epi = act == FSDP_LINEAR_GELU ? FSDP_EPILOGUE_GELU_AUX_BIAS : FSDP_EPILOGUE_BIAS;
+        int epi = act != FSDP_LINEAR_GELU ? FSDP_EPILOGUE_BIAS
+                  : record                ? FSDP_EPILOGUE_GELU_AUX_BIAS
+                                          : FSDP_EPILOGUE_GELU_BIAS;
         ran = KERNELS(y)->matmul_epilogue_bf16(tensor_data(y), tensor_data(xs), tensor_data(ws),
                                                rs ? tensor_data(rs) : NULL, d.M, d.N, d.K, 0, 1, 1.0f,
                                                rs ? 1.0f : 0.0f, epi, tensor_data(bs), aux ? tensor_data(aux) : NULL,
@@ -339,7 +356,7 @@ static fsdp_status mlp_dpre(fsdp_node *node, const fsdp_tensor *g, const fsdp_te
         }
         if (st == FSDP_OK && want_b) st = bias_grad_close(node, MLP_B_FC, &bg, summed_into_grad);
     }
-    bias_grad_drop(&bg);
+    bias_grad_drop(&bg, st);
     tensor_release(scratch);
     tensor_release(dh);
     if (st != FSDP_OK) {
@@ -429,14 +446,15 @@ fsdp_status fsdp_mlp(fsdp_tensor **out, fsdp_tensor *x, fsdp_tensor *w_fc, fsdp_
         if (st == FSDP_OK) st = tensor_contiguous(&w2, w_proj);
         if (st == FSDP_OK) st = tensor_contiguous(&b2, b_proj);
         if (st == FSDP_OK && res) st = tensor_contiguous(&rs, res);
-        if (st == FSDP_OK) st = op_new_as(&aux, FSDP_BF16, 2, hshape);
+        bool record = tape_wants(res ? 6 : 5, ts);   /* the GELU input is kept only for a backward */
+        if (st == FSDP_OK && record) st = op_new_as(&aux, FSDP_BF16, 2, hshape);
         if (st == FSDP_OK) st = op_new_as(&h, FSDP_BF16, 2, hshape);
         if (st == FSDP_OK) st = op_new_as(&y, FSDP_BF16, x->ndim, shape);
         const fsdp_device_kernels *k = KERNELS(x);
         if (st == FSDP_OK)   /* h = gelu(aux), aux = x W_fc^T + b_fc */
             ran = k->matmul_epilogue_bf16(tensor_data(h), tensor_data(xs), tensor_data(w1), NULL, fc.M, H, C, 0, 1,
-                                          1.0f, 0.0f, FSDP_EPILOGUE_GELU_AUX_BIAS, tensor_data(b1), tensor_data(aux),
-                                          NULL);
+                                          1.0f, 0.0f, record ? FSDP_EPILOGUE_GELU_AUX_BIAS : FSDP_EPILOGUE_GELU_BIAS,
+                                          tensor_data(b1), aux ? tensor_data(aux) : NULL, NULL);
         if (st == FSDP_OK && ran)   /* y = [res +] h W_proj^T + b_proj */
             ran = k->matmul_epilogue_bf16(tensor_data(y), tensor_data(h), tensor_data(w2), rs ? tensor_data(rs) : NULL,
                                           fc.M, N, H, 0, 1, 1.0f, rs ? 1.0f : 0.0f, FSDP_EPILOGUE_BIAS,

@@ -19,6 +19,7 @@
 
 local ffi = require "ffi"
 local core = require "fsdp.core"
+local options = require "fsdp.options"
 local autograd = require "fsdp.autograd"
 local q = require "fsdp.tensor.query"
 local create = require "fsdp.tensor.create"
@@ -474,8 +475,16 @@ function M.bias_residual(x, b, res)
 end
 --- fsdp.linear(x (..., in), weight (out, in), bias (out) or nil, {gelu = true | residual = r}):
 -- [r +] act(x W^T + b) as one op (one GEMM with its epilogue where the device has them); r of the output's shape
+local linear_options, mlp_options = { "gelu", "residual" }, { "residual" }
+local function op_options(opts, names, what)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then error(what .. ": options must be a table, got " .. type(opts), 3) end
+  options.check_keys(opts, names, what, 3)
+  return opts
+end
 function M.linear(x, w, b, opts)
-  local gelu, res = opts and opts.gelu, opts and opts.residual
+  opts = op_options(opts, linear_options, "fsdp.linear")
+  local gelu, res = opts.gelu, opts.residual
   if C.fsdp_linear(out, T(x, "linear"), T(w, "linear weight"), b and T(b, "linear bias"),
                    res and T(res, "linear residual"), gelu and C.FSDP_LINEAR_GELU or C.FSDP_LINEAR_NONE) ~= 0 then
     raise()
@@ -485,7 +494,7 @@ end
 --- fsdp.mlp(x (..., in), w_fc (hidden, in), b_fc, w_proj (out, hidden), b_proj, {residual = r}):
 -- [r +] gelu(x W_fc^T + b_fc) W_proj^T + b_proj as one op (biases may be nil)
 function M.mlp(x, w1, b1, w2, b2, opts)
-  local res = opts and opts.residual
+  local res = op_options(opts, mlp_options, "fsdp.mlp").residual
   if C.fsdp_mlp(out, T(x, "mlp"), T(w1, "mlp w_fc"), b1 and T(b1, "mlp b_fc"), T(w2, "mlp w_proj"),
                 b2 and T(b2, "mlp b_proj"), res and T(res, "mlp residual")) ~= 0 then
     raise()

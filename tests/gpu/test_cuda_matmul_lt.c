@@ -135,8 +135,8 @@ typedef struct {
 } lt_case;
 
 static const char *epi_name(int e) {
-    static const char *n[] = {"?", "BIAS", "GELU_AUX_BIAS", "DGELU_BGRAD", "BGRAD_A"};
-    return e >= 1 && e <= 4 ? n[e] : "?";
+    static const char *n[] = {"?", "BIAS", "GELU_AUX_BIAS", "DGELU_BGRAD", "BGRAD_A", "GELU_BIAS"};
+    return e >= 1 && e <= 5 ? n[e] : "?";
 }
 
 /* One call of the entry on random inputs, checked against the reference. */
@@ -179,6 +179,9 @@ static void run_case(const lt_case *t, int epi) {
             double p = t->alpha * s + t->beta * cv, pm = fabs(t->alpha) * mag + fabs(t->beta * cv);
             switch (epi) {
             case FSDP_EPILOGUE_BIAS: want[at] = p + bias[j], bound[at] = pm + fabs(bias[j]); break;
+            case FSDP_EPILOGUE_GELU_BIAS:
+                want[at] = gelu_d(p + bias[j]), bound[at] = fabs(want[at]) + 0.01 * (pm + fabs(bias[j]));
+                break;
             case FSDP_EPILOGUE_GELU_AUX_BIAS:
                 want_aux[at] = p + bias[j], bound_aux[at] = pm + fabs(bias[j]);
                 want[at] = gelu_d(want_aux[at]), bound[at] = fabs(want[at]) + 0.01 * bound_aux[at];
@@ -209,9 +212,13 @@ static void run_case(const lt_case *t, int epi) {
         snprintf(what, sizeof what, "%s: dbias", name);
         check_bound(what, back16(dgrad, ng), want_g, bound_g, ng, 1.0 / 256);
     }
-    if (epi == FSDP_EPILOGUE_BIAS || epi == FSDP_EPILOGUE_BGRAD_A) {   /* buffers it must not write */
-        snprintf(what, sizeof what, "%s: aux untouched", name);
+    if (epi == FSDP_EPILOGUE_BIAS || epi == FSDP_EPILOGUE_BGRAD_A || epi == FSDP_EPILOGUE_GELU_BIAS) {
+        snprintf(what, sizeof what, "%s: aux untouched", name);   /* buffers it must not write */
         test_check(all_nan(daux, MN), "%s", what);
+    }
+    if (epi == FSDP_EPILOGUE_GELU_BIAS) {
+        snprintf(what, sizeof what, "%s: dbias untouched", name);
+        test_check(all_nan(dgrad, ng), "%s", what);
     }
     free_case();
 }
@@ -226,17 +233,18 @@ static void test_epilogues(void) {
                 {2, 40, 97, ta, tb, 1, 1, 0},
             };
             for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
-                for (int e = FSDP_EPILOGUE_BIAS; e <= FSDP_EPILOGUE_BGRAD_A; e++) {
+                for (int e = FSDP_EPILOGUE_BIAS; e <= FSDP_EPILOGUE_GELU_BIAS; e++) {
                     if (e == FSDP_EPILOGUE_BGRAD_A && cs[i].alpha != 1.0f) continue;   /* refused: see test_refusals */
                     run_case(&cs[i], e);
                 }
         }
-    /* no aux: any N, also 1, odd and prime */
+    /* no aux (GELU_BIAS included: the aux rule is the GELU input's): any N, also 1, odd and prime */
     lt_case odd[] = {{1, 1, 1, 0, 0, 1, 0, 0}, {13, 7, 3, 1, 0, 1, 1, 0}, {3, 13, 17, 0, 1, 1, 1, 1},
                      {17, 1, 5, 1, 1, 1, 0, 0}};
     for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++) {
         run_case(&odd[i], FSDP_EPILOGUE_BIAS);
         run_case(&odd[i], FSDP_EPILOGUE_BGRAD_A);
+        run_case(&odd[i], FSDP_EPILOGUE_GELU_BIAS);
     }
     /* the MLP's shapes (c_fc, c_proj, a weight gradient), rows cut so the
      * double reference stays quick: C 64 in the emulation, GPT-2's 768 on a GPU */
@@ -249,6 +257,7 @@ static void test_epilogues(void) {
     for (size_t i = 0; i < sizeof mlp / sizeof mlp[0]; i++) {
         run_case(&mlp[i], FSDP_EPILOGUE_BIAS);
         run_case(&mlp[i], FSDP_EPILOGUE_GELU_AUX_BIAS);
+        run_case(&mlp[i], FSDP_EPILOGUE_GELU_BIAS);
         run_case(&mlp[i], FSDP_EPILOGUE_DGELU_BGRAD);
         run_case(&mlp[i], FSDP_EPILOGUE_BGRAD_A);
     }
@@ -287,8 +296,11 @@ static void run_refusal(const refusal *r) {
 
 static void test_refusals(void) {
     const int B = FSDP_EPILOGUE_BIAS, GL = FSDP_EPILOGUE_GELU_AUX_BIAS, DG = FSDP_EPILOGUE_DGELU_BGRAD,
-              BA = FSDP_EPILOGUE_BGRAD_A;
+              BA = FSDP_EPILOGUE_BGRAD_A, GB = FSDP_EPILOGUE_GELU_BIAS;
     refusal rs[] = {
+        {"bias 2 bytes off 16", GB, 3, 8, 5, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0},
+        {"N 12 without aux (GELU_BIAS keeps no GELU input)", GB, 3, 12, 5, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1},
+        {"an unused aux and dbias off 16", GB, 3, 13, 5, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1},
         {"D 2 bytes off 16", B, 3, 8, 5, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0},
         {"A 2 bytes off 16", GL, 3, 8, 5, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0},
         {"B 2 bytes off 16", DG, 3, 8, 5, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0},
@@ -340,6 +352,53 @@ static void test_plans(void) {
         test_check(emu_cublaslt_heuristic_queries() - q0 == 1, "%s: asked once (%lld queries)", r.what,
                    emu_cublaslt_heuristic_queries() - q0);
     }
+}
+
+/* ---- the plans are bounded: the least recently used one is destroyed for a new one ---- */
+
+static long long queries_of(int64_t M) {   /* heuristic queries of one BIAS call with M rows */
+    lt_case t = {M, 8, 3, 0, 1, 1, 0, 0};
+    long long q0 = emu_cublaslt_heuristic_queries();
+    run_case(&t, FSDP_EPILOGUE_BIAS);
+    return emu_cublaslt_heuristic_queries() - q0;
+}
+
+static void test_plan_bound(void) {
+    cuda_lt_set_plan_limit(4);   /* every plan destroyed: what is left is not theirs */
+    long long live0 = emu_cublaslt_live_objects();
+    test_check(cuda_lt_plans() == 0, "a new limit starts with no plans (%d)", cuda_lt_plans());
+    long long q = 0;
+    for (int64_t M = 1; M <= 4; M++) q += queries_of(M);
+    test_check(q == 4 && cuda_lt_plans() == 4 && emu_cublaslt_live_objects() - live0 == 16,
+               "4 shapes under a limit of 4: %lld queries, %d plans, %lld descriptors and layouts (want 4, 4, 16)", q,
+               cuda_lt_plans(), emu_cublaslt_live_objects() - live0);
+    test_check(queries_of(1) == 0, "M 1 again: kept (and now the most recently used)");
+    test_check(queries_of(5) == 1, "M 5: a new plan");
+    test_check(cuda_lt_plans() == 4 && emu_cublaslt_live_objects() - live0 == 16,
+               "M 5 took the least recently used plan's place: %d plans, %lld objects", cuda_lt_plans(),
+               emu_cublaslt_live_objects() - live0);
+    test_check(queries_of(1) == 0 && queries_of(3) == 0 && queries_of(4) == 0 && queries_of(5) == 0,
+               "M 1, 3, 4 and 5 kept");
+    test_check(queries_of(2) == 1, "M 2, the least recently used, was the one destroyed");
+    q = 0;
+    for (int64_t M = 6; M <= 40; M++) q += queries_of(M);   /* a row count that changes every call */
+    test_check(q == 35 && cuda_lt_plans() == 4 && emu_cublaslt_live_objects() - live0 == 16,
+               "35 more shapes: %lld queries, still %d plans and %lld objects", q, cuda_lt_plans(),
+               emu_cublaslt_live_objects() - live0);
+    /* a plan without an algorithm holds no descriptors, and is evicted too */
+    emu_cublaslt_set_no_algo(1);
+    refusal none = {"no algorithm for M 41", FSDP_EPILOGUE_BIAS, 41, 8, 3, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    long long q0 = emu_cublaslt_heuristic_queries();
+    run_refusal(&none);
+    test_check(emu_cublaslt_heuristic_queries() - q0 == 1, "no algorithm for M 41: asked once");
+    emu_cublaslt_set_no_algo(0);
+    test_check(emu_cublaslt_live_objects() - live0 == 12, "its slot holds nothing: %lld objects (want 12)",
+               emu_cublaslt_live_objects() - live0);
+    cuda_lt_set_plan_limit(0);
+    test_check(cuda_lt_plans() == 0 && emu_cublaslt_live_objects() == live0,
+               "back to the default limit: every plan destroyed (%lld objects left over)",
+               emu_cublaslt_live_objects() - live0);
+    test_check(queries_of(1) == 1 && queries_of(1) == 0, "and made again as needed");
 }
 
 /* ---- the emulated cuBLASLt refuses what the real one does ---- */
@@ -469,6 +528,7 @@ static void test_meta(void) {
         {FSDP_EPILOGUE_GELU_AUX_BIAS, 1, 2 * (M * K + K * N + MN + N), 2 * (MN + MN), 2 * M * N * K + 9 * MN},
         {FSDP_EPILOGUE_DGELU_BGRAD, 0, 2 * (M * K + K * N + MN), 2 * (MN + N), 2 * M * N * K + 14 * MN},
         {FSDP_EPILOGUE_BGRAD_A, 1, 2 * (M * K + K * N + MN), 2 * (MN + M), 2 * M * N * K + M * K},
+        {FSDP_EPILOGUE_GELU_BIAS, 0, 2 * (M * K + K * N + N), 2 * MN, 2 * M * N * K + 9 * MN},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         fsdp_meta_reset();
@@ -512,6 +572,8 @@ static int fault(void) {
 static int epilogues_off(void) {
     test_check(G->matmul_epilogue_bf16 == NULL && G->matmul_bf16 != NULL,
                "FSDP_CUDA_EPILOGUES=0: no matmul_epilogue_bf16 in the CUDA table");
+    test_check(cuda_lt_workspace_bytes() == 0, "FSDP_CUDA_EPILOGUES=0: no cuBLASLt workspace (%zu bytes)",
+               cuda_lt_workspace_bytes());
     test_check(fsdp_meta_mimic(FSDP_DEVICE_CUDA) == FSDP_OK &&
                    device_kernels(FSDP_DEVICE_META)->matmul_epilogue_bf16 == NULL,
                "FSDP_CUDA_EPILOGUES=0: none in the meta device's CUDA set either");
@@ -540,6 +602,8 @@ int main(int argc, char **argv) {
     test_check(G && G->matmul_epilogue_bf16, "the CUDA table has matmul_epilogue_bf16");
     if (!G || !G->matmul_epilogue_bf16) return test_summary();
     test_check(device_kernels(FSDP_DEVICE_CPU)->matmul_epilogue_bf16 == NULL, "the CPU table has none");
+    test_check(cuda_lt_workspace_bytes() == (size_t)32 << 20, "cuBLASLt's workspace: %zu bytes (want 32 MiB)",
+               cuda_lt_workspace_bytes());
     char desc[256] = "";
     int avail = 0;
     cuda_device_info(&avail, desc, sizeof desc);
@@ -549,6 +613,7 @@ int main(int argc, char **argv) {
     test_refusals();
 #ifdef FSDP_CUDA_EMU
     test_plans();
+    test_plan_bound();
     test_emulated_rules();
 #endif
     test_meta();

@@ -438,8 +438,128 @@ if pcall(meta.mimic, "cuda") and meta.by_name().matmul_epilogue_bf16 and meta.by
     .. "GEMM with the GELU backward and dW GEMM with its bias gradient, then c_fc's two GEMMs")
   t.eq(e.gelu_backward_bf16.calls + e.bias_gelu_backward_bf16.calls + e.sum_dim_bf16.calls, 0,
     "CUDA set, mlp: no GELU backward or bias-sum pass of its own")
+  -- nothing recorded (evaluation, sampling): no GELU input kept, so none written (GELU_BIAS)
+  local function written(fn)
+    meta.reset()
+    fn()
+    local c = meta.by_name().matmul_epilogue_bf16
+    return c.calls, c.bytes_written
+  end
+  local mlp = function() return fsdp.mlp(v[1], v[2], v[3], v[4], v[5], { residual = v[6] }) end
+  local lin = function() return fsdp.linear(v[1], v[2], v[3], { gelu = true }) end
+  local calls, bytes = written(mlp)
+  t.ok(calls == 2 and bytes == 2 * (2 * M * H + M * N), "CUDA set, mlp recorded: writes aux, h and y (" .. bytes .. ")")
+  calls, bytes = written(function() fsdp.no_grad(mlp) end)
+  t.ok(calls == 2 and bytes == 2 * (M * H + M * N), "CUDA set, mlp under no_grad: h and y only (" .. bytes .. ")")
+  calls, bytes = written(lin)
+  t.ok(calls == 1 and bytes == 2 * 2 * M * H, "CUDA set, gelu linear recorded: aux and y (" .. bytes .. ")")
+  calls, bytes = written(function() fsdp.no_grad(lin) end)
+  t.ok(calls == 1 and bytes == 2 * M * H, "CUDA set, gelu linear under no_grad: y only (" .. bytes .. ")")
+  local plain_in = {}
+  for i = 1, 6 do plain_in[i] = v[i]:detach() end
+  calls, bytes = written(function() fsdp.linear(plain_in[1], plain_in[2], plain_in[3], { gelu = true }) end)
+  t.ok(calls == 1 and bytes == 2 * M * H, "CUDA set, gelu linear of tensors needing no gradient: y only")
 end
 meta.mimic("cpu")
+
+-- the same values recorded or not (GELU_AUX_BIAS and GELU_BIAS on the device, or the unfused ops)
+do
+  local x, w1, b1 = input(51, 5, 24):to(dev):bf16(), input(52, 16, 24):to(dev):bf16(), input(53, 16):to(dev):bf16()
+  local w2, b2, r = input(54, 24, 16):to(dev):bf16(), input(55, 24):to(dev):bf16(), input(56, 5, 24):to(dev):bf16()
+  local wr = w1:detach():requires_grad(true)
+  local want_l = fsdp.linear(x, wr, b1, { gelu = true })
+  local want_m = fsdp.mlp(x, wr, b1, w2, b2, { residual = r })
+  local got_l = fsdp.no_grad(function() return fsdp.linear(x, wr, b1, { gelu = true }) end)
+  local got_m = fsdp.no_grad(function() return fsdp.mlp(x, wr, b1, w2, b2, { residual = r }) end)
+  close(got_l, want_l, 0, "gelu linear under no_grad: the recorded values, bit for bit (" .. dev .. ")")
+  close(got_m, want_m, 0, "mlp under no_grad: the recorded values, bit for bit (" .. dev .. ")")
+  close(got_l, fsdp.bias_gelu(x:matmul(w1, { tb = true }), b1), 1 / 128, "gelu linear under no_grad: the composition")
+end
+
+-- ---- a backward that fails part way (an allocation over the memory cap) ----
+-- An FSDP unit's flat gradient (bf16 compute) is not zeroed: each slice
+-- takes its first gradient as a write, and under no_sync the flat gradient
+-- is kept for the next backward. Here W reaches the op through a product
+-- (a non-leaf), so the op makes W's gradient itself; when that allocation
+-- fails, the bias's slice must stay unwritten, so that the next backward
+-- writes it rather than adding to what the memory held. Caps from the
+-- forward's memory up, 512 bytes apart, stop the backward at each
+-- allocation in turn; the lowest that stops the op's own backward stops it
+-- at its first allocation (W's gradient, nothing written yet): a retry and
+-- a synced backward then give the gradients of two backwards, bit for bit.
+-- (The fused op's path: elsewhere the Linear is a matmul and an add, whose
+-- backward writes the bias's gradient before the matmul's allocates.)
+if dev ~= "cpu" and os.getenv("FSDP_CUDA_EPILOGUES") ~= "0" then
+  local Module = require "fsdp.nn.module"
+  local Probe = Module:extend("Probe")
+  function Probe:__init(n_in, n_out, gelu)
+    self.gelu = gelu
+    self:param("weight", { n_out, n_in }, Module.init.normal(0.5))
+    self:param("bias", { n_out }, Module.init.normal(0.5))
+    if gelu then   -- c_proj back to n_in: its weight's gradient is as large as c_fc's
+      self:param("weight2", { n_in, n_out }, Module.init.normal(0.5))
+      self:param("bias2", { n_in }, Module.init.normal(0.5))
+    end
+  end
+  function Probe:forward(x)
+    if self.gelu then return fsdp.mlp(x, self.weight * 1.0, self.bias, self.weight2 * 1.0, self.bias2) end
+    return fsdp.linear(x, self.weight * 1.0, self.bias)
+  end
+  -- (in 1032, a multiple of 8: the parameters' slices stay 16-byte aligned, as the epilogue wants)
+  for _, gelu in ipairs({ false, true }) do
+    local op = gelu and "mlp" or "linear"
+    local what = op .. " on " .. dev
+    local sharded = fsdp.shard(Probe(1032, gelu and 8 or 5, gelu), { seed = 7, mixed_precision = { compute = "bf16" } })
+    local x = input(11, 3, 1032):to(dev):bf16()
+    local function step() sharded(x):float():sum():backward() end
+    local function grads()
+      local g = {}
+      for _, seg in ipairs(sharded.segments) do g[seg.path] = flat(seg.grad) end
+      return g
+    end
+    sharded:zero_grad()
+    local y = sharded(x):float():sum()
+    fsdp.memory.reset_peak(dev)
+    local before = fsdp.memory.stats(nil, dev).current
+    y:backward()
+    local span = fsdp.memory.stats(nil, dev).peak - before
+    sharded:zero_grad()
+    sharded:no_sync(step)
+    step()
+    local want = grads()
+    local in_op, worst, n = 0, 0, 0
+    for k = 0, math.ceil(span / 512) + 1 do
+      if in_op > 0 then break end
+      sharded:zero_grad()
+      fsdp.memory.empty_cache(dev)
+      local stopped = false
+      sharded:no_sync(function()
+        y = sharded(x):float():sum()
+        fsdp.memory.set_cap(fsdp.memory.stats(nil, dev).current + k * 512, dev)
+        local ok, err = pcall(function() y:backward() end)
+        fsdp.memory.set_cap(0, dev)
+        y = nil
+        stopped = not ok and tostring(err):find("backward of " .. op, 1, true) ~= nil
+        if stopped then step() end
+      end)
+      if stopped then
+        in_op = in_op + 1
+        step()
+        for path, g in pairs(grads()) do
+          n = n + 1
+          for i = 1, #want[path] do   -- (a NaN reads back as nil)
+            local d = g[i] and math.abs(g[i] - want[path][i]) or math.huge
+            if d ~= d then d = math.huge end
+            worst = math.max(worst, d)
+          end
+        end
+      end
+    end
+    t.ok(in_op == 1, string.format("%s: a cap stopped the op's own backward (of %d bytes' span)", what, span))
+    t.ok(n > 0 and worst == 0, string.format("%s: a retry after the op's backward failed: the gradients of the " ..
+      "backwards that ran (worst difference %g over %d gradients)", what, worst, n))
+  end
+end
 
 -- bad input: a clear error naming the op and the tensors
 local x, w, b = fsdp.zeros(3, 4), fsdp.zeros(5, 4), fsdp.zeros(5)
@@ -474,6 +594,17 @@ t.raises(function() return fsdp.mlp(x, w1:bf16(), nil, w2, nil) end, { "fsdp_mlp
   "mlp: dtypes differ")
 t.raises(function() return fsdp.mlp(fsdp.zeros(4), w1, nil, w2, nil) end, { "fsdp_mlp", "at least 2 dims" },
   "mlp: a 1-D x")
+-- options: a misspelt key is an error naming the op and the key, never a silently dropped residual
+t.raises(function() return fsdp.linear(x, w, b, { residul = fsdp.zeros(3, 5) }) end,
+  { "fsdp.linear", "unknown option 'residul'", "did you mean 'residual'" }, "linear: a misspelt option")
+t.raises(function() return fsdp.linear(x, w, b, { gleu = true }) end,
+  { "fsdp.linear", "unknown option 'gleu'", "did you mean 'gelu'" }, "linear: a misspelt gelu")
+t.raises(function() return fsdp.linear(x, w, b, "gelu") end, { "fsdp.linear", "options must be a table" },
+  "linear: options not a table")
+t.raises(function() return fsdp.mlp(x, w1, nil, w2, nil, { residul = fsdp.zeros(3, 2) }) end,
+  { "fsdp.mlp", "unknown option 'residul'", "did you mean 'residual'" }, "mlp: a misspelt option")
+t.raises(function() return fsdp.mlp(x, w1, nil, w2, nil, { gelu = true }) end,
+  { "fsdp.mlp", "unknown option 'gelu'" }, "mlp: gelu is not an mlp option (it always has one)")
 if dev ~= "cpu" then
   t.raises(function() return fsdp.linear(x:cpu(), w, b) end, { "fsdp_linear", "different devices" },
     "linear: tensors on two devices")

@@ -36,6 +36,8 @@ static std::atomic<long long> g_queries, g_matmuls;
 
 extern "C" void emu_cublaslt_set_no_algo(int mode) { g_no_algo = mode; }
 extern "C" long long emu_cublaslt_heuristic_queries(void) { return g_queries; }
+static std::atomic<long long> g_live;   /* descriptors and layouts created and not destroyed */
+extern "C" long long emu_cublaslt_live_objects(void) { return g_live; }
 extern "C" long long emu_cublaslt_matmuls(void) { return g_matmuls; }
 
 /* ---- handle, descriptors, layouts, preferences ---- */
@@ -54,11 +56,13 @@ cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *desc, cublasComputeType_t compute,
                                         cudaDataType_t scale) {
     if (!desc) return CUBLAS_STATUS_INVALID_VALUE;
+    g_live++;
     *desc = new emu_lt_desc_s{(int32_t)compute, (int32_t)scale, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT,
                               NULL, NULL, 0, -1, -1};
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
+    if (desc) g_live--;
     delete desc;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -92,10 +96,12 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *layout, cudaDataType_t type, uint64_t rows,
                                           uint64_t cols, int64_t ld) {
     if (!layout) return CUBLAS_STATUS_INVALID_VALUE;
+    g_live++;
     *layout = new emu_lt_layout_s{(int32_t)type, rows, cols, ld};
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
+    if (layout) g_live--;
     delete layout;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -127,7 +133,7 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
 
 static bool epi_known(uint32_t e) {
     return e == CUBLASLT_EPILOGUE_DEFAULT || e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
-           e == CUBLASLT_EPILOGUE_DGELU_BGRAD || e == CUBLASLT_EPILOGUE_BGRADA || e == CUBLASLT_EPILOGUE_BGRADB;
+           e == CUBLASLT_EPILOGUE_GELU_BIAS || e == CUBLASLT_EPILOGUE_DGELU_BGRAD || e == CUBLASLT_EPILOGUE_BGRADA || e == CUBLASLT_EPILOGUE_BGRADB;
 }
 static bool epi_bias(uint32_t e) { return e != CUBLASLT_EPILOGUE_DEFAULT; }   /* of the modelled ones */
 static bool epi_aux(uint32_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU_BGRAD; }
@@ -303,6 +309,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
             size_t at_aux = i + j * (size_t)d->aux_ld;
             switch (e) {
             case CUBLASLT_EPILOGUE_BIAS: p += bf16_to_f32(bias[i]); break;
+            case CUBLASLT_EPILOGUE_GELU_BIAS: p = gelu_tanh(p + bf16_to_f32(bias[i])); break;
             case CUBLASLT_EPILOGUE_GELU_AUX_BIAS:
                 p += bf16_to_f32(bias[i]);
                 aux[at_aux] = f32_to_bf16(p);

@@ -73,6 +73,7 @@ typedef enum {
 typedef enum {
     CUBLASLT_EPILOGUE_DEFAULT = 1,
     CUBLASLT_EPILOGUE_BIAS = 4,
+    CUBLASLT_EPILOGUE_GELU_BIAS = 32 | 4,
     CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
     CUBLASLT_EPILOGUE_DGELU_BGRAD = 64 | 128 | 16,
     CUBLASLT_EPILOGUE_BGRADA = 256,
@@ -126,6 +127,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
 void emu_cublaslt_set_no_algo(int mode);
 long long emu_cublaslt_heuristic_queries(void);   /* cublasLtMatmulAlgoGetHeuristic calls so far */
 long long emu_cublaslt_matmuls(void);             /* cublasLtMatmul calls that ran */
+long long emu_cublaslt_live_objects(void);        /* matmul descriptors and layouts not destroyed */
 
 #ifdef __cplusplus
 }
