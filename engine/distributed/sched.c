@@ -143,7 +143,7 @@ fsdp_status sched_check_unit(const char *op, fsdp_sched *s, int k) {
 fsdp_status sched_ensure_grad(fsdp_sched *s, unit *u) {
     if (u->grad || u->frozen) return FSDP_OK;
     FSDP_TRY(tensor_new(&u->grad, FSDP_F32, 1, &u->shard_n, s->shard_device, FSDP_TAG_GRAD, true));
-    u->grad_zero = true;
+    unit_mark_grad_zero(u);
     return FSDP_OK;
 }
 

@@ -147,7 +147,7 @@ static fsdp_status before_backward(void *p) {
             FSDP_TRY(sched_ensure_grad(s, u));
             /* a shard that holds the schedule's zeros takes each parameter's first gradient as a write:
              * the values of an add into zeros, without reading them (a GEMM's beta 0) */
-            bool zeros = u->grad_zero;
+            bool zeros = unit_grad_zero(u);
             u->grad_zero = false;
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
@@ -203,7 +203,7 @@ static bool local_reduce_in_place(const fsdp_sched *s) {
  * way: dst + fl(sum / N). */
 static bool reduces_into_grad(const fsdp_sched *s, const unit *u) {
     return !s->local_one && s->reduce_dtype == FSDP_F32 && device_is_host_like(s->device) &&
-           s->shard_device == s->device && !(s->replica_comm && s->replica_size > 1) && u->grad && u->grad_zero;
+           s->shard_device == s->device && !(s->replica_comm && s->replica_size > 1) && unit_grad_zero(u);
 }
 
 /* The walk reached the start of unit k's forward: its gradients are complete. */
@@ -234,7 +234,7 @@ static fsdp_status after_backward(void *p) {
          * they are: the flat gradient itself is the reduction, added into
          * the gradient shard later (no copy, nothing widened first) */
         FSDP_TRY(grow_pending(s, u));
-        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, u->grad && u->grad_zero};
+        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, unit_grad_zero(u)};
         sched_unlink_grads(u);
         u->flat_grad = NULL;   /* the pending entry holds its reference */
     } else if (s->sync && u->flat_grad) {
@@ -279,7 +279,7 @@ static fsdp_status after_backward(void *p) {
                 tensor_release(dst);
                 return r;
             }
-            s->pend[s->n_pend++] = (pending){m->unit, w, dst, u->grad_zero};
+            s->pend[s->n_pend++] = (pending){m->unit, w, dst, unit_grad_zero(u)};
         }
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);
@@ -323,7 +323,7 @@ static void finish_release(void *p) {
         if (s->pend[k].work) fsdp_work_free(s->pend[k].work);   /* (waits: the comm thread is done with it) */
         tensor_release(s->pend[k].reduced);
         unit *u = &s->units[s->pend[k].unit];
-        if (s->pend[k].zero_before && u->grad && fsdp_fill(u->grad, 0.0) == FSDP_OK) u->grad_zero = true;
+        if (s->pend[k].zero_before && u->grad && fsdp_fill(u->grad, 0.0) == FSDP_OK) unit_mark_grad_zero(u);
     }
     s->n_pend = 0;
     for (int k = 0; k < s->n_units; k++) {

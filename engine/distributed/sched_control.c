@@ -128,7 +128,7 @@ fsdp_status fsdp_sched_zero_grad(fsdp_sched *s) {
         }
         if (u->grad) {
             FSDP_TRY(fsdp_fill(u->grad, 0.0));
-            u->grad_zero = true;
+            unit_mark_grad_zero(u);
         }
     }
     return FSDP_OK;

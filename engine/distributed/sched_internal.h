@@ -21,7 +21,9 @@ typedef struct unit {
     fsdp_tensor *master;           /* (shard_n) f32, tag param */
     fsdp_tensor *grad;             /* (shard_n) f32, tag grad; NULL when frozen */
     bool grad_zero;                /* grad holds the zeros the schedule wrote (made, or fsdp_sched_zero_grad) and
-                                      no gradient has been added since: an abandoned backward may restore them */
+                                      no gradient has been added since: an abandoned backward may restore them;
+                                      read through unit_grad_zero */
+    uint64_t grad_zero_version;    /* grad's storage version when those zeros were written */
     fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
     fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
     bool gathered;                 /* data allocated and its gather issued */
@@ -40,6 +42,18 @@ typedef struct unit {
     bool full_is_copy;             /* a shard group of one: full's data is the copy's, nothing allocated */
     uint64_t full_version;         /* full's storage version when it became the copy */
 } unit;
+
+/* The schedule wrote zeros into u's gradient shard. */
+static inline void unit_mark_grad_zero(unit *u) {
+    u->grad_zero = true;
+    u->grad_zero_version = u->grad->storage->version;
+}
+/* Does u's gradient shard still hold them? Not after any other write to it
+ * (a user's axpy into the shard between zero_grad and backward): then the
+ * backward adds, and an abandoned one leaves the shard alone. */
+static inline bool unit_grad_zero(const unit *u) {
+    return u->grad_zero && u->grad && u->grad->storage->version == u->grad_zero_version;
+}
 
 typedef struct pending {
     int unit;

@@ -1,0 +1,91 @@
+-- A gradient shard written between zero_grad and the backward keeps what was
+-- written: the backward adds its gradients onto it. (The schedule takes a
+-- parameter's first gradient as a write only while the shard still holds the
+-- zeros it wrote; any other write to the shard ends that.) A backward that
+-- fails after such a write leaves the written values, not zeros.
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_grad_write.lua
+package.path = "tests/lua/?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local nn = require "fsdp.nn"
+
+local opts = ... or {}
+local rank, world = fsdp.rank(), fsdp.world()
+local cfg = { vocab_size = 53, n_layer = 2, n_head = 2, n_embd = 12, block_size = 8 }
+local B, T = 2 * world, 5
+
+local model = nn.GPT(cfg)
+local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = opts.strategy or "full_shard",
+  seed = 5 })
+local x, y = t.token_batch(17, B, T, cfg.vocab_size)
+local per = B / world
+x, y = x:narrow(1, rank * per + 1, per):contiguous(), y:narrow(1, rank * per + 1, per):contiguous()
+
+local function grads()
+  local all = {}
+  for i, g in ipairs(sharded.grads) do all[i] = g:tolist() end
+  return all
+end
+local function step()
+  local _, l = model(x, y)
+  l:backward()
+end
+-- the shards' values plus c, elementwise
+local function plus(all, c)
+  local out = {}
+  for i, g in ipairs(all) do
+    out[i] = {}
+    for j, v in ipairs(g) do out[i][j] = v + c end
+  end
+  return out
+end
+-- values of a and b further apart than tol (a world of one adds a parameter's
+-- gradient into the shard part by part, so onto 0.5 it rounds differently)
+local function differ(a, b, tol)
+  local n = 0
+  for i = 1, #a do
+    for j = 1, #a[i] do if math.abs(a[i][j] - b[i][j]) > (tol or 0) then n = n + 1 end end
+  end
+  return n
+end
+local TOL = 1e-6   -- f32 rounding at 0.5 is 3e-8 an add; an overwrite or a re-zeroing is off by 0.25 or more
+
+step()
+local clean = grads()
+t.ok(#clean > 0 and #clean[1] > 0, "the model has gradient shards")
+
+sharded:zero_grad()
+for _, g in ipairs(sharded.grads) do g:fill(0.5) end
+step()
+t.eq(differ(grads(), plus(clean, 0.5), TOL), 0, string.format(
+  "rank %d: a shard filled with 0.5 after zero_grad takes the backward's gradients as adds", rank))
+
+sharded:zero_grad()
+for _, g in ipairs(sharded.grads) do g:fill(0.25) end
+local Boom = fsdp.Function {
+  forward = function(ctx, v) return v * 1 end,
+  backward = function(ctx, gout) error("boom: a failing backward") end,
+}
+local ok = pcall(function()
+  local z = fsdp.tensor({ 1, 2 }):requires_grad(true)
+  local b = Boom(z)   -- recorded before the model: its backward runs last
+  local _, l = model(x, y)
+  return (l + b:sum() * 0):backward()
+end)
+t.ok(not ok, "the backward with a failing op fails")
+local after = grads()
+local kept, added = 0, plus(clean, 0.25)
+for i, g in ipairs(after) do
+  for j, v in ipairs(g) do
+    if v == 0.25 or math.abs(v - added[i][j]) <= TOL then kept = kept + 1 end
+  end
+end
+local total = 0
+for _, g in ipairs(after) do total = total + #g end
+t.eq(kept, total, string.format("rank %d: a failed backward does not zero a shard the user wrote (each value 0.25, "
+  .. "or 0.25 plus its gradient where the failure came after the add)", rank))
+
+sharded:zero_grad()
+step()
+t.eq(differ(grads(), clean), 0, string.format("rank %d: after zero_grad the clean gradients again, bit for bit", rank))
+t.done()
