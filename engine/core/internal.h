@@ -204,7 +204,8 @@ bool tape_wants(int n_in, fsdp_tensor *const *in);
  * constant makes of such a gradient. An op that can fold its output's
  * gradient into a GEMM's alpha (the fused classifier) asks instead of making
  * a pass over a large tensor. tape_note_value records g (retained until the
- * walk ends; ignored outside one); tape_known_value looks g up. */
+ * walk ends; ignored outside one); tape_known_value looks g up (not known
+ * once its storage was written since: storage_written). */
 void tape_note_value(fsdp_tensor *g, double v);
 bool tape_known_value(const fsdp_tensor *g, double *v);
 /* Appends a node (inputs and outputs retained, outputs marked as requiring

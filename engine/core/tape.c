@@ -29,9 +29,11 @@ typedef struct tape {
     int n_finish;
     struct { fsdp_status (*fn)(void *); void *ctx; void (*release)(void *); } finish[16];
     /* gradients of this walk whose every element the host knows (retained:
-     * a later add into one copies it first, so the value stays true) */
+     * a later add into one copies it first; and the storage's version at
+     * the time, so that a write into it in place, a Lua backward's, say,
+     * makes the value unknown) */
     int n_known;
-    struct { fsdp_tensor *g; double v; } known[8];
+    struct { fsdp_tensor *g; double v; uint64_t version; } known[8];
     struct tape *below;
 } tape;
 
@@ -337,6 +339,7 @@ void tape_note_value(fsdp_tensor *g, double v) {
     tensor_retain(g);
     tp->known[tp->n_known].g = g;
     tp->known[tp->n_known].v = v;
+    tp->known[tp->n_known].version = g->storage->version;
     tp->n_known++;
 }
 
@@ -344,6 +347,7 @@ bool tape_known_value(const fsdp_tensor *g, double *v) {
     tape *tp = current_tape();
     for (int k = 0; g && k < tp->n_known; k++)
         if (tp->known[k].g == g) {
+            if (g->storage->version != tp->known[k].version) return false;   /* written since */
             *v = tp->known[k].v;
             return true;
         }

@@ -134,6 +134,30 @@ do
   end
 end
 
+-- a Lua backward that writes backward()'s one in place: the tape no longer
+-- takes it as known (its storage was written since), so the value the
+-- device holds is the one used
+do
+  local N, C, V = 4, 8, 19
+  local x0, w0 = inputs(N, C, V, 60)
+  local y = targets_for(N, V)
+  local Tripled = fsdp.Function {
+    forward = function(_, l) return l * 1 end,
+    backward = function(_, g)
+      g:fill(3)
+      return g
+    end,
+  }
+  for _, dtype in ipairs({ "f32", "bf16" }) do
+    local _, dx0, dw0 = run(false, x0, w0, y, V, dtype, function(l) return l * 3 end)
+    local _, dx1, dw1 = run(true, x0, w0, y, V, dtype, function(l) return Tripled(l) end)
+    local tol = dtype == "f32" and 1e-6 or 2 ^ -7
+    t.close_scaled(dx1, dx0, tol, "a gradient written in place by a Lua backward, dx (" .. dtype .. ", " .. dev .. ")")
+    t.close_scaled(dw1, dw0, tol, "a gradient written in place by a Lua backward, dweight (" .. dtype .. ", " .. dev
+      .. ")")
+  end
+end
+
 -- ---- two backwards adding into .grad (gradient accumulation) ----
 do
   local N, C, V = 6, 8, 29
