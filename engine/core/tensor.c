@@ -379,6 +379,19 @@ fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
     return FSDP_OK;
 }
 
+fsdp_status fsdp_tensor_read_ptr(fsdp_tensor *t, const void **out) {
+    CHECK_T("fsdp_tensor_read_ptr", t);
+    CHECK_LIVE("fsdp_tensor_read_ptr", t);
+    CHECK_OUT("fsdp_tensor_read_ptr", out);
+    if (tensor_device(t) != FSDP_DEVICE_CPU) {
+        char d[200];
+        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_tensor_read_ptr: %s is not in host memory",
+                              tensor_desc(t, d, sizeof d));
+    }
+    *out = tensor_data(t);
+    return FSDP_OK;
+}
+
 fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out) {
     CHECK_T("fsdp_tensor_item", t);
     CHECK_LIVE("fsdp_tensor_item", t);

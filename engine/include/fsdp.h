@@ -277,8 +277,13 @@ fsdp_status fsdp_tensor_device(fsdp_tensor *t, int *out);
 fsdp_status fsdp_tensor_tag(fsdp_tensor *t, int *out);
 fsdp_status fsdp_tensor_numel(fsdp_tensor *t, int64_t *out);
 fsdp_status fsdp_tensor_is_contiguous(fsdp_tensor *t, int *out);
-/* Address of element 0 of the view (host memory only). */
+/* Address of element 0 of the view (host memory only). The caller may
+ * write through it, so whatever was derived from the contents (a master's
+ * compute copy) counts as stale from this call on. */
 fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out);
+/* The same address, for reading only: nothing becomes stale (checkpoint
+ * saves, exports, tolist). */
+fsdp_status fsdp_tensor_read_ptr(fsdp_tensor *t, const void **out);
 /* Value of a one-element tensor. */
 fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out);
 /* Writes a one-line description, e.g. "f32[3,4] cpu", into buf. */

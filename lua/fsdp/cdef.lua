@@ -188,6 +188,8 @@ fsdp_status fsdp_tensor_is_contiguous(fsdp_tensor *t, int *out);
 
 fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out);
 
+fsdp_status fsdp_tensor_read_ptr(fsdp_tensor *t, const void **out);
+
 fsdp_status fsdp_tensor_item(fsdp_tensor *t, double *out);
 
 fsdp_status fsdp_tensor_describe(fsdp_tensor *t, char *buf, int64_t size);

@@ -48,6 +48,7 @@ local dt_box = ffi.new("int[1]")
 local nd_box = ffi.new("int[1]")
 local i64_box = ffi.new("int64_t[1]")
 local ptr_box = ffi.new("void *[1]")
+local cptr_box = ffi.new("const void *[1]")
 local dims8 = ffi.new("int64_t[8]")
 
 local function fail(path, msg)
@@ -336,8 +337,8 @@ local function write_tensor(f, t, nbytes)
   if nbytes == 0 then return end
   local src, anchor
   if C.fsdp_tensor_is_contiguous(t, int_box) == 0 and int_box[0] ~= 0 and
-     C.fsdp_tensor_data_ptr(t, ptr_box) == 0 then
-    src = ffi.cast("const uint8_t *", ptr_box[0])
+     C.fsdp_tensor_read_ptr(t, cptr_box) == 0 then
+    src = ffi.cast("const uint8_t *", cptr_box[0])
   else
     anchor = ffi.new("uint8_t[?]", nbytes)
     if C.fsdp_tensor_to_data(t, anchor, nbytes) ~= 0 then raise() end

@@ -89,9 +89,17 @@ end
 
 function methods.describe(t) return describe(t) end
 
+--- t:data_ptr(): the host address of t's first element, to write through
+-- (whatever was derived from t's values, a master's compute copy, is stale).
 function methods.data_ptr(t)
   if C.fsdp_tensor_data_ptr(t, ptr_box) ~= 0 then raise() end
   return ptr_box[0]
+end
+--- t:read_ptr(): the same address as a const pointer, for reading only.
+local cptr_box = ffi.new("const void *[1]")
+function methods.read_ptr(t)
+  if C.fsdp_tensor_read_ptr(t, cptr_box) ~= 0 then raise() end
+  return cptr_box[0]
 end
 
 local function nest(flat, dims, depth, pos)

@@ -179,6 +179,13 @@ for _ = 1, 3 do both("plain") end
 ck.save(ckdir .. "/a", { model = a.sharded, optim = a.opt, step = s })
 ck.save(ckdir .. "/b", { model = b.sharded, optim = b.opt, step = s })
 ck.export(ckdir .. "/export.safetensors", b.sharded)
+-- saving and reading values only read the masters: the copies stay current
+ck.export(ckdir .. "/export_a.safetensors", a.sharded)
+for _, u in ipairs(a.sharded.units) do
+  local _ = u.master:tolist()
+  local _, current = a.sharded:compute_copy(u)
+  t.ok(current, "a checkpoint save, an export and tolist leave the copy of " .. u.name .. " current")
+end
 local saved_at = s
 both("after save")
 

@@ -151,7 +151,7 @@ function M.export(path, target, opts)
     local ok, err = pcall(function()
       for _, e in ipairs(by_path[p.path] or {}) do
         local v = on_host(fsdp.no_grad(function() return apply_ops(t:view(p.shape), e.ops) end))
-        fd:pwrite(v:data_ptr(), 4 * v:numel(), data_start + e.offset)
+        fd:pwrite(v:read_ptr(), 4 * v:numel(), data_start + e.offset)
         written = written + 4 * v:numel()
         v:free()   -- (a view or a copy: only this reference goes; keeps it alive until the write is done)
         report(written)

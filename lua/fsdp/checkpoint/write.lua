@@ -96,7 +96,7 @@ local function write_shard(d, opt, tmp, opts)
   local ok, err = pcall(function()
     for _, s in ipairs(d.segments) do
       local h = on_host(s.flat)
-      local off, sum = put(o, h:data_ptr(), 4 * s.count)
+      local off, sum = put(o, h:read_ptr(), 4 * s.count)
       if h ~= s.flat then h:free() end   -- (also keeps the copy alive until put is done)
       rec.params[#rec.params + 1] = { s.path, s.start, s.count, off, sum }
       report(o.pos)
@@ -114,7 +114,7 @@ local function write_shard(d, opt, tmp, opts)
                   t:numel(), s.count), 0)
               end
               local h = on_host(t)
-              local off, sum = put(o, h:data_ptr(), 4 * s.count)
+              local off, sum = put(o, h:read_ptr(), 4 * s.count)
               if h ~= t then h:free() end
               rec.optim[#rec.optim + 1] = { s.path, nm, s.start, s.count, off, st.step or opt.step_count or 0, sum }
               report(o.pos)

@@ -14,6 +14,7 @@ local fmt = string.format
 local int_box = ffi.new("int[1]")
 local i64_box = ffi.new("int64_t[1]")
 local ptr_box = ffi.new("void *[1]")
+local cptr_box = ffi.new("const void *[1]")
 local dims8 = ffi.new("int64_t[8]")
 
 local M = {}
@@ -137,8 +138,8 @@ local function element_reader(t)
     t = wrap()
   end
   local dt = dtype_of(t)
-  if C.fsdp_tensor_data_ptr(t, ptr_box) ~= 0 then raise() end
-  local p = ffi.cast(elem_ptr_t[dt], ptr_box[0])
+  if C.fsdp_tensor_read_ptr(t, cptr_box) ~= 0 then raise() end   -- reading: nothing goes stale
+  local p = ffi.cast(elem_ptr_t[dt], cptr_box[0])
   local read
   if dt == 1 then
     read = function(off) local _ = t; return bf16_value(p[off]) end
