@@ -561,24 +561,36 @@ template <class T, int W> struct alignas(sizeof(T) * W) ce_pack {
     T v[W];
 };
 
+/* Row xr's M = max and sum = sum exp(x - M) over its first valid_v logits, the
+ * same on every thread of the block: each thread's online pass over whole
+ * W-packs (then the tail one by one), then the block's max and its double
+ * sum in a fixed order. */
+template <class T, int W>
+__device__ __forceinline__ void ce_row_max_sum(const T *xr, int64_t valid_v, float *sf, double *sd, float *M,
+                                               double *sum) {
+    typedef ce_pack<T, W> P;
+    const int64_t packs = valid_v / W;   /* whole packs below valid_v; the rest one by one */
+    float m = -FLT_MAX, s = 0.0f;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+        P xv = ((const P *)xr)[p];
+#pragma unroll
+        for (int k = 0; k < W; k++) ce_online(m, s, ldf(xv.v[k]));
+    }
+    for (int64_t j = packs * W + threadIdx.x; j < valid_v; j += blockDim.x) ce_online(m, s, ldf(xr[j]));
+    *M = block_max_f(m, sf);
+    *sum = block_sum_d((double)s * (double)expf(m - *M), sd);
+}
+
 template <class T, int W>
 __global__ void ce_fwd_kernel(float *losses, float *lse, unsigned long long *count, const T *__restrict__ logits,
                               const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index) {
-    typedef ce_pack<T, W> P;
     __shared__ double sd[32];
     __shared__ float sf[32];
-    const int64_t packs = valid_v / W;   /* whole packs below valid_v; the rest one by one */
     FOR_ROWS(n, N) {
         const T *xr = logits + n * V;   // (V)
-        float m = -FLT_MAX, s = 0.0f;
-        for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-            P xv = ((const P *)xr)[p];
-#pragma unroll
-            for (int k = 0; k < W; k++) ce_online(m, s, ldf(xv.v[k]));
-        }
-        for (int64_t j = packs * W + threadIdx.x; j < valid_v; j += blockDim.x) ce_online(m, s, ldf(xr[j]));
-        float M = block_max_f(m, sf);
-        double sum = block_sum_d((double)s * (double)expf(m - M), sd);
+        float M;
+        double sum;
+        ce_row_max_sum<T, W>(xr, valid_v, sf, sd, &M, &sum);
         if (threadIdx.x == 0) {
             float logsum = (float)log(sum);
             int64_t t = targets[n];
@@ -642,22 +654,15 @@ __global__ void ce_fused_kernel(float *losses, T *logits, const int64_t *targets
     __shared__ double sd[32];
     __shared__ float sf[32];
     const float g = count ? 1.0f / (float)count : 0.0f;
-    const int64_t packs = valid_v / W;
     FOR_ROWS(n, N) {
         T *xr = logits + n * V;   // (V): logits in, dlogits out
         const int64_t t = targets[n];
         const bool ignored = t == ignore_index;
         float xt = 0.0f;
         if (threadIdx.x == 0 && !ignored) xt = ldf(xr[t]);
-        float m = -FLT_MAX, s = 0.0f;
-        for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-            P xv = ((const P *)xr)[p];
-#pragma unroll
-            for (int k = 0; k < W; k++) ce_online(m, s, ldf(xv.v[k]));
-        }
-        for (int64_t j = packs * W + threadIdx.x; j < valid_v; j += blockDim.x) ce_online(m, s, ldf(xr[j]));
-        float M = block_max_f(m, sf);
-        double sum = block_sum_d((double)s * (double)expf(m - M), sd);   /* every thread gets the same M, sum */
+        float M;
+        double sum;   /* every thread gets the same M, sum */
+        ce_row_max_sum<T, W>(xr, valid_v, sf, sd, &M, &sum);
         float logsum = (float)log(sum), l = M + logsum;
         if (threadIdx.x == 0) losses[n] = ignored ? 0.0f : (M - xt) + logsum;
         const int64_t vpacks = W > 1 ? V / W : 0;   /* the wide path has V % W == 0 */

@@ -108,6 +108,21 @@ static fsdp_status slice_get(const table_slices *t, int64_t j, fsdp_tensor **row
     return st;
 }
 
+/* The N ids of t64 where host code can read them: in place on the CPU,
+ * else copied back into *host (the caller frees it; on a GPU, a host sync;
+ * the counting device reads back zeros). */
+static fsdp_status ids_on_host(const char *op, fsdp_tensor *t64, const int64_t **p, int64_t **host) {
+    int64_t N = tensor_numel(t64);
+    *p = tensor_data(t64);
+    *host = NULL;
+    if (tensor_device(t64) == FSDP_DEVICE_CPU) return FSDP_OK;
+    *host = malloc((size_t)(N ? N : 1) * sizeof **host);
+    if (!*host) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", op);
+    KERNELS(t64)->copy_to_host(*host, *p, (size_t)N * sizeof **host);
+    *p = *host;
+    return FSDP_OK;
+}
+
 /* Indices (what: "targets" or "ids") in [0, valid_v) or ignore_index; the first bad one named. */
 static fsdp_status check_targets(const char *op, int n, const char *const *names, fsdp_tensor *const *ts,
                                  const char *what, fsdp_tensor *t64, int64_t valid_v, int64_t ignore_index) {
@@ -115,14 +130,9 @@ static fsdp_status check_targets(const char *op, int n, const char *const *names
     /* values host code gave: their known range decides without a read-back (no host sync on a GPU) */
     if (tensor_device(t64) != FSDP_DEVICE_CPU && tensor_host_range(t64, &lo, &hi) && lo >= 0 && hi < valid_v)
         return FSDP_OK;
-    const int64_t *p = tensor_data(t64);
+    const int64_t *p;
     int64_t *host = NULL;
-    if (tensor_device(t64) != FSDP_DEVICE_CPU) {   /* (the counting device reads back zeros) */
-        host = malloc((size_t)(N ? N : 1) * sizeof *host);
-        if (!host) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", op);
-        KERNELS(t64)->copy_to_host(host, p, (size_t)N * sizeof *host);
-        p = host;
-    }
+    FSDP_TRY(ids_on_host(op, t64, &p, &host));
     fsdp_status st = FSDP_OK;
     for (int64_t i = 0; i < N && st == FSDP_OK; i++)
         if ((p[i] < 0 || p[i] >= valid_v) && p[i] != ignore_index)
@@ -438,14 +448,9 @@ static fsdp_status check_count_targets(const char *op, int n, const char *const 
         *count = N;
         return FSDP_OK;
     }
-    const int64_t *p = tensor_data(t64);
+    const int64_t *p;
     int64_t *host = NULL;
-    if (tensor_device(t64) != FSDP_DEVICE_CPU) {   /* (the counting device reads back zeros) */
-        host = malloc((size_t)(N ? N : 1) * sizeof *host);
-        if (!host) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", op);
-        KERNELS(t64)->copy_to_host(host, p, (size_t)N * sizeof *host);
-        p = host;
-    }
+    FSDP_TRY(ids_on_host(op, t64, &p, &host));
     fsdp_status st = FSDP_OK;
     int64_t c = 0;
     for (int64_t i = 0; i < N && st == FSDP_OK; i++) {

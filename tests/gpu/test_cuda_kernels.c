@@ -38,6 +38,7 @@
 #include "device.h"
 #include "fsdp.h"
 #include "internal.h"
+#include "cuda_case.h"
 #include "testutil.h"
 #include <math.h>
 #include <stdio.h>
@@ -59,31 +60,8 @@ void emu_set_device_count(int n);
 #define BIG(...) __VA_ARGS__,
 #endif
 
-static const fsdp_device_kernels *G, *C;   /* the CUDA table, the CPU table */
+static const fsdp_device_kernels *C;   /* the CPU table (G, the CUDA table: cuda_case.h) */
 static test_rng rng;
-
-/* ---- buffers: everything a case allocates is freed by free_case() ---- */
-
-static void *host_ptrs[1024], *dev_ptrs[1024];
-static int n_host, n_dev;
-
-static void *halloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p || n_host == 1024) abort();
-    return host_ptrs[n_host++] = p;
-}
-static void *dalloc(size_t bytes) {
-    void *p = G->raw_alloc(bytes ? bytes : 1);
-    if (!p || n_dev == 1024) {
-        fprintf(stderr, "raw_alloc(%zu) failed\n", bytes);
-        exit(1);
-    }
-    return dev_ptrs[n_dev++] = p;
-}
-static void free_case(void) {
-    while (n_host) free(host_ptrs[--n_host]);
-    while (n_dev) G->raw_free(dev_ptrs[--n_dev]);
-}
 
 static float *hrand(int64_t n, float scale) {
     float *x = halloc((size_t)n * sizeof(float));

@@ -30,6 +30,7 @@
 #include "cuda_internal.h"
 #include "device.h"
 #include "fsdp.h"
+#include "cuda_case.h"
 #include "testutil.h"
 #include <math.h>
 #include <stdio.h>
@@ -44,31 +45,7 @@ void emu_set_device_count(int n);
 #define MODE "CUDA"
 #endif
 
-static const fsdp_device_kernels *G;   /* the CUDA table */
 static test_rng rng;
-
-/* ---- buffers: freed by free_case() ---- */
-
-static void *host_ptrs[256], *dev_ptrs[256];
-static int n_host, n_dev;
-
-static void *halloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p || n_host == 256) abort();
-    return host_ptrs[n_host++] = p;
-}
-static void *dalloc(size_t bytes) {
-    void *p = G->raw_alloc(bytes ? bytes : 1);
-    if (!p || n_dev == 256) {
-        fprintf(stderr, "raw_alloc(%zu) failed\n", bytes);
-        exit(1);
-    }
-    return dev_ptrs[n_dev++] = p;
-}
-static void free_case(void) {
-    while (n_host) free(host_ptrs[--n_host]);
-    while (n_dev) G->raw_free(dev_ptrs[--n_dev]);
-}
 
 /* n random bf16 values in [-scale, -scale/10] U [scale/10, scale], as floats */
 static float *hrand16(int64_t n, float scale) {
