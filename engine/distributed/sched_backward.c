@@ -113,10 +113,16 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
         /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */
         if (s->shard_device != s->device) r = sched_convert_to(&g32, -1, s->shard_device);
         if (r == FSDP_OK) r = sched_ensure_grad(s, u);
-        /* a bf16 gradient is widened as it is added where the device can */
+        /* a bf16 gradient is widened as it is added where the device can; into
+         * the schedule's zeros it is widened as it is written, without reading
+         * the shard (the values of the add, up to the sign of a zero: 0 + -0
+         * is +0, which no later use tells apart) */
         bool widen_in_add = r == FSDP_OK && g32->dtype == FSDP_BF16 && KERNELS(u->grad)->axpy_f32_bf16;
+        bool widen_as_write = widen_in_add && unit_grad_zero(u) && KERNELS(u->grad)->cast_any;
         if (r == FSDP_OK && !widen_in_add) r = sched_convert_to(&g32, FSDP_F32, -1);
-        if (r == FSDP_OK && widen_in_add)
+        if (r == FSDP_OK && widen_as_write)
+            KERNELS(u->grad)->cast_any(tensor_data(u->grad), FSDP_F32, tensor_data(g32), FSDP_BF16, u->shard_n);
+        else if (r == FSDP_OK && widen_in_add)
             KERNELS(u->grad)->axpy_f32_bf16(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
         else if (r == FSDP_OK)
             KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);

@@ -3,7 +3,9 @@
 -- parameter's first gradient as a write only while the shard still holds the
 -- zeros it wrote; any other write to the shard ends that.) A backward that
 -- fails after such a write leaves the written values, not zeros.
---   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_grad_write.lua
+--   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_grad_write.lua [--bf16]
+-- (--bf16: bf16 compute, where a shard group of one widens its gradient into
+-- the f32 shard, written into the zeros, added onto anything else)
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
@@ -16,7 +18,7 @@ local B, T = 2 * world, 5
 
 local model = nn.GPT(cfg)
 local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = opts.strategy or "full_shard",
-  seed = 5 })
+  seed = 5, mixed_precision = opts.bf16 and { compute = "bf16" } or nil })
 local x, y = t.token_batch(17, B, T, cfg.vocab_size)
 local per = B / world
 x, y = x:narrow(1, rank * per + 1, per):contiguous(), y:narrow(1, rank * per + 1, per):contiguous()
