@@ -363,15 +363,20 @@ fsdp_status fsdp_tensor_is_contiguous(fsdp_tensor *t, int *out) {
     return FSDP_OK;
 }
 
-fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
-    CHECK_T("fsdp_tensor_data_ptr", t);
-    CHECK_LIVE("fsdp_tensor_data_ptr", t);
-    CHECK_OUT("fsdp_tensor_data_ptr", out);
+/* The host address of t's element 0, for the public pointer calls (op). */
+static fsdp_status host_address(const char *op, fsdp_tensor *t, const void *out) {
+    CHECK_T(op, t);
+    CHECK_LIVE(op, t);
+    CHECK_OUT(op, out);
     if (tensor_device(t) != FSDP_DEVICE_CPU) {
         char d[200];
-        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_tensor_data_ptr: %s is not in host memory",
-                              tensor_desc(t, d, sizeof d));
+        return fsdp_set_error(FSDP_ERR_DEVICE, "%s: %s is not in host memory", op, tensor_desc(t, d, sizeof d));
     }
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
+    FSDP_TRY(host_address("fsdp_tensor_data_ptr", t, out));
     /* the caller may write through it: whatever was derived from the
      * contents (a master's compute copy) is stale from here on */
     storage_written(t->storage);
@@ -380,14 +385,7 @@ fsdp_status fsdp_tensor_data_ptr(fsdp_tensor *t, void **out) {
 }
 
 fsdp_status fsdp_tensor_read_ptr(fsdp_tensor *t, const void **out) {
-    CHECK_T("fsdp_tensor_read_ptr", t);
-    CHECK_LIVE("fsdp_tensor_read_ptr", t);
-    CHECK_OUT("fsdp_tensor_read_ptr", out);
-    if (tensor_device(t) != FSDP_DEVICE_CPU) {
-        char d[200];
-        return fsdp_set_error(FSDP_ERR_DEVICE, "fsdp_tensor_read_ptr: %s is not in host memory",
-                              tensor_desc(t, d, sizeof d));
-    }
+    FSDP_TRY(host_address("fsdp_tensor_read_ptr", t, out));
     *out = tensor_data(t);
     return FSDP_OK;
 }
