@@ -2,7 +2,7 @@
  * backend calls, cuBLAS's strided batched sgemm) to compile the .cu files of engine/cuda
  * as plain C++ and run every kernel on the host, so that the CUDA kernels
  * are checked against the CPU ones on machines without a GPU
- * (tests/gpu/test_cuda_kernels.c built with FSDP_CUDA_EMU).
+ * (tests/gpu/test_cuda_kernels*.c built with FSDP_CUDA_EMU).
  *
  * What it models, and checks:
  * - A launch runs its blocks one after another; the threads of a block are
