@@ -13,17 +13,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-6}
 ROUNDS=${2:-3}
-LAUNCHER=build/fsdp-lua
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
+source tools/bench_lib.sh
 common=(--preset=small --dtype=bf16 --batch=4 --ctx=64 --steps="$STEPS" --eval-every=0 --sample=0 --log-every=1
         --warmup=1)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-
-median_ms() { grep -E '^step +[0-9]+ \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' |
-  sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
-median_of() { sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
-cpu_s() { awk -F': ' '/User time|System time/ { s += $2 } END { printf "%.1f", s }'; }
 
 names=(one_copy one_cast two_copy two_cast)
 declare -A label=(
@@ -50,12 +44,7 @@ run_one() {   # name round
     "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
-echo "== $ROUNDS rounds x ${#names[@]} runs, interleaved (the order rotates each round), $STEPS steps each"
-for ((r = 1; r <= ROUNDS; r++)); do
-  for ((i = 0; i < ${#names[@]}; i++)); do
-    run_one "${names[$(((i + r - 1) % ${#names[@]}))]}" "$r"
-  done
-done
+bench_rounds "$ROUNDS" "$STEPS" "${names[@]}"
 echo "== medians over rounds"
 for name in "${names[@]}"; do
   printf '  %-40s %9s ms/step  %7s CPU s\n' "${label[$name]}" "$(cut -d' ' -f1 "$out/$name" | median_of)" \

@@ -18,8 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-6}
 ROUNDS=${2:-3}
-LAUNCHER=build/fsdp-lua
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
+source tools/bench_lib.sh
 common=(--batch=4 --ctx=64 --steps="$STEPS" --eval-every=0 --sample=0 --log-every=1 --warmup=1)
 # per-product matmul statistics at exit; a stated peak instead of the MFU
 # calibration (whose matmuls would count as the steps')
@@ -27,18 +26,11 @@ stats=(FSDP_MATMUL_STATS=1 FSDP_PEAK_TFLOPS=1)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-# median ms/step over steps 2.. of a recipe log
-median_ms() { grep -E '^step +[0-9]+ \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' |
-  sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
-median_of() { sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
 # matmul share (%) of the steps: matmul ms (averaged over ranks) / sum of step ms
 matmul_share() { awk -F'|' '/^step +[0-9]+ \|/ { sub(/ ms\/step/, "", $5); steps += $5 }
   /^matmul total:/ { split($0, w, " "); mm += w[3]; nr++ }
   END { if (nr == 0 || steps == 0) print "nan"; else printf "%.0f", 100 * mm / nr / steps }'; }
 pct() { if [[ $1 == - || $1 == nan ]]; then echo "-"; else echo "$1%"; fi; }
-peak_rss_mb() { grep 'Maximum resident' | awk '{ printf "%.0f", $6 / 1024 }'; }
-# CPU seconds of the whole run (user + system, every process and thread)
-cpu_s() { awk -F': ' '/User time|System time/ { s += $2 } END { printf "%.1f", s }'; }
 
 names=(engine_f32 engine_bf16 torch_f32 torch_bf16 fsdp_2x1)
 declare -A label=(
@@ -77,12 +69,7 @@ run_one() {   # name round -> appends "ms rss" to $out/name
 
 echo "== machine: $(lscpu | grep 'Model name' | sed 's/ *Model name: *//'), $(nproc) cores," \
   "load average $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "== $ROUNDS rounds x ${#names[@]} runs, interleaved (the order rotates each round), $STEPS steps each"
-for ((r = 1; r <= ROUNDS; r++)); do
-  for ((i = 0; i < ${#names[@]}; i++)); do
-    run_one "${names[$(((i + r - 1) % ${#names[@]}))]}" "$r"
-  done
-done
+bench_rounds "$ROUNDS" "$STEPS" "${names[@]}"
 
 med() { cut -d' ' -f1 "$out/$1" | median_of; }
 col_med() { cut -d' ' -f"$2" "$out/$1" | median_of; }
