@@ -10,25 +10,13 @@
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
-local nn = require "fsdp.nn"
 
 local opts = ... or {}
-local rank, world = fsdp.rank(), fsdp.world()
-local cfg = { vocab_size = 61, n_layer = 3, n_head = 2, n_embd = 12, block_size = 8 }
-local B, T = 2 * world, 7
+local rank = fsdp.rank()
+local model, sharded, x, y = t.sharded_gpt { cfg = { vocab_size = 61, n_layer = 3, n_head = 2, n_embd = 12,
+  block_size = 8 }, seed = 3, data_seed = 41, T = 7, strategy = opts.strategy }
 
-local model = nn.GPT(cfg)
-local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = opts.strategy or "full_shard",
-  seed = 3 })
-local x, y = t.token_batch(41, B, T, cfg.vocab_size)
-local per = B / world
-x, y = x:narrow(1, rank * per + 1, per):contiguous(), y:narrow(1, rank * per + 1, per):contiguous()
-
-local function grads()
-  local all = {}
-  for i, g in ipairs(sharded.grads) do all[i] = g:tolist() end
-  return all
-end
+local function grads() return t.grad_lists(sharded) end
 local function nonzero(all)
   local n = 0
   for _, g in ipairs(all) do
@@ -43,18 +31,7 @@ local function same(a, b)
   end
   return differ
 end
-
-local Boom = fsdp.Function {
-  forward = function(ctx, v) return v * 1 end,
-  backward = function(ctx, gout) error("boom: a failing backward") end,
-}
-
-local function step(fail)
-  local z = fsdp.tensor({ 1, 2 }):requires_grad(true)
-  local b = fail and Boom(z) or z * 1   -- recorded before every unit's forward: its backward comes last
-  local _, l = model(x, y)
-  return (l + b:sum() * 0):backward()
-end
+local function step(fail) return t.lm_backward(model, x, y, fail) end
 
 step(false)
 local clean = grads()

@@ -9,25 +9,14 @@
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
-local nn = require "fsdp.nn"
 
 local opts = ... or {}
-local rank, world = fsdp.rank(), fsdp.world()
-local cfg = { vocab_size = 53, n_layer = 2, n_head = 2, n_embd = 12, block_size = 8 }
-local B, T = 2 * world, 5
+local rank = fsdp.rank()
+local model, sharded, x, y = t.sharded_gpt { cfg = { vocab_size = 53, n_layer = 2, n_head = 2, n_embd = 12,
+  block_size = 8 }, seed = 5, data_seed = 17, T = 5, strategy = opts.strategy,
+  mixed_precision = opts.bf16 and { compute = "bf16" } or nil }
 
-local model = nn.GPT(cfg)
-local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = opts.strategy or "full_shard",
-  seed = 5, mixed_precision = opts.bf16 and { compute = "bf16" } or nil })
-local x, y = t.token_batch(17, B, T, cfg.vocab_size)
-local per = B / world
-x, y = x:narrow(1, rank * per + 1, per):contiguous(), y:narrow(1, rank * per + 1, per):contiguous()
-
-local function grads()
-  local all = {}
-  for i, g in ipairs(sharded.grads) do all[i] = g:tolist() end
-  return all
-end
+local function grads() return t.grad_lists(sharded) end
 local function step()
   local _, l = model(x, y)
   l:backward()
@@ -64,16 +53,7 @@ t.eq(differ(grads(), plus(clean, 0.5), TOL), 0, string.format(
 
 sharded:zero_grad()
 for _, g in ipairs(sharded.grads) do g:fill(0.25) end
-local Boom = fsdp.Function {
-  forward = function(ctx, v) return v * 1 end,
-  backward = function(ctx, gout) error("boom: a failing backward") end,
-}
-local ok = pcall(function()
-  local z = fsdp.tensor({ 1, 2 }):requires_grad(true)
-  local b = Boom(z)   -- recorded before the model: its backward runs last
-  local _, l = model(x, y)
-  return (l + b:sum() * 0):backward()
-end)
+local ok = pcall(t.lm_backward, model, x, y, true)
 t.ok(not ok, "the backward with a failing op fails")
 local after = grads()
 local kept, added = 0, plus(clean, 0.25)

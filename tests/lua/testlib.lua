@@ -126,9 +126,7 @@ function M.rel_err(a, b)
   return math.sqrt(num / math.max(den, 1e-30))
 end
 
---- The tiny GPT-2 of the PyTorch fixtures (tools/gpt2_torch.py) -> model,
--- cfg: an nn.GPT with the weights of tests/fixtures/gpt2_tiny_init.safetensors
--- and the config its metadata gives. Paths are from the repository root.
+--- The largest |a[i][j] - b[i][j]| of two lists of lists.
 function M.max_abs_diff(a, b)
   local w = 0
   for i = 1, #a do
@@ -196,6 +194,9 @@ function M.train_sharded(model, sharded, opt, batch, steps, each)
   return { losses = losses, grads = grads, params = params }
 end
 
+--- The tiny GPT-2 of the PyTorch fixtures (tools/gpt2_torch.py) -> model,
+-- cfg: an nn.GPT with the weights of tests/fixtures/gpt2_tiny_init.safetensors
+-- and the config its metadata gives. Paths are from the repository root.
 function M.gpt2_tiny_fixture()
   local init, meta = require("fsdp.safetensors").load("tests/fixtures/gpt2_tiny_init.safetensors")
   local cfg = {
@@ -205,6 +206,47 @@ function M.gpt2_tiny_fixture()
   local model = require("fsdp.nn").GPT(cfg)
   model:from_hf(init)
   return model, cfg
+end
+
+--- A GPT sharded one unit per block over every rank, and this rank's part
+-- of a token batch of 2 rows per rank -> model, sharded, x, y. o: cfg (the
+-- GPT's), seed (the init), data_seed, T, and optionally strategy (default
+-- full_shard) and mixed_precision.
+function M.sharded_gpt(o)
+  local fsdp = require "fsdp"
+  local rank, world = fsdp.rank(), fsdp.world()
+  local model = require("fsdp.nn").GPT(o.cfg)
+  local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = o.strategy or "full_shard",
+    seed = o.seed, mixed_precision = o.mixed_precision })
+  local B = 2 * world
+  local x, y = M.token_batch(o.data_seed, B, o.T, o.cfg.vocab_size)
+  local per = B / world
+  x, y = x:narrow(1, rank * per + 1, per):contiguous(), y:narrow(1, rank * per + 1, per):contiguous()
+  return model, sharded, x, y
+end
+
+--- The gradient shards of a sharded model, as Lua lists.
+function M.grad_lists(sharded)
+  local all = {}
+  for i, g in ipairs(sharded.grads) do all[i] = g:tolist() end
+  return all
+end
+
+local Boom   -- a Lua op that passes its input on and fails in its backward
+--- The backward of model(x, y)'s loss with a Lua op recorded before the
+-- model's forward, so that the walk reaches it after every unit's
+-- reduce-scatter was issued; with fail, that op's backward raises "boom: a
+-- failing backward". Returns what backward returns (raises on failure).
+function M.lm_backward(model, x, y, fail)
+  local fsdp = require "fsdp"
+  Boom = Boom or fsdp.Function {
+    forward = function(ctx, v) return v * 1 end,
+    backward = function(ctx, gout) error("boom: a failing backward") end,
+  }
+  local z = fsdp.tensor({ 1, 2 }):requires_grad(true)
+  local b = fail and Boom(z) or z * 1
+  local _, l = model(x, y)
+  return (l + b:sum() * 0):backward()
 end
 
 function M.done()
