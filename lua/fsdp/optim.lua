@@ -255,10 +255,13 @@ end
 -- norm: max_norm / (norm + 1e-6) where that is below 1, else 1 (as PyTorch's
 -- clip_grad_norm_; a NaN norm leaves them as they are). For
 -- opt:step { grad_scale = ... }, which applies it in the optimizer's pass.
-function M.clip_coef(norm, max_norm)
+-- The one place the coefficient is computed: both clip_grad_norm (this
+-- module's and Sharded's) call it with their own name for the error, which
+-- then points at their caller.
+function M.clip_coef(norm, max_norm, caller)
   if type(norm) ~= "number" or type(max_norm) ~= "number" or max_norm ~= max_norm or max_norm < 0 then
-    error(string.format("clip_coef: expected a norm and a max_norm >= 0, got %s (%s), %s (%s)", tostring(norm),
-      type(norm), tostring(max_norm), type(max_norm)), 2)
+    error(string.format("%s: expected a norm and a max_norm >= 0, got %s (%s), %s (%s)", caller or "clip_coef",
+      tostring(norm), type(norm), tostring(max_norm), type(max_norm)), caller and 3 or 2)
   end
   local coef = max_norm / (norm + 1e-6)
   return coef < 1 and coef or 1
@@ -268,7 +271,7 @@ end
 -- clip_grad_norm_); returns the norm before clipping.
 function M.clip_grad_norm(params, max_norm, opts)
   local norm = M.grad_norm(params, opts)
-  local coef = M.clip_coef(norm, max_norm)
+  local coef = M.clip_coef(norm, max_norm, "clip_grad_norm")
   if coef < 1 then
     for _, p in ipairs(params) do
       local g = p:get_grad()

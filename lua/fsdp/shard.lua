@@ -66,6 +66,7 @@ local fsdp = require "fsdp"
 local core = require "fsdp.core"
 local dist = require "fsdp.distributed"
 local options = require "fsdp.options"
+local optim = require "fsdp.optim"
 local Module = require "fsdp.nn.module"
 local init = Module.init
 
@@ -628,9 +629,11 @@ function Sharded:grad_norm()
   return math.sqrt(self.shard_group:sum(sumsq_box[0]))
 end
 
+--- Scales the gradient shards so that the global norm is at most max_norm
+-- (optim.clip_coef's factor); returns the norm before clipping. Collective.
 function Sharded:clip_grad_norm(max_norm)
   local norm = self:grad_norm()
-  local coef = max_norm / (norm + 1e-6)
+  local coef = optim.clip_coef(norm, max_norm, "Sharded:clip_grad_norm")
   if coef < 1 then
     for _, g in ipairs(self.grads) do
       if C.fsdp_scale_(g, coef) ~= 0 then raise() end

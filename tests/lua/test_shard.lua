@@ -122,4 +122,32 @@ do
   t.ok(#sh.units == 3, "three units")
 end
 
+-- Sharded:clip_grad_norm scales by optim.clip_coef's factor, and refuses a
+-- max_norm that is not a number >= 0 (a negative one used to flip the
+-- gradients' sign) with the gradients left as they were
+do
+  local cfg = { vocab_size = 29, n_layer = 1, n_head = 2, n_embd = 8, block_size = 8 }
+  local m = nn.GPT(cfg)
+  local sh = fsdp.shard(m, { policy = fsdp.policy.per_block(), seed = 7 })
+  local x, y = t.token_batch(3, 2, 5, cfg.vocab_size)
+  local _, loss = m(x, y)
+  loss:backward()
+  local before = t.grad_lists(sh)
+  local norm = sh:grad_norm()
+  t.ok(norm > 0.2, string.format("the gradients have a norm to clip (%.3g)", norm))
+  for _, bad in ipairs({ -1, 0 / 0, "1" }) do
+    t.raises(function() sh:clip_grad_norm(bad) end, { "Sharded:clip_grad_norm", "max_norm >= 0" },
+      "clip_grad_norm(" .. tostring(bad) .. ")")
+  end
+  t.eq(t.max_abs_diff(t.grad_lists(sh), before), 0, "a refused clip leaves the gradients alone")
+  t.eq(sh:clip_grad_norm(0.1), norm, "clip_grad_norm returns the norm before clipping")
+  local coef, worst = optim.clip_coef(norm, 0.1), 0
+  for i, g in ipairs(t.grad_lists(sh)) do
+    for j, v in ipairs(g) do worst = math.max(worst, math.abs(v - before[i][j] * coef)) end
+  end
+  t.ok(coef < 1 and worst <= 1e-7 * norm, string.format("the gradients scaled by clip_coef %.4g (max err %.3g)", coef,
+    worst))
+  t.near(sh:grad_norm(), 0.1, 1e-5, "the clipped norm is max_norm")
+end
+
 t.done()
