@@ -241,16 +241,9 @@ fsdp_status fsdp_binary(fsdp_tensor **out, fsdp_binary_op op, fsdp_tensor *a, fs
         tensor_release(a32);
         FSDP_TRY(st);
     }
-    fsdp_tensor *res;
-    FSDP_TRY(op_finish(&res, r, a->dtype));
-    fsdp_status st;
-    fsdp_node *node = op_record(&st, "binary", binary_backward, 2, ts, 1, &res);
-    if (st != FSDP_OK) {
-        tensor_release(res);
-        return st;
-    }
+    fsdp_node *node = NULL;
+    FSDP_TRY(op_done(out, &node, r, a->dtype, "binary", binary_backward, 2, ts, 0, NULL));
     if (node) node->i[0] = op;
-    *out = res;
     return FSDP_OK;
 }
 
@@ -287,7 +280,7 @@ static fsdp_status scalar_op(const char *name, fsdp_tensor **out, fsdp_tensor *a
     fsdp_tensor *ts[] = {a};
     FSDP_TRY(op_check(name, out, 1, names, ts, NULL));
     FSDP_TRY(op_check_float(name, 1, names, ts));
-    fsdp_tensor *a32, *r, *res;
+    fsdp_tensor *a32, *r;
     bool native = BF16_KERNEL(a, scale) && BF16_KERNEL(a, add_scalar);
     FSDP_TRY(native ? tensor_contiguous(&a32, a) : tensor_as_f32(&a32, a));
     fsdp_status st = op_new_as(&r, a32->dtype, a->ndim, a->shape);
@@ -300,15 +293,9 @@ static fsdp_status scalar_op(const char *name, fsdp_tensor **out, fsdp_tensor *a
     }
     tensor_release(a32);
     FSDP_TRY(st);
-    FSDP_TRY(op_finish(&res, r, a->dtype));
-    /* d(a + s)/da = 1: a scale by one */
-    fsdp_node *node = op_record(&st, add ? "add_scalar" : "scale", scale_backward, 1, ts, 1, &res);
-    if (st != FSDP_OK) {
-        tensor_release(res);
-        return st;
-    }
-    if (node) node->f[0] = add ? 1.0 : s;
-    *out = res;
+    fsdp_node *node = NULL;
+    FSDP_TRY(op_done(out, &node, r, a->dtype, add ? "add_scalar" : "scale", scale_backward, 1, ts, 0, NULL));
+    if (node) node->f[0] = add ? 1.0 : s;   /* d(a + s)/da = 1: a scale by one */
     return FSDP_OK;
 }
 
@@ -377,20 +364,15 @@ static fsdp_status reduce_op(const char *name, fsdp_tensor **out, fsdp_tensor *t
     for (int k = 0; k < nd; k++)
         if (keepdim || !reduce[k]) shape[ond++] = reduce[k] ? 1 : t->shape[k];
     contiguous_strides(ond, shape, strides);
-    fsdp_tensor *v = tensor_view(r, ond, shape, strides, r->offset), *res;
+    fsdp_tensor *v = tensor_view(r, ond, shape, strides, r->offset);
     tensor_release(r);
     if (!v) return fsdp_set_error(FSDP_ERR_OOM, "%s: out of host memory", name);
-    FSDP_TRY(op_finish(&res, v, t->dtype));
-    fsdp_node *node = op_record(&st, mean ? "mean" : "sum", reduce_backward, 1, ts, 1, &res);
-    if (st != FSDP_OK) {
-        tensor_release(res);
-        return st;
-    }
+    fsdp_node *node = NULL;
+    FSDP_TRY(op_done(out, &node, v, t->dtype, mean ? "mean" : "sum", reduce_backward, 1, ts, 0, NULL));
     if (node) {
         for (int k = 0; k < nd; k++) node->i[k] = reduce[k];
         node->f[0] = factor;
     }
-    *out = res;
     return FSDP_OK;
 }
 

@@ -277,24 +277,15 @@ fsdp_status fsdp_chunked_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsdp_t
         tensor_release(r);
         return st;
     }
-    fsdp_tensor *res = NULL, *in[] = {x, weight, targets};
-    st = op_finish(&res, r, x->dtype);
-    fsdp_node *node = st == FSDP_OK ? op_record(&st, "chunked_cross_entropy", chunked_ce_backward, 3, in, 1, &res)
-                                    : NULL;
+    fsdp_tensor *in[] = {x, weight, targets}, *saved[] = {lse};
+    fsdp_node *node = NULL;
+    FSDP_TRY(op_done(out, &node, r, x->dtype, "chunked_cross_entropy", chunked_ce_backward, 3, in, 1, saved));
     if (node) {
-        node->saved[0] = lse;
         node->i[0] = chunk_rows;
         node->i[1] = ignore_index;
         node->i[2] = valid_v;
         node->i[3] = count;
-    } else {
-        tensor_release(lse);
     }
-    if (st != FSDP_OK) {
-        tensor_release(res);
-        return st;
-    }
-    *out = res;
     return FSDP_OK;
 }
 
@@ -373,16 +364,9 @@ fsdp_status fsdp_chunked_embedding(fsdp_tensor **out, fsdp_tensor *table, fsdp_t
         tensor_release(res);
         return st;
     }
-    fsdp_tensor *out_t = NULL;
-    st = op_finish(&out_t, res, table->dtype);
-    fsdp_node *node = st == FSDP_OK ? op_record(&st, "chunked_embedding", chunked_embedding_backward, 2, ts, 1, &out_t)
-                                    : NULL;
+    fsdp_node *node = NULL;
+    FSDP_TRY(op_done(out, &node, res, table->dtype, "chunked_embedding", chunked_embedding_backward, 2, ts, 0, NULL));
     if (node) node->i[0] = chunk_rows;
-    if (st != FSDP_OK) {
-        tensor_release(out_t);
-        return st;
-    }
-    *out = out_t;
     return FSDP_OK;
 }
 
@@ -594,21 +578,12 @@ fsdp_status fsdp_classifier_cross_entropy(fsdp_tensor **out, fsdp_tensor *x, fsd
         tensor_release(r);
         return st;
     }
-    fsdp_tensor *res = NULL;
-    st = op_finish(&res, r, x->dtype);
-    fsdp_node *node = st == FSDP_OK ? op_record(&st, "classifier_cross_entropy", classifier_ce_backward, 3, ts, 1, &res)
-                                    : NULL;
+    fsdp_node *node = NULL;
+    fsdp_tensor *saved[] = {logits};
+    FSDP_TRY(op_done(out, &node, r, x->dtype, "classifier_cross_entropy", classifier_ce_backward, 3, ts, 1, saved));
     if (node) {
         const int64_t mm[7] = {0, 1, 1, N, V, C, 1};   /* not transposed, transposed, batch, M, N, K, shared */
         for (int i = 0; i < 7; i++) node->i[i] = mm[i];
-        node->saved[0] = logits;
-    } else {
-        tensor_release(logits);
     }
-    if (st != FSDP_OK) {
-        tensor_release(res);
-        return st;
-    }
-    *out = res;
     return FSDP_OK;
 }
