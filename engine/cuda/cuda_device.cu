@@ -77,22 +77,76 @@ extern "C" fsdp_status cuda_last_status(void) {
 
 /* ---- memory ---- */
 
-void *cuda_tmp_alloc(size_t nbytes) {
-    void *p = NULL;
-    if (nbytes == 0) nbytes = 1;
-    if (g_pools) CUDA_CHECK(cudaMallocAsync(&p, nbytes, g_stream));
-    else CUDA_CHECK(cudaMalloc(&p, nbytes));
-    return p;
+/* Temporaries (reductions' partials, counters) come from a small cache of
+ * their own, so that a step in the steady state allocates nothing: a block
+ * freed goes back to the cache and is handed out again to a later request
+ * of its size class (powers of two from 256 bytes). That is safe without
+ * waiting, because every user of a temporary is a kernel on the compute
+ * stream, which runs them in order. Only when the cache is full does a
+ * block go back to CUDA (cudaFreeAsync with pools; else cudaFree, which
+ * waits for the whole device). Not counted by the engine allocator's
+ * statistics (fsdp.memory), as cuBLASLt's workspace is not. */
+enum { TMP_SLOTS = 64 };
+typedef struct {
+    void *ptr;
+    size_t bytes;   /* the class's size */
+    bool in_use;
+} tmp_block;
+static tmp_block g_tmp[TMP_SLOTS];
+static pthread_mutex_t g_tmp_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t tmp_class(size_t nbytes) {
+    size_t c = 256;
+    while (c < nbytes) c <<= 1;
+    return c;
 }
 
-void cuda_tmp_free(void *ptr) {
-    if (!ptr) return;
+static void tmp_release(void *ptr) {
     if (g_pools) {
         CUDA_CHECK(cudaFreeAsync(ptr, g_stream));
     } else {   /* cudaFree is not stream-ordered: let the stream's users finish first */
         CUDA_CHECK(cudaStreamSynchronize(g_stream));
         CUDA_CHECK(cudaFree(ptr));
     }
+}
+
+void *cuda_tmp_alloc(size_t nbytes) {
+    size_t bytes = tmp_class(nbytes ? nbytes : 1);
+    pthread_mutex_lock(&g_tmp_lock);
+    int empty = -1;
+    for (int i = 0; i < TMP_SLOTS; i++) {
+        if (g_tmp[i].ptr && !g_tmp[i].in_use && g_tmp[i].bytes == bytes) {
+            g_tmp[i].in_use = true;
+            pthread_mutex_unlock(&g_tmp_lock);
+            return g_tmp[i].ptr;
+        }
+        if (!g_tmp[i].ptr && !g_tmp[i].in_use && empty < 0) empty = i;
+    }
+    if (empty >= 0) g_tmp[empty] = tmp_block{NULL, bytes, true};   /* claimed before the unlock */
+    pthread_mutex_unlock(&g_tmp_lock);
+    void *p = NULL;
+    if (g_pools) CUDA_CHECK(cudaMallocAsync(&p, bytes, g_stream));
+    else CUDA_CHECK(cudaMalloc(&p, bytes));
+    if (empty >= 0) {
+        pthread_mutex_lock(&g_tmp_lock);
+        g_tmp[empty].ptr = p;
+        pthread_mutex_unlock(&g_tmp_lock);
+    }
+    return p;
+}
+
+void cuda_tmp_free(void *ptr) {
+    if (!ptr) return;
+    pthread_mutex_lock(&g_tmp_lock);
+    for (int i = 0; i < TMP_SLOTS; i++) {
+        if (g_tmp[i].ptr == ptr) {
+            g_tmp[i].in_use = false;
+            pthread_mutex_unlock(&g_tmp_lock);
+            return;
+        }
+    }
+    pthread_mutex_unlock(&g_tmp_lock);
+    tmp_release(ptr);   /* the cache was full when it was made */
 }
 
 static void *cuda_raw_alloc(size_t nbytes) {

@@ -246,9 +246,10 @@ void cuda_fail(const char *op, const char *file, int line, const char *call, con
 #define LAUNCH(kernel, grid, block, smem) kernel<<<(grid), (block), (smem), cuda_stream()>>>
 #endif
 
-/* Temporary device memory in stream order (cudaMallocAsync on the compute
- * stream): reductions' partials, counters. Small; not counted by the
- * engine's allocator. */
+/* Temporary device memory in stream order, for kernels on the compute
+ * stream: reductions' partials, counters. Small, kept in a cache of its own
+ * (cuda_device.cu: no cudaMalloc or cudaFree once a step has run); not
+ * counted by the engine's allocator. */
 void *cuda_tmp_alloc(size_t nbytes);
 void cuda_tmp_free(void *ptr);
 

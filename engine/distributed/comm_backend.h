@@ -148,6 +148,14 @@ typedef struct comm_backend {
     void (*work_free)(comm_gpu_work *w);
     /* FSDP_OK, or the communicator's asynchronous NCCL error. */
     fsdp_status (*gpu_check)(comm_gpu *gpu);
+    /* Comm thread, collective over every rank of parent's NCCL side (run in
+     * the split's place in the issue order): *child <- the NCCL side of the
+     * ranks of color (ranked by key, as the host split ranks them), or NULL
+     * for a negative color, which still takes part. rank and size: this
+     * rank's place in the host split's child, which the NCCL one must equal.
+     * NULL entry (NCCL older than 2.18, or none): children make their NCCL
+     * side on their first CUDA collective, as any communicator. */
+    fsdp_status (*gpu_split)(comm_gpu *parent, int color, int key, int rank, int size, comm_gpu **child);
     /* Comm thread, once nothing of gpu is in flight. */
     fsdp_status (*gpu_destroy)(comm_gpu *gpu);
 } comm_backend;

@@ -18,10 +18,15 @@
  *            the prefetched all-gathers and the reduce-scatters run on the
  *            comm stream while the compute stream runs kernels.
  *
- * - One NCCL communicator per fsdp_comm, made on its first CUDA collective,
- *   on the comm thread and so in issue order on every rank: the
- *   communicator's rank 0 makes the unique id and broadcasts it over the
- *   communicator's MPI communicator, then every rank calls ncclCommInitRank.
+ * - One NCCL communicator per fsdp_comm, made on the comm thread and so in
+ *   issue order on every rank. A split (fsdp_comm_split, split_all) of a
+ *   communicator that has one derives the child's from it with
+ *   ncclCommSplit (NCCL 2.18 and newer), in the split's place in the issue
+ *   order, every rank of the parent taking part (the ones left out with
+ *   NCCL_SPLIT_NOCOLOR). Any other communicator makes its own on its first
+ *   CUDA collective: its rank 0 makes the unique id and broadcasts it over
+ *   the communicator's MPI communicator, then every rank calls
+ *   ncclCommInitRank.
  * - One comm stream per process (non-blocking, highest priority, so NCCL
  *   kernels get SMs as soon as they are ready). Collectives of every
  *   communicator go onto it in issue order, which is the same on all ranks.
@@ -172,6 +177,7 @@ static fsdp_status run_copy(const comm_gpu_call *c, cudaStream_t s) {
 
 struct comm_gpu {
     ncclComm_t nccl;
+    int device;   /* the GPU it was made on: the comm thread selects it for host calls */
 };
 
 /* What rank 0 broadcasts: the id, or why there is none (so that no rank
@@ -207,6 +213,7 @@ static fsdp_status nccl_comm_create(comm_gpu **out, const comm_gpu_call *c) {
                               (int)sizeof m.msg, m.msg);
     comm_gpu *g = calloc(1, sizeof *g);
     if (!g) return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for an NCCL communicator");
+    CUDA_CHECK(cudaGetDevice(&g->device));
     ncclResult_t r = ncclCommInitRank(&g->nccl, c->size, m.id, c->rank);
     if (r != ncclSuccess) {
         free(g);
@@ -312,6 +319,49 @@ static fsdp_status gpu_comm_destroy(comm_gpu *g) {
     return FSDP_OK;
 }
 
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+/* The child's NCCL communicator from the parent's: no unique id to make
+ * and broadcast, no bootstrap of its own (NCCL reuses the parent's). Every
+ * rank of the parent calls it, those the split leaves out with
+ * NCCL_SPLIT_NOCOLOR. NCCL ranks the child's members by key, ties by the
+ * parent's rank, as MPI_Comm_split and fsdp_comm_split_all do; that the
+ * two agree is checked, not assumed. */
+static fsdp_status gpu_comm_split(comm_gpu *parent, int color, int key, int rank, int size, comm_gpu **out) {
+    *out = NULL;
+    CUDA_CHECK(cudaSetDevice(parent->device));
+    ncclComm_t nc = NULL;
+    ncclResult_t r = ncclCommSplit(parent->nccl, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, NULL);
+    if (r != ncclSuccess)
+        return fsdp_set_error(FSDP_ERR_COMM, "%s:%d: ncclCommSplit(comm, color %d, key %d) failed: %s", __FILE__,
+                              __LINE__, color, key, nccl_error_string(r));
+    if (color < 0) {
+        if (nc) (void)ncclCommDestroy(nc);
+        return FSDP_OK;
+    }
+    int nrank = -1, nsize = -1;
+    r = ncclCommUserRank(nc, &nrank);
+    if (r == ncclSuccess) r = ncclCommCount(nc, &nsize);
+    if (r != ncclSuccess || nrank != rank || nsize != size) {
+        (void)ncclCommDestroy(nc);
+        if (r != ncclSuccess)
+            return fsdp_set_error(FSDP_ERR_COMM, "%s:%d: ncclCommUserRank/ncclCommCount of a split failed: %s",
+                                  __FILE__, __LINE__, nccl_error_string(r));
+        return fsdp_set_error(FSDP_ERR_COMM, "ncclCommSplit (color %d, key %d) made rank %d of %d, but the host "
+                              "communicator's split made rank %d of %d", color, key, nrank, nsize, rank, size);
+    }
+    comm_gpu *g = calloc(1, sizeof *g);
+    if (!g) {
+        (void)ncclCommDestroy(nc);
+        return fsdp_set_error(FSDP_ERR_OOM, "out of host memory for an NCCL communicator");
+    }
+    g->nccl = nc;
+    g->device = parent->device;
+    *out = g;
+    return FSDP_OK;
+}
+#define GPU_COMM_SPLIT gpu_comm_split
+#endif
+
 #else /* no NCCL: communicators never get an NCCL side */
 
 struct comm_gpu {
@@ -378,6 +428,9 @@ static const comm_backend nccl_backend = {
     .work_free = gpu_work_free,
     .gpu_check = gpu_comm_check,
     .gpu_destroy = gpu_comm_destroy,
+#ifdef GPU_COMM_SPLIT
+    .gpu_split = GPU_COMM_SPLIT,
+#endif
 };
 
 const comm_backend *comm_device_backend(void) { return &nccl_backend; }

@@ -321,11 +321,40 @@ static fsdp_status run_doubles(fsdp_work *w) {
     return FSDP_OK;
 }
 
+/* A parent with an NCCL side gives the child its own by ncclCommSplit, in
+ * the split's place in the issue order; every rank of the parent takes
+ * part, also one the host split refused or left out (as color -1), so that
+ * none waits in NCCL for it. Without one (no CUDA collective on the parent
+ * yet, or an NCCL before 2.18) the child makes its NCCL side on its first
+ * CUDA collective, from a unique id of its own (comm_nccl.c). */
+static fsdp_status split_gpu(fsdp_comm *p, fsdp_work *w, fsdp_comm *child, bool joined) {
+    if (!p->dev || !p->gpu || !p->dev->gpu_split) return FSDP_OK;
+    comm_gpu *g = NULL;
+    fsdp_status st = p->dev->gpu_split(p->gpu, joined ? w->color : -1, w->key, child->rank, child->size, &g);
+    if (st == FSDP_OK) child->gpu = g;
+    return st;
+}
+
 static fsdp_status run_split(fsdp_work *w) {
     fsdp_comm *p = w->comm;
     fsdp_comm *child = w->split_out;   /* made by the caller: rank and size -1 unless known */
     fsdp_status st = p->be->split(p, w->color, w->key, child);
     if (st != FSDP_OK) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+        (void)split_gpu(p, w, child, false);   /* (its own failure would hide the first one) */
+        fsdp_set_error(st, "%s", msg);
+        w->split_out = NULL;
+        comm_counts_unref(child->counts);
+        free(child);
+        return st;
+    }
+    st = split_gpu(p, w, child, true);
+    if (st != FSDP_OK) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+        (void)child->be->destroy(child);
+        fsdp_set_error(st, "%s", msg);
         w->split_out = NULL;
         comm_counts_unref(child->counts);
         free(child);

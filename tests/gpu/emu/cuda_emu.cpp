@@ -4,6 +4,7 @@
 #include <atomic>
 #include <deque>
 #include <map>
+#include <memory>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -60,6 +61,13 @@ extern "C" void emu_set_device_count(int n) { g_device_count = n; }
 extern "C" int emu_device_count(void) { return device_count(); }
 extern "C" long long emu_launch_count(void) { return g_launches; }
 extern "C" long long emu_late_runs(void) { return g_late_runs; }
+
+/* Allocation calls so far: cudaMalloc, cudaFree, cudaMallocAsync,
+ * cudaFreeAsync, cudaHostAlloc (cudaMallocHost too), cudaFreeHost. */
+static std::atomic<long long> g_memory_calls[6];
+extern "C" void emu_memory_calls(long long out[6]) {
+    for (int i = 0; i < 6; i++) out[i] = g_memory_calls[i];
+}
 
 /* ---- device memory: its own address range, guard pages, no reuse ---- */
 
@@ -464,7 +472,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 
 /* ---- memory calls ---- */
 
-cudaError_t cudaMalloc(void **p, size_t n) {
+static cudaError_t device_alloc(void **p, size_t n) {
     emu_lock lock(g_mu);
     region_init();
     if (!p) return cudaErrorInvalidValue;
@@ -494,17 +502,27 @@ static cudaError_t free_now(void *p) {
     return cudaSuccess;
 }
 
+cudaError_t cudaMalloc(void **p, size_t n) {
+    g_memory_calls[0]++;
+    return device_alloc(p, n);
+}
+
 /* cudaFree waits for the whole device, as CUDA's does. */
 cudaError_t cudaFree(void *p) {
+    g_memory_calls[1]++;
     if (!p) return cudaSuccess;
     wait_all_streams();
     return free_now(p);
 }
 
-cudaError_t cudaMallocAsync(void **p, size_t n, cudaStream_t) { return cudaMalloc(p, n); }
+cudaError_t cudaMallocAsync(void **p, size_t n, cudaStream_t) {
+    g_memory_calls[2]++;
+    return device_alloc(p, n);
+}
 /* Ordered after the compute stream's work only (which has run): a comm
  * stream item still using the memory faults when it runs. */
 cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
+    g_memory_calls[3]++;
     if (s && s->late) return set_error(cudaErrorInvalidValue, "cudaFreeAsync on the comm stream is not emulated");
     return free_now(p);
 }
@@ -519,6 +537,60 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
     return cudaSuccess;
 }
 
+/* ---- pinned host memory ----
+ * Page-locked host memory (cudaHostAlloc, cudaMallocHost) is ordinary host
+ * memory that host code reads and writes, as on a GPU; what changes is the
+ * copies: from or to pinned memory cudaMemcpyAsync is truly asynchronous
+ * (the stream reads or writes the host bytes when it runs, so the host must
+ * not touch them before an event says the copy is done), while from or to
+ * pageable memory it is not: a copy to the device stages the source before
+ * it returns, a copy to the host returns once the bytes have arrived.
+ * cudaFreeHost waits for every stream (as CUDA's does) and unmaps the
+ * block, so a late use of freed pinned memory faults. */
+struct emu_pinned {
+    size_t len;   /* mapped bytes */
+};
+static std::map<uintptr_t, emu_pinned> g_pinned;   /* by pointer; g_mu */
+
+/* Whether [p, p + n) lies inside one pinned block. */
+static bool is_pinned(const void *p, size_t n) {
+    emu_lock lock(g_mu);
+    auto it = g_pinned.upper_bound((uintptr_t)p);
+    if (it == g_pinned.begin()) return false;
+    --it;
+    return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second.len;
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags) {
+    g_memory_calls[4]++;
+    if (!p) return set_error(cudaErrorInvalidValue, "cudaHostAlloc: p is NULL");
+    *p = NULL;
+    if (flags & ~(unsigned)(cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined))
+        return set_error(cudaErrorInvalidValue, "cudaHostAlloc: unknown flags");
+    size_t len = n ? n : 1;
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return set_error(cudaErrorMemoryAllocation, "cudaHostAlloc: out of host memory");
+    emu_lock lock(g_mu);
+    g_pinned[(uintptr_t)m] = emu_pinned{len};
+    *p = m;
+    return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void **p, size_t n) { return cudaHostAlloc(p, n, cudaHostAllocDefault); }
+
+cudaError_t cudaFreeHost(void *p) {
+    g_memory_calls[5]++;
+    if (!p) return cudaSuccess;
+    wait_all_streams();
+    emu_lock lock(g_mu);
+    auto it = g_pinned.find((uintptr_t)p);
+    if (it == g_pinned.end()) return set_error(cudaErrorInvalidValue, "cudaFreeHost of a pointer cudaHostAlloc did not return");
+    munmap(p, it->second.len);
+    g_pinned.erase(it);
+    return cudaSuccess;
+}
+
+extern "C" int emu_is_pinned(const void *p, size_t n) { return is_pinned(p, n) ? 1 : 0; }
+
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
     if (n == 0) return cudaSuccess;
     bool dd = kind == cudaMemcpyDeviceToDevice || kind == cudaMemcpyHostToDevice;
@@ -529,13 +601,27 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
     else if (in_region(dst)) emu_fail("cudaMemcpyAsync: a device destination for a copy to the host");
     if (sd) check_range(src, n, "cudaMemcpyAsync source");
     else if (in_region(src)) emu_fail("cudaMemcpyAsync: a device source for a copy from the host");
+    const char *what = dd && sd ? "device to device" : dd ? "host to device" : "device to host";
+    bool late = s && s->late;   /* (the compute stream runs a copy at once: nothing to stage or wait for) */
+    if (late && kind == cudaMemcpyHostToDevice && !is_pinned(src, n)) {
+        /* pageable: staged now, so the caller may reuse src at once */
+        std::shared_ptr<std::vector<char>> staged = std::make_shared<std::vector<char>>((const char *)src,
+                                                                                        (const char *)src + n);
+        enqueue(s, [=]() {
+            check_range(dst, n, "cudaMemcpyAsync destination (when it ran)");
+            emu_op_scope op("cudaMemcpyAsync", what, {dst});
+            memcpy(dst, staged->data(), n);
+        });
+        return cudaSuccess;
+    }
     enqueue(s, [=]() {
         if (dd) check_range(dst, n, "cudaMemcpyAsync destination (when it ran)");
         if (sd) check_range(src, n, "cudaMemcpyAsync source (when it ran)");
-        emu_op_scope op("cudaMemcpyAsync", dd && sd ? "device to device" : dd ? "host to device" : "device to host",
-                        {dst, src});
+        emu_op_scope op("cudaMemcpyAsync", what, {dst, src});
         memmove(dst, src, n);
     });
+    /* pageable destination: the call returns once the bytes are there */
+    if (late && kind == cudaMemcpyDeviceToHost && !is_pinned(dst, n)) wait_for(s, -1);
     return cudaSuccess;
 }
 

@@ -22,14 +22,16 @@
 
 struct emu_nccl_comm_s {
     int nranks, rank;
-    MPI_Comm mpi;   /* MPI_COMM_NULL for one rank */
+    MPI_Comm mpi;   /* the collectives' (the stream's thread); MPI_COMM_NULL for one rank */
+    MPI_Comm ctl;   /* host calls that are collective (ncclCommSplit), apart from the stream's traffic */
 };
 
-static int g_comms_made;
+static int g_comms_made, g_comms_split;
 static int g_next_id;
 static thread_local char t_last[256];
 
 extern "C" int emu_nccl_comms_made(void) { return g_comms_made; }
+extern "C" int emu_nccl_comms_split(void) { return g_comms_split; }
 
 /* An MPI failure, or a bootstrap that cannot go on, would leave the other
  * ranks waiting: end the process (mpirun then ends the job). */
@@ -104,7 +106,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
     memcpy(&b, id.internal, sizeof b);
     if (memcmp(b.magic, "fsdpemu", 8) != 0) return fail(ncclInvalidArgument, "ncclCommInitRank: not a unique id");
     if (nranks < 1 || rank < 0 || rank >= nranks) return fail(ncclInvalidArgument, "ncclCommInitRank: bad rank");
-    emu_nccl_comm_s *c = new emu_nccl_comm_s{nranks, rank, MPI_COMM_NULL};
+    emu_nccl_comm_s *c = new emu_nccl_comm_s{nranks, rank, MPI_COMM_NULL, MPI_COMM_NULL};
     if (nranks > 1) {
         if (!mpi_up()) {
             delete c;
@@ -142,6 +144,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
         MPI_Group_free(&group);
         MPI_Group_free(&world);
         MPI_Comm_set_errhandler(c->mpi, MPI_ERRORS_RETURN);   /* checked by mpi_ok */
+        mpi_ok(MPI_Comm_dup(c->mpi, &c->ctl), "MPI_Comm_dup");
     }
     g_comms_made++;
     static bool told;   /* as NCCL does with NCCL_DEBUG=VERSION (or more): its version, once */
@@ -157,7 +160,18 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
 
 ncclResult_t ncclCommDestroy(ncclComm_t c) {
     if (!c) return ncclSuccess;
-    if (c->mpi != MPI_COMM_NULL && mpi_up()) MPI_Comm_free(&c->mpi);
+    if (mpi_up()) {
+        if (c->mpi != MPI_COMM_NULL) MPI_Comm_free(&c->mpi);
+        if (c->ctl != MPI_COMM_NULL) MPI_Comm_free(&c->ctl);
+    }
+    delete c;
+    return ncclSuccess;
+}
+
+/* The emulated collectives block in MPI, where nothing can interrupt them;
+ * an abort frees the communicator without its MPI parts (the process is
+ * on its way out, as after a real NCCL abort). */
+ncclResult_t ncclCommAbort(ncclComm_t c) {
     delete c;
     return ncclSuccess;
 }
@@ -167,6 +181,73 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *async) {
     *async = ncclSuccess;
     return ncclSuccess;
 }
+
+ncclResult_t ncclCommCount(const ncclComm_t c, int *count) {
+    if (!c || !count) return fail(ncclInvalidArgument, "ncclCommCount: NULL argument");
+    *count = c->nranks;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) {
+    if (!c || !rank) return fail(ncclInvalidArgument, "ncclCommUserRank: NULL argument");
+    *rank = c->rank;
+    return ncclSuccess;
+}
+
+/* Collective over every rank of parent, as NCCL's: each rank's new
+ * communicator holds the ranks of its color, ranked by key, ties broken by
+ * the parent rank; NCCL_SPLIT_NOCOLOR takes part and gets NULL. A negative
+ * color other than that is refused on that rank only after it took part
+ * (the others would wait for it otherwise). The child's traffic goes over
+ * MPI communicators of its own, split from the parent's control one, so
+ * collectives still queued on the parent's stream do not interleave. */
+ncclResult_t ncclCommSplit(ncclComm_t parent, int color, int key, ncclComm_t *out, ncclConfig_t *config) {
+    (void)config;   /* (the emulation has no settings a config could carry) */
+    if (!out) return fail(ncclInvalidArgument, "ncclCommSplit: newcomm is NULL");
+    *out = NULL;
+    if (!parent) return fail(ncclInvalidArgument, "ncclCommSplit: comm is NULL");
+    bool bad = color < 0 && color != NCCL_SPLIT_NOCOLOR;
+    bool in = color >= 0;
+    if (parent->nranks == 1) {
+        if (bad) return fail(ncclInvalidArgument, "ncclCommSplit: color must be >= 0 or NCCL_SPLIT_NOCOLOR");
+        if (!in) return ncclSuccess;
+        *out = new emu_nccl_comm_s{1, 0, MPI_COMM_NULL, MPI_COMM_NULL};
+        g_comms_split++;
+        return ncclSuccess;
+    }
+    MPI_Comm ctl = MPI_COMM_NULL;
+    mpi_ok(MPI_Comm_split(parent->ctl, in ? color : MPI_UNDEFINED, key, &ctl), "MPI_Comm_split");
+    if (bad) return fail(ncclInvalidArgument, "ncclCommSplit: color must be >= 0 or NCCL_SPLIT_NOCOLOR");
+    if (!in) return ncclSuccess;
+    emu_nccl_comm_s *c = new emu_nccl_comm_s{0, 0, MPI_COMM_NULL, ctl};
+    MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+    MPI_Comm_size(ctl, &c->nranks);
+    MPI_Comm_rank(ctl, &c->rank);
+    if (c->nranks > 1) {
+        mpi_ok(MPI_Comm_dup(ctl, &c->mpi), "MPI_Comm_dup");
+    } else {   /* one rank: copies, no MPI */
+        MPI_Comm_free(&c->ctl);
+    }
+    g_comms_split++;
+    *out = c;
+    return ncclSuccess;
+}
+
+/* ---- groups ----
+ * Between ncclGroupStart and the outermost ncclGroupEnd, collectives are
+ * only checked and kept; ncclGroupEnd enqueues them all, in call order, on
+ * their streams. The real NCCL launches a group's operations as one and
+ * lets them progress together; here they run one after another, which is
+ * the same results for what may be grouped (independent buffers). An
+ * argument error inside a group fails that call, and ncclGroupEnd then
+ * reports the group as failed and enqueues nothing of it. */
+struct coll;
+static thread_local int t_group_depth;
+static thread_local std::vector<std::pair<coll *, cudaStream_t>> *t_group;
+static thread_local bool t_group_failed;
+static long long g_groups_run;
+
+extern "C" long long emu_nccl_groups(void) { return g_groups_run; }
 
 /* ---- collectives ---- */
 
@@ -273,15 +354,54 @@ static void run_coll(void *arg) {
     delete x;
 }
 
-static ncclResult_t submit(coll x, cudaStream_t s) {
+static ncclResult_t check_coll(const coll &x) {
     if (!x.c) return fail(ncclInvalidArgument, "collective on a NULL communicator");
     if (type_size(x.t) == 0) return fail(ncclInvalidArgument, "unknown data type");
     if ((x.k == K_REDUCE_SCATTER || x.k == K_ALL_REDUCE) &&
         !(x.t == ncclFloat32 || x.t == ncclBfloat16 || x.t == ncclInt32 || x.t == ncclInt64 || x.t == ncclFloat64))
         return fail(ncclInvalidArgument, "the emulation reduces f32, bf16, f64, i32 and i64 only");
     if (x.k == K_BROADCAST && (x.root < 0 || x.root >= x.c->nranks)) return fail(ncclInvalidArgument, "bad root");
+    return ncclSuccess;
+}
+
+static ncclResult_t submit(coll x, cudaStream_t s) {
+    ncclResult_t r = check_coll(x);
+    if (r != ncclSuccess) {
+        if (t_group_depth > 0) t_group_failed = true;
+        return r;
+    }
+    if (t_group_depth > 0) {   /* deferred to ncclGroupEnd */
+        t_group->push_back({new coll(x), s});
+        return ncclSuccess;
+    }
     emu_stream_enqueue(s, run_coll, new coll(x));
     return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart(void) {
+    if (t_group_depth++ == 0) {
+        t_group = new std::vector<std::pair<coll *, cudaStream_t>>();
+        t_group_failed = false;
+    }
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+    if (t_group_depth <= 0) return fail(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+    if (--t_group_depth > 0) return ncclSuccess;
+    std::vector<std::pair<coll *, cudaStream_t>> *g = t_group;
+    t_group = NULL;
+    ncclResult_t r = ncclSuccess;
+    if (t_group_failed) {
+        for (auto &e : *g) delete e.first;
+        r = fail(ncclInvalidArgument, "a call of the group failed; nothing of it was launched");
+    } else {
+        for (auto &e : *g) emu_stream_enqueue(e.second, run_coll, e.first);
+        if (!g->empty()) g_groups_run++;
+    }
+    delete g;
+    t_group_failed = false;
+    return r;
 }
 
 ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t, ncclComm_t c,

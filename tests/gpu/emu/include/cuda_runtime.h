@@ -56,6 +56,10 @@ typedef enum cudaDeviceAttr {
 typedef enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4 } cudaMemPoolAttr;
 typedef enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 } cudaFuncAttribute;
 #define cudaStreamNonBlocking 0x01
+#define cudaHostAllocDefault 0x00
+#define cudaHostAllocPortable 0x01
+#define cudaHostAllocMapped 0x02
+#define cudaHostAllocWriteCombined 0x04
 #define cudaEventDisableTiming 0x02
 
 typedef struct cudaDeviceProp {
@@ -90,6 +94,9 @@ typedef struct cudaDeviceProp {
 #define cudaMemsetAsync emu_cudaMemsetAsync
 #define cudaMemcpyAsync emu_cudaMemcpyAsync
 #define cudaFuncSetAttribute emu_cudaFuncSetAttribute
+#define cudaHostAlloc emu_cudaHostAlloc
+#define cudaMallocHost emu_cudaMallocHost
+#define cudaFreeHost emu_cudaFreeHost
 
 const char *cudaGetErrorString(cudaError_t e);
 cudaError_t cudaGetLastError(void);
@@ -117,12 +124,21 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s);
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute a, int v);
+/* Pinned (page-locked) host memory: host-readable; copies from and to it
+ * are asynchronous, copies from and to pageable memory are not. */
+cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags);
+cudaError_t cudaMallocHost(void **p, size_t n);
+cudaError_t cudaFreeHost(void *p);
 
 /* ---- test controls ---- */
 void emu_set_device_count(int n);   /* what cudaGetDeviceCount reports (default: $FSDP_EMU_GPUS, else 1) */
 int emu_device_count(void);
 long long emu_launch_count(void);
 long long emu_late_runs(void);      /* work items a late stream ran */
+/* Allocation calls so far: cudaMalloc, cudaFree, cudaMallocAsync,
+ * cudaFreeAsync, cudaHostAlloc (and cudaMallocHost), cudaFreeHost. */
+void emu_memory_calls(long long out[6]);
+int emu_is_pinned(const void *p, size_t n);   /* [p, p + n) lies in one cudaHostAlloc block */
 /* Runs fn(arg) on stream s in its order (at once on the compute stream). */
 cudaError_t emu_stream_enqueue(cudaStream_t s, void (*fn)(void *), void *arg);
 

@@ -49,6 +49,16 @@ typedef enum {
 
 typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
 
+/* ncclCommSplit's settings; the emulation has none, so it ignores them. */
+typedef struct ncclConfig_v21700 {
+    size_t size;
+    unsigned int magic, version;
+    int blocking, cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName;
+    int splitShare;
+} ncclConfig_t;
+#define NCCL_SPLIT_NOCOLOR -1
+
 #define ncclGetUniqueId emu_ncclGetUniqueId
 #define ncclCommInitRank emu_ncclCommInitRank
 #define ncclCommDestroy emu_ncclCommDestroy
@@ -59,10 +69,26 @@ typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 
 #define ncclReduceScatter emu_ncclReduceScatter
 #define ncclAllReduce emu_ncclAllReduce
 #define ncclBroadcast emu_ncclBroadcast
+#define ncclCommAbort emu_ncclCommAbort
+#define ncclCommSplit emu_ncclCommSplit
+#define ncclCommCount emu_ncclCommCount
+#define ncclCommUserRank emu_ncclCommUserRank
+#define ncclGroupStart emu_ncclGroupStart
+#define ncclGroupEnd emu_ncclGroupEnd
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id);
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
+ncclResult_t ncclCommAbort(ncclComm_t comm);
+/* Collective over comm's ranks: the ranks of each color ranked by key (ties:
+ * comm's rank); NCCL_SPLIT_NOCOLOR takes part and gets NULL. */
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
+ncclResult_t ncclCommCount(const ncclComm_t comm, int *count);
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank);
+/* Collectives between them are kept and enqueued at the outermost
+ * ncclGroupEnd, in call order (one failed call: none of them). */
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async);
 const char *ncclGetErrorString(ncclResult_t r);
 const char *ncclGetLastError(ncclComm_t comm);
@@ -76,7 +102,9 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
                            cudaStream_t s);
 
 /* ---- test controls ---- */
-int emu_nccl_comms_made(void);   /* ncclCommInitRank calls that succeeded */
+int emu_nccl_comms_made(void);    /* ncclCommInitRank calls that succeeded */
+int emu_nccl_comms_split(void);   /* communicators ncclCommSplit made */
+long long emu_nccl_groups(void);  /* groups of at least one collective launched */
 
 #ifdef __cplusplus
 }
