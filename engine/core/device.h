@@ -21,7 +21,7 @@ enum fsdp_epilogue {
     FSDP_EPILOGUE_BGRAD_A,       /* D = P; dbias[m] = sum_k op(A)[m, k]               dbias (M)       */
     FSDP_EPILOGUE_GELU_BIAS,     /* D = gelu(P + bias[n]), no GELU input kept         bias (N)        */
 };
-/* (gelu: the tanh form of engine/cpu/gelu.h. cuBLASLt's GELU epilogue is that form too: PyTorch's
+/* (gelu: the tanh form of engine/core/gelu.h. cuBLASLt's GELU epilogue is that form too: PyTorch's
  * addmm with a GELU activation runs that epilogue, and where it cannot, gelu(approximate="tanh").)
  * The operands are packed (leading dimensions: the rows' lengths), one matrix, no batch. */
 

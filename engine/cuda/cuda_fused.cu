@@ -9,27 +9,12 @@
  * (rounded) dx in double: per block a tile of columns over a chunk of rows,
  * then the chunks in order (cuda_sum_slices), so results repeat bit for bit. */
 #include "cuda_internal.h"
-
-#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
-#define GELU_A 0.044715f
+#include "gelu.h"   /* gelu, gelu_grad: the tanh form, as cuda_nn.cu and fused.c */
 
 /* V elements of T in one access (16 bytes, or one element) */
 template <class T, int V> struct alignas(sizeof(T) * V) pack_t {
     T v[V];
 };
-
-__device__ __forceinline__ float fused_sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
-/* GELU, tanh form, through 0.5 (1 + tanh u) = sigmoid(2u), as cuda_nn.cu */
-__device__ __forceinline__ float fused_gelu(float v) {
-    float u = GELU_C * (v + GELU_A * v * v * v);
-    return v * fused_sigmoid(2.0f * u);
-}
-__device__ __forceinline__ float fused_gelu_grad(float v) {
-    float u = GELU_C * (v + GELU_A * v * v * v);
-    float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
-    float s = fused_sigmoid(2.0f * u);
-    return s + 2.0f * v * s * (1.0f - s) * du;
-}
 
 static bool fused_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
@@ -51,7 +36,7 @@ __global__ void bias_gelu_fwd_kernel(T *__restrict__ out, const T *__restrict__ 
     GRID_STRIDE(i, n_packs) {
         P xv = ((const P *)x)[i], bv = ((const P *)bias)[i % row_packs], r;
 #pragma unroll
-        for (int k = 0; k < V; k++) stf(&r.v[k], fused_gelu(ldf(xv.v[k]) + ldf(bv.v[k])));
+        for (int k = 0; k < V; k++) stf(&r.v[k], gelu(ldf(xv.v[k]) + ldf(bv.v[k])));
         ((P *)out)[i] = r;
     }
 }
@@ -93,7 +78,7 @@ __global__ void bias_gelu_bwd_kernel(T *__restrict__ dx, T *dbias, double *__res
             P gv = *(const P *)(dout + at), xv = *(const P *)(x + at), d;
 #pragma unroll
             for (int k = 0; k < V; k++) {
-                stf(&d.v[k], ldf(gv.v[k]) * fused_gelu_grad(ldf(xv.v[k]) + ldf(bv.v[k])));
+                stf(&d.v[k], ldf(gv.v[k]) * gelu_grad(ldf(xv.v[k]) + ldf(bv.v[k])));
                 s[k] += (double)ldf(d.v[k]);   /* the sum of dx as stored */
             }
             *(P *)(dx + at) = d;

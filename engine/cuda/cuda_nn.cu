@@ -7,21 +7,18 @@
  * CPU. Every sum is taken in an order fixed by the sizes alone: no atomics
  * on floats anywhere, so results repeat bit for bit. */
 #include "cuda_internal.h"
+#include "gelu.h"
 #include <float.h>
 
-#define GELU_C 0.7978845608028654f   /* sqrt(2/pi) */
-#define GELU_A 0.044715f
-
 /* ---- activations ----
- * GELU, tanh form, through 0.5 (1 + tanh u) = sigmoid(2u) as activation.c. */
+ * GELU, tanh form: gelu.h's, as activation.c. */
 
 __device__ __forceinline__ float sigmoid_f(float z) { return 1.0f / (1.0f + expf(-z)); }
 
 template <class T> __global__ void gelu_fwd_kernel(T *__restrict__ out, const T *__restrict__ x, int64_t n) {
     GRID_STRIDE(i, n) {
         float v = ldf(x[i]);
-        float u = GELU_C * (v + GELU_A * v * v * v);
-        stf(out + i, v * sigmoid_f(2.0f * u));
+        stf(out + i, gelu(v));
     }
 }
 
@@ -30,10 +27,7 @@ template <class T>
 __global__ void gelu_bwd_kernel(T *__restrict__ dx, const T *__restrict__ x, const T *__restrict__ dout, int64_t n) {
     GRID_STRIDE(i, n) {
         float v = ldf(x[i]);
-        float u = GELU_C * (v + GELU_A * v * v * v);
-        float du = GELU_C * (1.0f + 3.0f * GELU_A * v * v);
-        float s = sigmoid_f(2.0f * u);
-        stf(dx + i, ldf(dout[i]) * (s + 2.0f * v * s * (1.0f - s) * du));
+        stf(dx + i, ldf(dout[i]) * gelu_grad(v));
     }
 }
 
