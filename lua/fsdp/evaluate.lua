@@ -9,9 +9,12 @@ local M = {}
 
 --- evaluate.loss(model, loader, n) -> the mean of n batches' losses,
 -- averaged over ranks (each rank's loader gives its rows of a global
--- batch). model(x, y) returns logits, loss, as the nn language models do.
--- The model runs in eval mode (no dropout) without gradients, and is back
--- in the mode it was in afterwards. Collective: every rank calls it.
+-- batch). model(x, y, { logits = false }) returns logits or nil, loss, as
+-- the nn language models do: only the loss is needed, so the GPT's head
+-- computes it in one fused op that hands out no logits (the same loss as
+-- with them); a model that ignores the option returns its logits, which are
+-- freed. The model runs in eval mode (no dropout) without gradients, and is
+-- back in the mode it was in afterwards. Collective: every rank calls it.
 function M.loss(model, loader, n)
   if type(n) ~= "number" or n < 1 or n ~= math.floor(n) then
     error("evaluate.loss: n (batches) must be a positive integer, got " .. tostring(n), 2)
@@ -22,9 +25,9 @@ function M.loss(model, loader, n)
   local ok, err = pcall(fsdp.no_grad, function()
     for _ = 1, n do
       local x, y = loader:next()
-      local logits, loss = model(x, y)
+      local logits, loss = model(x, y, { logits = false })
       total = total + loss:item()
-      -- with head_chunk the model gives nil, loss: a nil among them is skipped
+      -- nil, loss from the fused or the chunked head: a nil among them is skipped
       x:free()
       y:free()
       if logits ~= nil then logits:free() end

@@ -216,6 +216,36 @@ do   -- evaluate.loss: eval mode (no dropout), no gradients, the mean over batch
   t.raises(function() evaluate.loss(model, val, 0) end, { "evaluate.loss", "positive integer" }, "n = 0")
 end
 
+do   -- evaluate.loss asks for the loss alone (the fused head): the loss of the head with logits, bit for bit
+  for _, bf16 in ipairs({ false, true }) do
+    local model = nn.GPT(cfg)
+    fsdp.shard(model, { seed = 9, mixed_precision = bf16 and { compute = "bf16" } or nil })
+    local asked, forward = {}, model.forward
+    model.forward = function(self, x, y, opts)
+      asked[#asked + 1] = opts and opts.logits
+      return forward(self, x, y, opts)
+    end
+    local _, val = data.splits { data = corpus, batch = 4, ctx = cfg.block_size, seed = 2 }
+    local _, ref_loader = data.splits { data = corpus, batch = 4, ctx = cfg.block_size, seed = 2 }
+    local got = evaluate.loss(model, val, 2)
+    model.forward = forward   -- (fsdp.shard's own, put back)
+    model:eval()
+    local ref = 0
+    fsdp.no_grad(function()
+      for _ = 1, 2 do
+        local x, y = ref_loader:next()
+        local logits, l = model(x, y)
+        t.ok(logits ~= nil, "the reference keeps its logits")
+        ref = ref + l:item()
+      end
+    end)
+    local dt = bf16 and "bf16" or "f32"
+    t.eq(#asked == 2 and asked[1] == false and asked[2] == false, true, dt .. ": evaluate.loss calls model(x, y, "
+      .. "{ logits = false })")
+    t.eq(got, ref / 2, dt .. ": evaluate.loss with the fused head: the loss with logits, bit for bit")
+  end
+end
+
 do   -- evaluate.loss with head_chunk: the model gives nil, loss; the loss is freed by hand too
   local function run(chunk)
     local c = {}
