@@ -50,7 +50,13 @@ static inline void unit_mark_grad_zero(unit *u) {
 }
 /* Does u's gradient shard still hold them? Not after any other write to it
  * (a user's axpy into the shard between zero_grad and backward): then the
- * backward adds, and an abandoned one leaves the shard alone. */
+ * backward adds, and an abandoned one leaves the shard alone. The schedule's
+ * own writes (add_reduced, a reduce-scatter adding into the shard, a world
+ * of one accumulating into it during the walk, sched_slice.c's adds) do not
+ * bump the storage version: each clears grad_zero instead, so a shard that
+ * holds sums (a second backward without zero_grad, one after no_sync) is
+ * never taken for zeros; only unit_mark_grad_zero sets it again, where the
+ * schedule wrote the zeros. (distributed.grad_write.* checks both.) */
 static inline bool unit_grad_zero(const unit *u) {
     return u->grad_zero && u->grad && u->grad->storage->version == u->grad_zero_version;
 }

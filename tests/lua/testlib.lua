@@ -246,7 +246,7 @@ function M.lm_backward(model, x, y, fail)
   local z = fsdp.tensor({ 1, 2 }):requires_grad(true)
   local b = fail and Boom(z) or z * 1
   local _, l = model(x, y)
-  return (l + b:sum() * 0):backward()
+  return (l + b:sum():cast(l:dtype()) * 0):backward()   -- (a bf16 model's loss is bf16)
 end
 
 function M.done()
