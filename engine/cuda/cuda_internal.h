@@ -436,15 +436,21 @@ int64_t cuda_cross_entropy_forward_bf16(float *losses, float *lse, const uint16_
 void cuda_cross_entropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const float *lse,
                                       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
                                       int64_t ignore_index, const float *dloss, int64_t count);
-void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
-void cuda_embedding_forward_bf16(uint16_t *out, const int64_t *ids, int64_t n, const uint16_t *table, int64_t dim);
-void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
-                                 int64_t dim);
 int64_t cuda_cross_entropy_forward_f32(float *losses, float *lse, const float *logits, const int64_t *targets,
                                        int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index);
 void cuda_cross_entropy_backward_f32(float *dlogits, const float *logits, const float *lse, const int64_t *targets,
                                      int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index,
                                      const float *dloss, int64_t count);
+/* cuda_embedding.cu */
+void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim);
+void cuda_embedding_forward_bf16(uint16_t *out, const int64_t *ids, int64_t n, const uint16_t *table, int64_t dim);
+void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
+                                 int64_t dim);
+void cuda_embedding_backward_bf16(uint16_t *dtable, int64_t vocab, const int64_t *ids, int64_t n,
+                                  const uint16_t *dout, int64_t dim);
+void cuda_embedding_backward_acc_bf16(uint16_t *dtable, const int64_t *ids, int64_t n, const uint16_t *dout,
+                                      int64_t dim);
+void cuda_embedding_backward_acc_f32(float *dtable, const int64_t *ids, int64_t n, const float *dout, int64_t dim);
 /* cuda_classifier.cu */
 void cuda_classifier_lse_f32(float *m, float *s, float *tlogit, const float *logits, const int64_t *targets,
                              int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,

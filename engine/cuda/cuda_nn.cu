@@ -1,6 +1,6 @@
-/* cuda_nn.cu: activations, softmax, normalization, embedding and
- * cross-entropy, forward and backward, with the semantics of engine/cpu
- * activation.c, softmax.c, norm.c, embedding.c and loss.c.
+/* cuda_nn.cu: activations, softmax, normalization and cross-entropy,
+ * forward and backward, with the semantics of engine/cpu activation.c,
+ * softmax.c, norm.c and loss.c (the embedding: cuda_embedding.cu).
  *
  * Row-wise kernels take one block per row (warp shuffles, then the warps'
  * results in shared memory); row statistics accumulate in double, as on the
@@ -453,83 +453,6 @@ void cuda_layernorm_backward_addx_bf16(uint16_t *dx, uint16_t *dweight, uint16_t
                                        const float *rstd, int64_t rows, int64_t cols, int acc) {
     CUDA_ENTER();
     norm_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, rows, cols, 0, acc, 1);
-}
-
-/* ---- embedding ---- */
-
-/* out (n, dim) [i] = table (V, dim) [ids[i]]; T float or bf16 (copied as it is) */
-template <class T>
-__global__ void embedding_fwd_kernel(T *out, const int64_t *ids, int64_t n, const T *table, int64_t dim) {
-    FOR_ROWS(i, n) {
-        const T *src = table + ids[i] * dim;
-        for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
-    }
-}
-
-/* dtable[ids[i], j] += dout[i, j] for i in order, without atomics: the
- * vocabulary is split into R classes by a hash of the id, and warp (class c,
- * tile of 32 columns) walks all ids in order, adding the rows of its class
- * into its columns. No two warps touch one element, and each element gets
- * its terms in the order of i, as on the CPU, so the result is the CPU's bit
- * for bit. Block (32, 8): 8 classes by 32 columns; grid (column tiles, R / 8).
- * The ids go through shared memory a chunk at a time, with their classes. */
-#define EMB_CHUNK 1024
-
-__device__ __forceinline__ int emb_class(int64_t id, int log2_classes) {
-    return (int)(((uint32_t)id * 0x9E3779B1u) >> (32 - log2_classes));
-}
-
-__global__ void embedding_bwd_kernel(float *dtable, const int64_t *ids, int64_t n, const float *dout, int64_t dim,
-                                     int log2_classes) {
-    __shared__ int64_t s_id[EMB_CHUNK];
-    __shared__ int s_class[EMB_CHUNK];
-    int tid = cuda_linear_tid();
-    int cls = (int)(blockIdx.y * blockDim.y + threadIdx.y);
-    int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
-    for (int64_t c0 = 0; c0 < n; c0 += EMB_CHUNK) {
-        int len = (int)cuda_min64(EMB_CHUNK, n - c0);
-        __syncthreads();   /* the previous chunk is done with */
-        for (int k = tid; k < len; k += cuda_block_threads()) {
-            int64_t id = ids[c0 + k];
-            s_id[k] = id;
-            s_class[k] = emb_class(id, log2_classes);
-        }
-        __syncthreads();
-        if (j < dim)
-            for (int k = 0; k < len; k++)
-                if (s_class[k] == cls) dtable[s_id[k] * dim + j] += dout[(c0 + k) * dim + j];
-    }
-}
-
-void cuda_embedding_forward_f32(float *out, const int64_t *ids, int64_t n, const float *table, int64_t dim) {
-    CUDA_ENTER();
-    if (n <= 0 || dim <= 0) return;
-    LAUNCH(embedding_fwd_kernel<float>, row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, table, dim);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_embedding_forward_bf16(uint16_t *out, const int64_t *ids, int64_t n, const uint16_t *table, int64_t dim) {
-    CUDA_ENTER();
-    if (n <= 0 || dim <= 0) return;
-    LAUNCH(embedding_fwd_kernel<uint16_t>, row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, table, dim);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_embedding_backward_f32(float *dtable, int64_t vocab, const int64_t *ids, int64_t n, const float *dout,
-                                 int64_t dim) {
-    CUDA_ENTER();
-    if (dim <= 0 || vocab <= 0) return;
-    CUDA_CHECK(cudaMemsetAsync(dtable, 0, (size_t)(vocab * dim) * sizeof(float), cuda_stream()));
-    if (n <= 0) return;
-    /* Classes: 8 .. 128, fewer when the vocabulary is small. More classes
-     * mean more warps scanning the ids, fewer mean longer chains of adds per
-     * warp; 128 balances them for GPT-2-sized batches. */
-    int log2_classes = 3;
-    while (log2_classes < 7 && ((int64_t)1 << log2_classes) < vocab) log2_classes++;
-    int64_t tiles = cuda_ceil_div(dim, 32);
-    dim3 grid((unsigned)tiles, (unsigned)((1 << log2_classes) / 8));
-    LAUNCH(embedding_bwd_kernel, grid, dim3(32, 8), 0)(dtable, ids, n, dout, dim, log2_classes);
-    CUDA_CHECK_LAUNCH();
 }
 
 /* ---- cross-entropy over logits (N, V), the first valid_v columns real ---- */

@@ -192,6 +192,26 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     return 1 + (dbias && gelu_bwd_chunks(rows, cols, elem) > 1);
 }
 
+/* ... and of its embedding backward by sorted ids (cuda_embedding.cu): the
+ * ids read once into (id, position) keys of 16 bytes sorted in tiles of
+ * 1024, then one merge pass per sixteenfold of the run length up to n (each
+ * reads and writes the n keys; its binary searches re-read keys from L2, not
+ * counted), then one pass that reads the sorted keys, every dout row once
+ * and the old row of each distinct id, and writes that row back. The ids
+ * are not seen here, so every position is taken as a distinct id: an upper
+ * bound on the rows read and written. */
+static int64_t emb_merge_passes(int64_t n) {
+    int64_t passes = 0;
+    for (int64_t len = 1024; len < n; len *= 16) passes++;
+    return passes;
+}
+static bool emb_sorted_runs(int64_t n, int64_t dim) { return n > 0 && dim > 0; }
+#define EMB_SORTED_READ(n, dim, elem)                                                                            \
+    (emb_sorted_runs(n, dim) ? 8 * (n) + 16 * (n) * (emb_merge_passes(n) + 1) + 2 * (elem) * (n) * (dim) : 0)
+#define EMB_SORTED_WRITTEN(n, dim, elem)                                                                         \
+    (emb_sorted_runs(n, dim) ? 16 * (n) * (emb_merge_passes(n) + 1) + (elem) * (n) * (dim) : 0)
+#define EMB_SORTED_LAUNCHES(n, dim) (emb_sorted_runs(n, dim) ? 2 + emb_merge_passes(n) : 0)
+
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
  * Bytes are device memory traffic (a copy from the host writes, one to the
@@ -332,8 +352,11 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
     X(void, embedding_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n, const float *table,   \
       int64_t dim), 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                               \
+    /* cuda_embedding.cu: a memset of the table, then the scatter's read-modify-write of the ids' rows */     \
     X(void, embedding_backward_f32, "embedding", (float *dtable, int64_t vocab, const int64_t *ids, int64_t n,    \
-      const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim, F32 * n * dim, n * dim, 1, 0, )                  \
+      const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim,                                                  \
+      (vocab > 0 && dim > 0) * F32 * (vocab * dim + n * dim), n * dim,                                             \
+      (vocab > 0 && dim > 0) * (1 + (n > 0)), 0, )                                                                 \
     X(int64_t, cross_entropy_forward_f32, "loss", (float *losses, float *lse, const float *logits,                \
       const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
       F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                          \
@@ -362,7 +385,9 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, int64_t count), BF16 * N * V + 8 * N,           \
       BF16 * N * V + F32 * N, 7 * N * valid_v, 1, 0, )                                                             \
     X(void, embedding_backward_bf16, "embedding", (uint16_t *dtable, int64_t vocab, const int64_t *ids,         \
-      int64_t n, const uint16_t *dout, int64_t dim), 8 * n + 2 * BF16 * n * dim, BF16 * vocab * dim, n * dim, 2, 0, ) \
+      int64_t n, const uint16_t *dout, int64_t dim), EMB_SORTED_READ(n, dim, BF16),                               \
+      BF16 * vocab * dim + EMB_SORTED_WRITTEN(n, dim, BF16), n * dim,                                             \
+      (vocab > 0 && dim > 0) + EMB_SORTED_LAUNCHES(n, dim), 0, )                                                   \
     X(void, embedding_forward_bf16, "embedding", (uint16_t *out, const int64_t *ids, int64_t n,                 \
       const uint16_t *table, int64_t dim), 8 * n + BF16 * n * dim, BF16 * n * dim, 0, 1, 0, )                      \
     X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
@@ -459,9 +484,11 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
       BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
       13 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, acc), 0, )                                   \
     X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
-      const uint16_t *dout, int64_t dim), 8 * n + 3 * BF16 * n * dim, BF16 * n * dim, n * dim, 1, 0, )         \
+      const uint16_t *dout, int64_t dim), EMB_SORTED_READ(n, dim, BF16), EMB_SORTED_WRITTEN(n, dim, BF16),         \
+      n * dim, EMB_SORTED_LAUNCHES(n, dim), 0, )                                                                   \
     X(void, embedding_backward_acc_f32, "embedding", (float *dtable, const int64_t *ids, int64_t n,              \
-      const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim, F32 * n * dim, n * dim, 1, 0, )                 \
+      const float *dout, int64_t dim), EMB_SORTED_READ(n, dim, F32), EMB_SORTED_WRITTEN(n, dim, F32), n * dim,     \
+      EMB_SORTED_LAUNCHES(n, dim), 0, )                                                                            \
     X(void, bias_gelu_forward_f32, "activation", (float *out, const float *x, const float *bias, int64_t rows,    \
       int64_t cols), F32 * (rows * cols + cols), F32 * rows * cols, 9 * rows * cols, rows > 0 && cols > 0, 0, )     \
     X(void, bias_gelu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, const uint16_t *bias,       \

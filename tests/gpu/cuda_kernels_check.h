@@ -86,6 +86,7 @@ void test_activations(void);   /* test_cuda_kernels_nn.c */
 void test_softmax(void);
 void test_norms(void);
 void test_embedding(void);   /* test_cuda_kernels_loss.c */
+void test_embedding_backward_sorted(void);
 void test_cross_entropy(void);
 void test_cross_entropy_online(void);
 void test_classifier(void);

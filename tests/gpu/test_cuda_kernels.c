@@ -179,6 +179,7 @@ int main(int argc, char **argv) {
     test_softmax();
     test_norms();
     test_embedding();
+    test_embedding_backward_sorted();
     test_cross_entropy();
     test_cross_entropy_online();
     test_classifier();

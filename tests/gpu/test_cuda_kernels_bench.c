@@ -93,6 +93,12 @@ int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulation */
     BENCH("embedding forward (8192 ids, 768)", 8.0 * N * Cd, "GB/s", G->embedding_forward_f32(y, dids, N, table, Cd));
     BENCH("embedding backward (50257 x 768, 8192 ids)", 4.0 * (V + 2 * N) * Cd, "GB/s",
           G->embedding_backward_f32(table, V, dids, N, y, Cd));
+    uint16_t *table16 = dalloc((size_t)(Vp * Cd) * 2), *y16 = dalloc((size_t)(N * Cd) * 2);
+    G->cast_any(table16, FSDP_BF16, table, FSDP_F32, Vp * Cd);
+    G->cast_any(y16, FSDP_BF16, y, FSDP_F32, N * Cd);
+    /* bytes: dout, and each row of an id read and written (the ids here are all distinct) */
+    BENCH("embedding backward acc bf16 (8192 ids, 768)", 2.0 * 3 * N * Cd, "GB/s",
+          G->embedding_backward_acc_bf16(table16, dids, N, y16, Cd));
     float *p = dev_uniform(P), *pg = dev_uniform(P), *m1 = dev_uniform(P), *m2 = dev_uniform(P);
     G->scale_f32(m2, m2, 0.0f, P);
     BENCH("adamw (124M parameters)", 28.0 * P, "GB/s",

@@ -1,7 +1,8 @@
 /* test_cuda_kernels_loss.c: the embedding, the cross-entropy (f32 and bf16
  * logits, the one-pass online forward), and the vocabulary-chunked
  * classifier and embedding slices.
- * Tolerances: the embedding bit for bit both ways (the same order of adds);
+ * Tolerances: the embedding bit for bit both ways (the same order of adds;
+ * the bf16 gradient by sorted ids also within bf16's rounding of a double sum);
  * cross-entropy rtol 1e-5, atol 1e-6; see each test for the rest. */
 #include "cuda_kernels_check.h"
 
@@ -42,6 +43,111 @@ void test_embedding(void) {
             G->copy_to_host(h16, g16, (size_t)(n * dim) * 2);
             check_bits(name, h16, w16, (size_t)(n * dim) * 2);
         }
+        free_case();
+    }
+}
+
+/* The embedding's gradient by sorted ids (embedding_backward_acc_bf16,
+ * _acc_f32, embedding_backward_bf16): bit for bit the CPU's (each id's rows
+ * added in position order onto the old row, bf16 rounded once), and within
+ * the bf16 rounding of a double-precision sum. Cases: one token, a prime
+ * vocabulary, ids that repeat, all ids equal, more than one sort tile (1024
+ * positions) and not a power of two of them, more than one merge pass (over
+ * 16 tiles), rows of 16 bytes (vector accesses) and not, buffers off 16-byte
+ * alignment. */
+void test_embedding_backward_sorted(void) {
+    /* V, n, dim, ids (0 random, 1 all equal, 2 from 3 values), element offset of the buffers */
+    int64_t cs[][5] = {{1, 1, 1, 0, 0},     {97, 1, 64, 0, 0},     {13, 50, 7, 0, 0},      {1009, 3000, 16, 0, 0},
+                       {5, 2049, 8, 1, 0},  {50257, 1100, 24, 0, 0}, {7, 4099, 3, 2, 0},   {31, 1025, 16, 2, 1},
+                       {101, 700, 40, 1, 0}, {10007, 17000, 2, 0, 0}, {3, 16385, 1, 2, 0},
+                       BIG({50257, 16384, 768, 0, 0})};
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
+        int64_t V = cs[c][0], n = cs[c][1], dim = cs[c][2], mode = cs[c][3], off = cs[c][4];
+        int64_t *ids = halloc((size_t)n * sizeof(int64_t));
+        for (int64_t k = 0; k < n; k++) {
+            int64_t r = (int64_t)(test_rng_uniform(&rng) * (double)V) % V;
+            ids[k] = mode == 1 ? V / 2 : mode == 2 ? (r % 3) * (V / 3) : r;
+        }
+        int64_t tn = V * dim, dn = n * dim;
+        float *tf = hrand(tn, 1), *df = hrand(dn, 1);
+        uint16_t *t16 = halloc((size_t)tn * 2), *d16 = halloc((size_t)dn * 2);
+        for (int64_t k = 0; k < tn; k++) t16[k] = f32_to_bf16(tf[k]);
+        for (int64_t k = 0; k < dn; k++) d16[k] = f32_to_bf16(df[k]);
+        int64_t *dids = dup_bytes(ids, (size_t)n * sizeof(int64_t));
+        char name[128];
+        char tag[80];
+        snprintf(tag, sizeof tag, "V %lld n %lld dim %lld ids %s%s", (long long)V, (long long)n, (long long)dim,
+                 mode == 1 ? "all equal" : mode == 2 ? "3 values" : "random", off ? " unaligned" : "");
+
+        /* bf16, added onto a table that holds values */
+        uint16_t *want = halloc((size_t)tn * 2), *got = halloc((size_t)tn * 2);
+        memcpy(want, t16, (size_t)tn * 2);
+        C->embedding_backward_acc_bf16(want, ids, n, d16, dim);
+        uint16_t *gt = (uint16_t *)dalloc((size_t)(tn + off) * 2) + off, *gd = (uint16_t *)dalloc((size_t)(dn + off) * 2) + off;
+        G->copy_from_host(gt, t16, (size_t)tn * 2);
+        G->copy_from_host(gd, d16, (size_t)dn * 2);
+        G->embedding_backward_acc_bf16(gt, dids, n, gd, dim);
+        G->copy_to_host(got, gt, (size_t)tn * 2);
+        snprintf(name, sizeof name, "embedding_backward_acc_bf16 %s", tag);
+        check_bits(name, got, want, (size_t)tn * 2);
+        /* against double: old + sum of the id's rows, within bf16's rounding (2^-9 relative)
+         * plus f32 accumulation (2^-24 per add of the terms' magnitudes) */
+        double *ref = calloc((size_t)tn, sizeof(double)), *mag = calloc((size_t)tn, sizeof(double));
+        int64_t *cnt = calloc((size_t)V, sizeof(int64_t));
+        if (!ref || !mag || !cnt) abort();
+        for (int64_t k = 0; k < tn; k++) {
+            ref[k] = bf16_to_f32(t16[k]);
+            mag[k] = fabs(ref[k]);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            cnt[ids[i]]++;
+            for (int64_t j = 0; j < dim; j++) {
+                double d = bf16_to_f32(d16[i * dim + j]);
+                ref[ids[i] * dim + j] += d;
+                mag[ids[i] * dim + j] += fabs(d);
+            }
+        }
+        float *gotf = halloc((size_t)tn * sizeof(float)), *reff = halloc((size_t)tn * sizeof(float));
+        double *bound = calloc((size_t)tn, sizeof(double));
+        if (!bound) abort();
+        for (int64_t k = 0; k < tn; k++) {
+            gotf[k] = bf16_to_f32(got[k]);
+            reff[k] = (float)ref[k];
+            bound[k] = fabs(ref[k]) * 0x1p-8 + (double)(cnt[k / dim] + 1) * 0x1p-24 * mag[k];
+        }
+        snprintf(name, sizeof name, "embedding_backward_acc_bf16 vs double %s", tag);
+        check_bound(name, gotf, reff, bound, tn, 1.0);
+        /* the same inputs again: the same bits (no order that timing decides) */
+        G->copy_from_host(gt, t16, (size_t)tn * 2);
+        G->embedding_backward_acc_bf16(gt, dids, n, gd, dim);
+        uint16_t *again = halloc((size_t)tn * 2);
+        G->copy_to_host(again, gt, (size_t)tn * 2);
+        snprintf(name, sizeof name, "embedding_backward_acc_bf16 run twice %s", tag);
+        check_bits(name, again, got, (size_t)tn * 2);
+
+        /* bf16, overwriting a table of NaNs: zeros where no id points */
+        uint16_t *w2 = halloc((size_t)tn * 2);
+        C->embedding_backward_bf16(w2, V, ids, n, d16, dim);
+        for (int64_t k = 0; k < tn; k++) got[k] = 0x7fc1;
+        G->copy_from_host(gt, got, (size_t)tn * 2);
+        G->embedding_backward_bf16(gt, V, dids, n, gd, dim);
+        G->copy_to_host(got, gt, (size_t)tn * 2);
+        snprintf(name, sizeof name, "embedding_backward_bf16 %s", tag);
+        check_bits(name, got, w2, (size_t)tn * 2);
+
+        /* f32, added onto a table that holds values */
+        float *wf = hcopy(tf, tn);
+        C->embedding_backward_acc_f32(wf, ids, n, df, dim);
+        float *gtf = (float *)dalloc((size_t)(tn + off) * 4) + off, *gdf = (float *)dalloc((size_t)(dn + off) * 4) + off;
+        G->copy_from_host(gtf, tf, (size_t)tn * 4);
+        G->copy_from_host(gdf, df, (size_t)dn * 4);
+        G->embedding_backward_acc_f32(gtf, dids, n, gdf, dim);
+        snprintf(name, sizeof name, "embedding_backward_acc_f32 %s", tag);
+        check_bits(name, back(gtf, tn), wf, (size_t)tn * 4);
+        free(ref);
+        free(mag);
+        free(cnt);
+        free(bound);
         free_case();
     }
 }

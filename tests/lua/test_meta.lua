@@ -165,6 +165,35 @@ if ok then
   t.eq(e.axpy_bf16.calls, 0, "bias and norm gradients added where they are kept: no add")
   t.eq(e.sum_dim_acc_bf16.calls, 1, "the bias gradient summed into its .grad")
   t.eq(e.layernorm_backward_acc_bf16.calls, 1, "the norm's gradients added into their .grad")
+  -- a bf16 embedding's gradient stays bf16 (ids sorted on the device, each
+  -- row's terms summed in f32 and rounded once): the table written while no
+  -- .grad exists, then only the rows of the ids added into it; no staging
+  -- casts, no f32 table, no separate add. Bytes: the ids, 16-byte keys
+  -- (sorted in tiles of 1024, one merge pass per 16 tiles), dout and the
+  -- old rows (the ids unseen: every position taken as its own row)
+  for _, n in ipairs({ 5, 2000 }) do
+    local etab = fsdp.randn(11, 8, { seed = 10, device = "meta" }):cast("bf16"):requires_grad(true)
+    local list = {}
+    for i = 1, n do list[i] = (i * 7) % 11 end
+    local eids = fsdp.tensor(list, { dtype = "i64", device = "meta" })
+    local dout = fsdp.randn(n, 8, { seed = 11, device = "meta" }):cast("bf16")
+    local function emb_bwd() fsdp.embedding(etab, eids):backward(dout) end
+    local passes = n > 1024 and 1 or 0
+    local keys = 16 * n * (passes + 1)
+    e = counts_of(emb_bwd)
+    t.eq(e.embedding_backward_bf16.calls, 1, n .. " ids, no .grad yet: the bf16 table written")
+    t.eq(e.embedding_backward_bf16.bytes_read, 8 * n + keys + 2 * 2 * n * 8, n .. " ids: ids, keys, dout, rows read")
+    t.eq(e.embedding_backward_bf16.bytes_written, 2 * 11 * 8 + keys + 2 * n * 8,
+      n .. " ids: the table's zeros, keys, rows written")
+    t.eq(e.embedding_backward_bf16.launches, 3 + passes, n .. " ids: memset, tile sort, merges, accumulation")
+    e = counts_of(emb_bwd)
+    t.eq(e.embedding_backward_acc_bf16.calls, 1, n .. " ids, a .grad: its rows added to")
+    t.eq(e.embedding_backward_acc_bf16.bytes_read, 8 * n + keys + 2 * 2 * n * 8, n .. " ids: acc bytes read")
+    t.eq(e.embedding_backward_acc_bf16.bytes_written, keys + 2 * n * 8, n .. " ids: acc bytes written")
+    t.eq(e.embedding_backward_acc_bf16.launches, 2 + passes, n .. " ids: tile sort, merges, accumulation")
+    t.eq(e.cast_any.calls + e.axpy_bf16.calls + e.embedding_backward_f32.calls, 0,
+      n .. " ids: nothing staged through f32, no separate add")
+  end
   -- indices host code gave: checked from their host range, no value read
   -- back; the loss mean and count stay on the device (no host sync at all)
   local tbl = fsdp.randn(11, 4, { seed = 3, device = "meta" }):cast("bf16")
