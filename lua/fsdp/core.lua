@@ -114,6 +114,17 @@ M.out = out
 -- collection, or after 4096 handles regardless. A collection is cheap: the
 -- Lua heap is small.
 local collectgarbage = collectgarbage
+-- A full collection that leaves a stopped collector stopped: LuaJIT's
+-- restarts it (a full cycle resets the step threshold), and then
+-- incremental steps, paced by Lua allocations, would free dead handles at
+-- moments no two programs share (fsdp.dryrun.deterministic stops it so that
+-- a plan and a real run free them at the same points).
+local function full_collect()
+  local running = collectgarbage("isrunning")
+  collectgarbage()
+  if not running then collectgarbage("stop") end
+end
+M.full_collect = full_collect
 local made, since_check = 0, 0
 local in_use = ffi.new("int64_t[1]")
 local dev_box = ffi.new("int[1]")
@@ -130,13 +141,13 @@ local function maybe_collect()
   local now = engine_bytes()
   if made >= 4096 or now > after_gc * 1.5 + 16 * 2 ^ 20 then
     made = 0
-    collectgarbage()
+    full_collect()
     after_gc = engine_bytes()
   end
 end
 M.collect = function()
   made = 0
-  collectgarbage()
+  full_collect()
   after_gc = engine_bytes()
 end
 -- The handle counts that time those checks, to run a program again from

@@ -130,8 +130,8 @@ function M.run(fn, opts, ...)
   meta.mimic(mimic)
   -- what an earlier run left for the collector goes back first, so that it
   -- is not counted against this one
-  collectgarbage()
-  collectgarbage()
+  core.full_collect()
+  core.full_collect()
   local world_group, leave_world = enter_world(opts.world or 1, opts.rank or 0)
   -- every sharded model the run makes, for the plan's unit list
   local shard_mod = require "fsdp.shard"

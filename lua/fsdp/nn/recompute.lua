@@ -7,6 +7,7 @@
 -- the outer backward. Dropout masks are replayed by rewinding the counter.
 local fsdp = require "fsdp"
 local layers = require "fsdp.nn.layers"
+local full_collect = require("fsdp.core").full_collect
 
 local M = {}
 
@@ -31,7 +32,7 @@ local Recompute = fsdp.Function {
     res = pack(unpack(res, 2, res.n))
     -- nothing recorded holds the module's intermediates: free them now,
     -- not whenever Lua's collector would get to them
-    collectgarbage()
+    full_collect()
     return unpack(res, 1, res.n)
   end,
   backward = function(ctx, ...)
@@ -77,7 +78,7 @@ local Recompute = fsdp.Function {
       end)
     end)
     fsdp.tape_pop()
-    collectgarbage()   -- the recomputed activations are dead now
+    full_collect()   -- the recomputed activations are dead now
     rng.offset = resume
     if not ok then error(err, 0) end
     -- one gradient per forward argument: the module first (none)
