@@ -138,6 +138,13 @@ typedef struct comm_backend {
      * makes *gpu (the communicator's NCCL side) first when needed. Whenever
      * the comm stream got any work, "done" is recorded, even on failure. */
     fsdp_status (*run)(comm_gpu **gpu, comm_gpu_work *w, const comm_gpu_call *call);
+    /* Comm thread: the n calls (n >= 1, all between ranks, on one GPU) as
+     * one NCCL group after each one's "ready", recording each "done" as
+     * run does (even on failure). One status for the group: a failure
+     * fails every call of it, and the communicators it reached are
+     * aborted (ncclCommAbort), so nothing of the group stays in flight on
+     * this rank; later collectives on them fail at once. */
+    fsdp_status (*run_group)(comm_gpu **gpus[], comm_gpu_work *ws[], const comm_gpu_call calls[], int n);
     /* Whether "done" was recorded: then the buffers live until it passes. */
     bool (*work_recorded)(const comm_gpu_work *w);
     /* Caller thread: the compute stream waits for "done" (no host stall). */

@@ -25,7 +25,8 @@
 #include <string.h>
 
 const char *const comm_kind_names[] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
-                                       "barrier", "all_reduce_doubles", "split", "free", "cancel"};
+                                       "barrier", "all_reduce_doubles", "split", "free", "cancel",
+                                       "group_end"};
 
 uint64_t comm_hash_str(const char *s) {   /* FNV-1a */
     uint64_t h = 0xcbf29ce484222325ull;
@@ -56,7 +57,7 @@ void comm_fp_describe(const fingerprint *f, bool with_seq, char *buf, size_t siz
         snprintf(extra, sizeof extra, " root %d", f->arg);
     char seq[32] = "";
     if (with_seq) snprintf(seq, sizeof seq, "#%llu ", (unsigned long long)f->seq);
-    const char *kind = f->kind >= K_ALL_GATHER && f->kind <= K_CANCEL ? comm_kind_names[f->kind] : "?kind";
+    const char *kind = f->kind >= K_ALL_GATHER && f->kind <= K_GROUP_END ? comm_kind_names[f->kind] : "?kind";
     snprintf(buf, size, "%s%s '%s' %llu B%s%s%s%s", seq, kind, f->label, (unsigned long long)f->bytes,
              f->dtype == DT_NONE ? "" : " ", fp_dtype_name(f->dtype), extra,
              f->device == FSDP_DEVICE_CUDA ? " cuda" : "");

@@ -13,7 +13,8 @@
 
 typedef enum {
     K_ALL_GATHER, K_REDUCE_SCATTER, K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_DOUBLES, K_SPLIT, K_FREE,
-    K_CANCEL   /* stands in for a collective this rank never issued: fails its agreement (fsdp_comm_cancel) */
+    K_CANCEL,  /* stands in for a collective this rank never issued: fails its agreement (fsdp_comm_cancel) */
+    K_GROUP_END   /* closes the CUDA collectives issued in a group (comm_group_end): not counted, no agreement */
 } work_kind;
 #define K_COUNTED (K_DOUBLES + 1)   /* kinds with traffic counts: fsdp_collective_kind's values */
 extern const char *const comm_kind_names[];
@@ -123,9 +124,16 @@ struct fsdp_work {
     /* CUDA collectives (the tensors' device; fingerprint too) */
     int device;
     comm_gpu_work *gw;            /* events: ready (compute stream), done (comm stream) */
+    bool grouped;                 /* issued inside comm_group_begin/end: launched with the group's other members */
+    uint64_t group_serial;        /* which group of the issuing thread */
+    bool deferred;                /* comm thread: agreed, waiting for its group's launch */
     double started;               /* comm thread: when the compute stream reached it (0: not yet) */
     struct fsdp_work *gnext;      /* comm thread: in flight on the GPU */
 };
+
+/* Before the calling thread waits for w: the members of its open group
+ * issued so far are launched, so that w completes (comm_queue.c). */
+void comm_group_before_wait(const fsdp_work *w);
 
 /* ---- configuration (comm_queue.c; read once from the environment) ---- */
 

@@ -19,6 +19,18 @@ const char *comm_name_of(fsdp_comm *c);
  * add. */
 fsdp_status comm_reduce_scatter_add(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
                                     fsdp_reduce_op op, const char *label);
+/* CUDA collectives issued on this thread between comm_group_begin and
+ * comm_group_end (nested: the outermost pair counts) are launched as one
+ * NCCL group (ncclGroupStart/End) once the last one has been agreed on:
+ * each keeps its own sequence number, fingerprint, agreement, events and
+ * handle, in the one issue order. For collectives whose buffers are
+ * independent of each other only (an all-gather of one unit with the
+ * reduce-scatter of another, the two gathers of a unit pair): a group's
+ * operations may run concurrently. The caller waits for none of them
+ * before comm_group_end; a blocking collective (no work handle) inside is
+ * not grouped. Host collectives are not affected. */
+void comm_group_begin(void);
+void comm_group_end(void);
 /* A new communicator of the same ranks in the same order (collective over
  * parent; works on every backend, counting ones included). */
 fsdp_status comm_dup(fsdp_comm **out, fsdp_comm *parent);

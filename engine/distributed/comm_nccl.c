@@ -27,6 +27,21 @@
  *   CUDA collective: its rank 0 makes the unique id and broadcasts it over
  *   the communicator's MPI communicator, then every rank calls
  *   ncclCommInitRank.
+ * - Groups (comm_group_begin/end, comm_internal.h): CUDA collectives the
+ *   schedule issues back to back on independent buffers go to NCCL as one
+ *   ncclGroupStart/ncclGroupEnd once the last of them is agreed on (so
+ *   every rank groups the same ones): a unit's forward gather with its
+ *   forward prefetch, the two gathers of a frozen unit and its owner, an
+ *   explicit prefetch list, a unit's reduce-scatter with the backward_post
+ *   prefetch, hybrid_shard's replica averages after the walk. Not grouped:
+ *   a reduce-scatter and the replica all-reduce of its output (the second
+ *   reads the first, and a group's operations may run concurrently), and
+ *   anything a caller waits for before the group ends (a wait inside a
+ *   group launches its members so far). A group that fails on a rank
+ *   fails every member there with the same error and aborts the
+ *   communicators it reached (ncclCommAbort), so nothing of it stays in
+ *   flight; the caller's wait raises the error, which ends the job, and
+ *   the other ranks' watchdog covers a rank that fails without ending it.
  * - One comm stream per process (non-blocking, highest priority, so NCCL
  *   kernels get SMs as soon as they are ready). Collectives of every
  *   communicator go onto it in issue order, which is the same on all ranks.
@@ -177,7 +192,8 @@ static fsdp_status run_copy(const comm_gpu_call *c, cudaStream_t s) {
 
 struct comm_gpu {
     ncclComm_t nccl;
-    int device;   /* the GPU it was made on: the comm thread selects it for host calls */
+    int device;     /* the GPU it was made on: the comm thread selects it for host calls */
+    bool aborted;   /* ncclCommAbort after a failed group: nccl is gone */
 };
 
 /* What rank 0 broadcasts: the id, or why there is none (so that no rank
@@ -260,34 +276,38 @@ static fsdp_status nccl_op(int op, ncclRedOp_t *out) {
     }
 }
 
-static fsdp_status run_nccl(comm_gpu *g, const comm_gpu_call *c, cudaStream_t s) {
+/* A collective in three parts, so that a group can put every call's NCCL
+ * part between one ncclGroupStart and ncclGroupEnd: device copies that
+ * must come before (an all-gather's overlapping block into the scratch)
+ * and after (a reduce-scatter's result out of it) stay outside, on the
+ * same stream, in that order. */
+static fsdp_status nccl_before(const comm_gpu_call *c, cudaStream_t s) {
+    if (c->kind == COMM_GPU_ALL_GATHER && c->scratch)
+        CUDA_CHECK(cudaMemcpyAsync(c->scratch, c->src, (size_t)c->n * fsdp_dtype_size(c->dtype),
+                                   cudaMemcpyDeviceToDevice, s));
+    return FSDP_OK;
+}
+
+static fsdp_status nccl_call(comm_gpu *g, const comm_gpu_call *c, cudaStream_t s) {
+    if (g->aborted)
+        return fsdp_set_error(FSDP_ERR_COMM, "this communicator's NCCL side was aborted after a collective group "
+                              "failed on it");
     ncclDataType_t t = ncclFloat32;
     size_t k = 1;
     ncclRedOp_t op = ncclSum;
     bool reduce = c->kind == COMM_GPU_REDUCE_SCATTER || c->kind == COMM_GPU_ALL_REDUCE;
     FSDP_TRY(nccl_type(c->dtype, reduce, &t, &k));
     if (reduce) FSDP_TRY(nccl_op(c->op, &op));
-    size_t count = (size_t)c->n * k, bytes = (size_t)c->n * fsdp_dtype_size(c->dtype);
+    size_t count = (size_t)c->n * k;
     switch (c->kind) {
-    case COMM_GPU_ALL_GATHER: {
+    case COMM_GPU_ALL_GATHER:
         /* In place when src is this rank's block of dst (NCCL's rule);
          * any other overlap goes through the scratch block. */
-        const void *src = c->src;
-        if (c->scratch) {
-            CUDA_CHECK(cudaMemcpyAsync(c->scratch, c->src, bytes, cudaMemcpyDeviceToDevice, s));
-            src = c->scratch;
-        }
-        NCCL_CHECK(ncclAllGather(src, c->dst, count, t, g->nccl, s));
+        NCCL_CHECK(ncclAllGather(c->scratch ? c->scratch : c->src, c->dst, count, t, g->nccl, s));
         return FSDP_OK;
-    }
     case COMM_GPU_REDUCE_SCATTER:
         /* In place when dst is this rank's block of src. */
-        if (c->scratch) {
-            NCCL_CHECK(ncclReduceScatter(c->src, c->scratch, count, t, op, g->nccl, s));
-            CUDA_CHECK(cudaMemcpyAsync(c->dst, c->scratch, bytes, cudaMemcpyDeviceToDevice, s));
-        } else {
-            NCCL_CHECK(ncclReduceScatter(c->src, c->dst, count, t, op, g->nccl, s));
-        }
+        NCCL_CHECK(ncclReduceScatter(c->src, c->scratch ? c->scratch : c->dst, count, t, op, g->nccl, s));
         return FSDP_OK;
     case COMM_GPU_ALL_REDUCE:
         NCCL_CHECK(ncclAllReduce(c->dst, c->dst, count, t, op, g->nccl, s));
@@ -299,8 +319,24 @@ static fsdp_status run_nccl(comm_gpu *g, const comm_gpu_call *c, cudaStream_t s)
     return fsdp_set_error(FSDP_ERR_INVALID, "unknown CUDA collective %d", (int)c->kind);
 }
 
+static fsdp_status nccl_after(const comm_gpu_call *c, cudaStream_t s) {
+    if (c->kind == COMM_GPU_REDUCE_SCATTER && c->scratch)
+        CUDA_CHECK(cudaMemcpyAsync(c->dst, c->scratch, (size_t)c->n * fsdp_dtype_size(c->dtype),
+                                   cudaMemcpyDeviceToDevice, s));
+    return FSDP_OK;
+}
+
+static fsdp_status run_nccl(comm_gpu *g, const comm_gpu_call *c, cudaStream_t s) {
+    FSDP_TRY(nccl_before(c, s));
+    FSDP_TRY(nccl_call(g, c, s));
+    return nccl_after(c, s);
+}
+
 static fsdp_status gpu_comm_check(comm_gpu *g) {
     if (!g) return FSDP_OK;
+    if (g->aborted)
+        return fsdp_set_error(FSDP_ERR_COMM, "the NCCL communicator was aborted after a collective group failed on "
+                              "it, with collectives of it still in flight");
     ncclResult_t async = ncclSuccess;
     NCCL_CHECK(ncclCommGetAsyncError(g->nccl, &async));
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
@@ -313,10 +349,84 @@ static fsdp_status gpu_comm_check(comm_gpu *g) {
 
 static fsdp_status gpu_comm_destroy(comm_gpu *g) {
     if (!g) return FSDP_OK;
-    ncclComm_t nc = g->nccl;
+    ncclComm_t nc = g->aborted ? NULL : g->nccl;
     free(g);
-    NCCL_CHECK(ncclCommDestroy(nc));
+    if (nc) NCCL_CHECK(ncclCommDestroy(nc));
     return FSDP_OK;
+}
+
+/* ---- a group of collectives (comm thread) ----
+ * Every call's "ready" first, then each call's copies before, the NCCL
+ * calls between one ncclGroupStart and ncclGroupEnd (NCCL launches them
+ * together, so they may run concurrently: the members' buffers are
+ * independent), the copies after, and each "done". A call NCCL refuses,
+ * or a failed ncclGroupEnd, fails the whole group on this rank; the
+ * communicators it reached are aborted (ncclCommAbort), since what NCCL
+ * launched of it can never complete without the others, and the error goes
+ * to every member, so the caller's wait raises it and the job ends as for
+ * any failed collective (the other ranks' watchdog otherwise). */
+static fsdp_status gpu_run_group(comm_gpu **gcs[], comm_gpu_work *ws[], const comm_gpu_call calls[], int n) {
+    int device = ws[0]->device;
+    CUDA_CHECK(cudaSetDevice(device));
+    cudaStream_t s = NULL;
+    FSDP_TRY(comm_stream(device, &s));
+    fsdp_status st = FSDP_OK;
+    /* communicators without an NCCL side yet make it first, in member order on every rank */
+    for (int i = 0; i < n && st == FSDP_OK; i++)
+        if (!*gcs[i]) st = nccl_comm_create(gcs[i], &calls[i]);
+    for (int i = 0; i < n && st == FSDP_OK; i++) {
+        cudaError_t e = cudaStreamWaitEvent(s, ws[i]->ready, 0);
+        if (e != cudaSuccess)
+            st = fsdp_set_error(FSDP_ERR_COMM, "%s:%d: cudaStreamWaitEvent(ready) failed: %s", __FILE__, __LINE__,
+                                cudaGetErrorString(e));
+    }
+    for (int i = 0; i < n && st == FSDP_OK; i++) st = nccl_before(&calls[i], s);
+    bool started = false;
+    if (st == FSDP_OK) {
+        ncclResult_t r = ncclGroupStart();
+        if (r != ncclSuccess)
+            st = fsdp_set_error(FSDP_ERR_COMM, "%s:%d: ncclGroupStart() failed: %s", __FILE__, __LINE__,
+                                nccl_error_string(r));
+        started = r == ncclSuccess;
+    }
+    int reached = 0;   /* members whose NCCL call was made */
+    for (int i = 0; i < n && st == FSDP_OK; i++, reached++) st = nccl_call(*gcs[i], &calls[i], s);
+    if (started) {
+        char first[1024] = "";
+        if (st != FSDP_OK) snprintf(first, sizeof first, "%s", fsdp_last_error());
+        ncclResult_t r = ncclGroupEnd();   /* (after a refused call too: it closes the group) */
+        if (st == FSDP_OK && r != ncclSuccess)
+            st = fsdp_set_error(FSDP_ERR_COMM, "%s:%d: ncclGroupEnd() of %d collectives failed: %s", __FILE__,
+                                __LINE__, n, nccl_error_string(r));
+        else if (st != FSDP_OK)
+            fsdp_set_error(st, "in a group of %d collectives: %s", n, first);
+        if (st != FSDP_OK) {
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+            for (int i = 0; i < n; i++) {   /* each communicator it reached, once */
+                comm_gpu *g = *gcs[i];
+                if (!g || g->aborted || i >= reached) continue;
+                (void)ncclCommAbort(g->nccl);
+                g->aborted = true;
+            }
+            fsdp_set_error(st, "%s; its NCCL communicators were aborted", msg);
+        }
+    }
+    for (int i = 0; i < n && st == FSDP_OK; i++) st = nccl_after(&calls[i], s);
+    /* Even after a failure: whatever did reach the stream must finish
+     * before the buffers are given back. */
+    for (int i = 0; i < n; i++) {
+        cudaError_t e = cudaEventRecord(ws[i]->done, s);
+        if (e == cudaSuccess) {
+            ws[i]->recorded = true;
+            continue;
+        }
+        cudaStreamSynchronize(s);   /* best effort: nothing may still use the buffers */
+        if (st == FSDP_OK)
+            st = fsdp_set_error(FSDP_ERR_COMM, "%s:%d: cudaEventRecord(done, comm stream) failed: %s", __FILE__,
+                                __LINE__, cudaGetErrorString(e));
+    }
+    return st;
 }
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
@@ -430,6 +540,9 @@ static const comm_backend nccl_backend = {
     .gpu_destroy = gpu_comm_destroy,
 #ifdef GPU_COMM_SPLIT
     .gpu_split = GPU_COMM_SPLIT,
+#endif
+#ifdef FSDP_HAVE_NCCL
+    .run_group = gpu_run_group,
 #endif
 };
 

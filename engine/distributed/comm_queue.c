@@ -388,8 +388,8 @@ static void drop_orphan(fsdp_work *w) {
 
 /* ---- CUDA collectives on the comm thread ---- */
 
-/* Enqueues w on the comm stream (comm_nccl.c); the GPU runs it later. */
-static fsdp_status run_gpu(fsdp_work *w) {
+/* The device call of CUDA work w. */
+static fsdp_status gpu_call_of(const fsdp_work *w, comm_gpu_call *out) {
     fsdp_comm *c = w->comm;
     comm_gpu_call call = {
         .dst = w->dst, .src = w->src, .scratch = w->t_scratch ? tensor_data(w->t_scratch) : NULL, .n = w->n,
@@ -403,7 +403,15 @@ static fsdp_status run_gpu(fsdp_work *w) {
     case K_BROADCAST: call.kind = COMM_GPU_BROADCAST; break;
     default: return fsdp_set_error(FSDP_ERR_INVALID, "%s on CUDA tensors", comm_kind_names[w->kind]);
     }
-    return c->dev->run(&c->gpu, w->gw, &call);
+    *out = call;
+    return FSDP_OK;
+}
+
+/* Enqueues w on the comm stream (comm_nccl.c); the GPU runs it later. */
+static fsdp_status run_gpu(fsdp_work *w) {
+    comm_gpu_call call;
+    FSDP_TRY(gpu_call_of(w, &call));
+    return w->comm->dev->run(&w->comm->gpu, w->gw, &call);
 }
 
 /* CUDA collectives the GPU has not finished yet, in issue order (one comm
@@ -472,6 +480,119 @@ static fsdp_status run_free(fsdp_work *w) {
     return st;
 }
 
+/* ---- groups (comm_group_begin/end) ----
+ * The comm thread keeps a group's CUDA members once their agreement has
+ * passed (in the issue order, as every rank does) and launches them as one
+ * NCCL group when the first work that is not a member arrives: the
+ * group's end marker, which the caller queues right after its last
+ * member, or anything else. Members complete then, as a lone collective
+ * completes after its enqueue. */
+enum { GROUP_MAX = 64 };
+static fsdp_work *g_group[GROUP_MAX];   /* comm thread only */
+static int g_group_n;
+static void complete_work(fsdp_work *w);
+
+static void flush_group(void) {
+    int n = g_group_n;
+    if (n == 0) return;
+    g_group_n = 0;
+    fsdp_status st = FSDP_OK;
+    const comm_backend *dev = g_group[0]->comm->dev;
+    bool together = n > 1 && dev->run_group;
+    for (int i = 0; i < n && together; i++) {
+        fsdp_comm *c = g_group[i]->comm;
+        together = c->be->carries_device && c->dev->between_ranks;
+    }
+    if (together) {
+        comm_gpu **gpus[GROUP_MAX];
+        comm_gpu_work *ws[GROUP_MAX];
+        comm_gpu_call calls[GROUP_MAX];
+        for (int i = 0; i < n && st == FSDP_OK; i++) {
+            gpus[i] = &g_group[i]->comm->gpu;
+            ws[i] = g_group[i]->gw;
+            st = gpu_call_of(g_group[i], &calls[i]);
+        }
+        if (st == FSDP_OK) st = dev->run_group(gpus, ws, calls, n);
+        for (int i = 0; i < n; i++) {
+            fsdp_work *w = g_group[i];
+            if (st != FSDP_OK) comm_work_take_error(w, st);
+            else comm_count_traffic(w, w->comm);
+        }
+    } else {   /* one member, or copies of a rank without NCCL: each as it would run alone */
+        for (int i = 0; i < n; i++) {
+            fsdp_work *w = g_group[i];
+            st = run_gpu(w);
+            if (st != FSDP_OK) comm_work_take_error(w, st);
+            else comm_count_traffic(w, w->comm);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        g_group[i]->deferred = false;
+        complete_work(g_group[i]);
+    }
+}
+
+/* Keeps agreed member w for its group's launch; false when it must run now. */
+static bool group_add(fsdp_work *w) {
+    if (g_group_n == GROUP_MAX) flush_group();   /* a long group: launched in parts */
+    if (g_group_n > 0 && g_group[0]->device != w->device) flush_group();
+    g_group[g_group_n++] = w;
+    w->deferred = true;
+    return true;
+}
+
+static _Thread_local int t_group_depth;
+static _Thread_local fsdp_comm *t_group_comm;   /* where the last member went: the end marker follows it */
+static _Thread_local uint64_t t_group_serial;   /* the open group's number on this thread */
+
+void comm_group_begin(void) {
+    if (t_group_depth++ == 0) t_group_comm = NULL;
+}
+
+static fsdp_status enqueue(fsdp_work *w, const uint64_t *only_seq, bool *issued, const char *opname);
+
+/* Queues the end marker of the members issued so far on this thread. */
+static void group_close(void) {
+    fsdp_comm *c = t_group_comm;
+    t_group_comm = NULL;
+    t_group_serial++;
+    if (!c) return;   /* no CUDA member was issued */
+    fsdp_work *w;
+    /* If even the marker cannot be made, the comm thread launches the
+     * members at the next work it meets; nothing here can wait for them. */
+    if (comm_work_new(&w, K_GROUP_END, c, "", 0, DT_NONE, 0, "comm_group_end") != FSDP_OK) return;
+    if (enqueue(w, NULL, NULL, "comm_group_end") != FSDP_OK) {
+        comm_work_unref(w);
+        return;
+    }
+    comm_work_unref(w);   /* the queue holds its own reference */
+}
+
+void comm_group_end(void) {
+    if (t_group_depth <= 0 || --t_group_depth > 0) return;
+    group_close();
+}
+
+/* A wait inside an open group for one of its members: the members so far
+ * are launched now (the group ends here, on every rank alike, since every
+ * rank waits at the same point), and the group goes on with later ones. */
+void comm_group_before_wait(const fsdp_work *w) {
+    if (t_group_depth > 0 && w->grouped && w->group_serial == t_group_serial && t_group_comm) group_close();
+}
+
+/* At issue: whether w joins the caller's open group. Only CUDA collectives
+ * with a handle the caller waits on later, and none that complete at issue
+ * (FSDP_COMM_SYNC, a counting communicator). */
+static void group_mark(fsdp_work *w, bool has_handle) {
+    if (t_group_depth <= 0 || !has_handle || w->device != FSDP_DEVICE_CUDA || !w->gw || !w->comm) return;
+    if (comm_cfg()->sync || w->comm->be->local) return;
+    if (w->kind != K_ALL_GATHER && w->kind != K_REDUCE_SCATTER && w->kind != K_ALL_REDUCE && w->kind != K_BROADCAST)
+        return;
+    w->grouped = true;
+    w->group_serial = t_group_serial;
+    t_group_comm = w->comm;
+}
+
 static void run_work(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     set_state(RS_ARRIVING);
@@ -482,6 +603,7 @@ static void run_work(fsdp_work *w) {
         return;
     }
     if (w->device == FSDP_DEVICE_CUDA) {
+        if (w->grouped && group_add(w)) return;   /* launched with its group (flush_group) */
         st = run_gpu(w);
         if (st != FSDP_OK) comm_work_take_error(w, st);
         else comm_count_traffic(w, c);
@@ -510,6 +632,7 @@ static void run_work(fsdp_work *w) {
     case K_CANCEL:   /* only reached when every rank cancelled: nobody issued it */
         st = fsdp_set_error(FSDP_ERR_COMM, "cancelled on every rank");
         break;
+    case K_GROUP_END: break;   /* its group was launched before it ran (comm_thread_main) */
     }
     if (st != FSDP_OK) {
         comm_work_take_error(w, st);
@@ -519,6 +642,29 @@ static void run_work(fsdp_work *w) {
 }
 
 /* ---- the comm thread ---- */
+
+/* w ran (or failed, or was launched with its group): the watchdog's
+ * record, the tensors back (a CUDA collective's once the GPU is done with
+ * them, not when the handle is freed), the waiter woken. */
+static void complete_work(fsdp_work *w) {
+    if (w->status == FSDP_OK) {
+        note_finished(w);
+    } else {
+        pthread_mutex_lock(&q_mu);
+        q_failed++;
+        pthread_mutex_unlock(&q_mu);
+    }
+    set_state(RS_IDLE);
+    if (comm_work_on_gpu(w)) inflight_push(w);
+    else comm_work_drop_tensors(w);
+    pthread_mutex_lock(&w->mu);
+    w->done = true;
+    bool orphaned = w->orphaned;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    if (orphaned) drop_orphan(w);
+    comm_work_unref(w);
+}
 
 /* The world's service (answers to watchdog questions), once a world
  * between ranks exists. */
@@ -578,6 +724,7 @@ static void *comm_thread_main(void *arg) {
         pthread_mutex_unlock(&q_mu);
 
         double tt0 = trace_now();
+        if (!w->grouped) flush_group();   /* a group ends where its members do */
         run_work(w);
         pthread_mutex_lock(&q_mu);
         q_run = NULL;   /* ran: no longer pending for fsdp_comm_pending */
@@ -585,25 +732,8 @@ static void *comm_thread_main(void *arg) {
         if (tt0 > 0)
             trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
                             tt0, trace_now());
-        if (w->status == FSDP_OK) {
-            note_finished(w);
-        } else {
-            pthread_mutex_lock(&q_mu);
-            q_failed++;
-            pthread_mutex_unlock(&q_mu);
-        }
-        set_state(RS_IDLE);
-        /* Completion: the tensors go back now, not when the handle is freed;
-         * those of a CUDA collective once the GPU is done with them. */
-        if (comm_work_on_gpu(w)) inflight_push(w);
-        else comm_work_drop_tensors(w);
-        pthread_mutex_lock(&w->mu);
-        w->done = true;
-        bool orphaned = w->orphaned;
-        pthread_cond_broadcast(&w->cv);
-        pthread_mutex_unlock(&w->mu);
-        if (orphaned) drop_orphan(w);
-        comm_work_unref(w);
+        if (!w->deferred) complete_work(w);
+        else set_state(RS_IDLE);
         if (g_inflight) poll_inflight();
 
         pthread_mutex_lock(&q_mu);
@@ -665,6 +795,7 @@ void comm_queue_pending(int64_t *n, uint64_t *comm_id, uint64_t *seq, bool *movi
 }
 
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
+    group_mark(w, out != NULL);
     fsdp_status est = enqueue(w, NULL, NULL, opname);
     if (est != FSDP_OK) {
         comm_work_unref(w);

@@ -87,7 +87,7 @@ fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const c
     comm_cond_init(&w->cv);
     w->kind = kind;
     w->comm = c;
-    w->counted = kind != K_FREE;
+    w->counted = kind != K_FREE && kind != K_GROUP_END;
     snprintf(w->comm_name, sizeof w->comm_name, "%s", c->name);
     w->comm_size = c->size;
     if (!label) label = "";
@@ -249,6 +249,7 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
     if (!w) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_wait: work is NULL");
     const comm_config *cfg = comm_cfg();
     double t0 = comm_now();
+    comm_group_before_wait(w);
     pthread_mutex_lock(&w->mu);
     /* Later than the comm thread's own watchdog, which reports more. */
     double limit = cfg->watchdog_s + comm_watchdog_grace() + 1;
@@ -286,6 +287,7 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
 /* *done = 1 once complete; a completed work that failed returns its error. */
 fsdp_status fsdp_work_test(fsdp_work *w, int *done) {
     if (!w || !done) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_work_test: %s is NULL", w ? "done" : "work");
+    comm_group_before_wait(w);   /* (a member tested inside its open group would never be done) */
     pthread_mutex_lock(&w->mu);
     bool is_done = w->done;
     fsdp_status st = w->done ? w->status : FSDP_OK;

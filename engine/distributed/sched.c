@@ -370,9 +370,13 @@ static fsdp_status prefetch_as(fsdp_sched *s, int k, bool limited, bool from_par
         for (int i = 0; i < s->n_units; i++)
             if (s->units[i].gathered && !s->units[i].keep && counts_alone(&s->units[i])) transient++;
         if (limited && transient >= s->limit) return FSDP_OK;
-        FSDP_TRY(sched_issue_gather(s, u, from_part));
     }
-    return p ? sched_issue_gather(s, p, from_part) : FSDP_OK;
+    /* a pair's two gathers: one NCCL group */
+    comm_group_begin();
+    fsdp_status st = u->gathered ? FSDP_OK : sched_issue_gather(s, u, from_part);
+    if (st == FSDP_OK && p) st = sched_issue_gather(s, p, from_part);
+    comm_group_end();
+    return st;
 }
 
 fsdp_status sched_prefetch(fsdp_sched *s, int k, bool from_part) { return prefetch_as(s, k, true, from_part); }
@@ -385,9 +389,12 @@ fsdp_status sched_prefetch_listed(fsdp_sched *s, int k, int phase, bool *done) {
     *done = u->n_prefetch[phase] >= 0;
     /* the backward's (and a recomputation's) prefetch may use kept parts */
     bool from_part = phase == 1 || s->recompute == FSDP_RECOMPUTE_REPLAY;
-    for (int i = 0; i < u->n_prefetch[phase]; i++)
-        FSDP_TRY(prefetch_as(s, u->prefetch_list[phase][i], false, from_part));
-    return FSDP_OK;
+    fsdp_status st = FSDP_OK;
+    comm_group_begin();   /* the list's gathers: one NCCL group */
+    for (int i = 0; i < u->n_prefetch[phase] && st == FSDP_OK; i++)
+        st = prefetch_as(s, u->prefetch_list[phase][i], false, from_part);
+    comm_group_end();
+    return st;
 }
 
 /* FSDP_FORCE_COLLECTIVES=1: a shard group of one still gathers and reduces
@@ -698,15 +705,21 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
         FSDP_TRY(sched_on_backward_finish(s));
         s->finish_registered = true;
     }
-    FSDP_TRY(sched_gather_now(s, u, replay));
-    trace_unit_push("forward", u->name);
-    /* forward prefetch: the units listed for it, else the one that came after it last time */
-    bool listed;
-    FSDP_TRY(sched_prefetch_listed(s, k, 0, &listed));
-    if (!listed && s->forward_prefetch) {
+    /* the unit's own gather and the forward prefetch (the units listed
+     * for it, else the one that came after it last time) issued together,
+     * one NCCL group, before the wait for the unit's own */
+    comm_group_begin();
+    fsdp_status gst = sched_issue_gather(s, u, replay);
+    bool listed = false;
+    if (gst == FSDP_OK) gst = sched_prefetch_listed(s, k, 0, &listed);
+    if (gst == FSDP_OK && !listed && s->forward_prefetch) {
         int i = sched_order_index(s->fwd_order, s->n_fwd_order, k);
-        if (i >= 0 && i + 1 < s->n_fwd_order) FSDP_TRY(sched_prefetch(s, s->fwd_order[i + 1], replay));
+        if (i >= 0 && i + 1 < s->n_fwd_order) gst = sched_prefetch(s, s->fwd_order[i + 1], replay);
     }
+    comm_group_end();
+    if (gst == FSDP_OK) gst = sched_wait_gather(s, u);
+    FSDP_TRY(gst);
+    trace_unit_push("forward", u->name);
     if (!replay && s->fwd_pos < 4 * s->cap_units) {
         s->fwd_order[s->fwd_pos++] = k;
         if (s->fwd_pos > s->n_fwd_order) s->n_fwd_order = s->fwd_pos;

@@ -92,6 +92,27 @@ int sched_order_index(const int *order, int n, int k) {
     return -1;
 }
 
+/* After the walk (hybrid): the replica averages of the reductions still
+ * pending, issued together as one NCCL group once the compute stream is
+ * ordered after each reduce-scatter (no host wait), instead of one blocking
+ * all-reduce after another; add_reduced then waits for each. An average
+ * that cannot be issued is left to add_reduced, which issues it alone. */
+static fsdp_status replica_averages_issued(fsdp_sched *s) {
+    fsdp_status st = FSDP_OK;
+    comm_group_begin();
+    for (int k = 0; k < s->n_pend && st == FSDP_OK; k++) {
+        pending *q = &s->pend[k];
+        if (!q->reduced || !q->work) continue;
+        /* the all-reduce reads the reduce-scatter's output: ordered after it (on a GPU the wait is the
+         * compute stream's, and it ends the group so far: the two may not run concurrently) */
+        st = fsdp_work_wait(q->work);
+        if (st == FSDP_OK) st = fsdp_all_reduce(&q->replica, s->replica_comm, q->reduced, FSDP_REDUCE_AVG,
+                                                s->units[q->unit].name);
+    }
+    comm_group_end();
+    return st;
+}
+
 /* Pending reduction k, in issue order (the same on every rank, so the
  * replica all-reduces match too): wait for it, average it across replicas
  * (hybrid), add it into the unit's gradient shard and free its output. */
@@ -105,8 +126,14 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
     }
     unit *u = &s->units[q->unit];
     fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
-    if (r == FSDP_OK && s->replica_comm && s->replica_size > 1)
+    if (q->work && q->replica) {   /* q->work was the reduce-scatter: the replica average comes next */
+        fsdp_work_free(q->work);
+        q->work = q->replica;
+        q->replica = NULL;
+        if (r == FSDP_OK) r = fsdp_work_wait(q->work);
+    } else if (r == FSDP_OK && s->replica_comm && s->replica_size > 1) {
         r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
+    }
     if (r == FSDP_OK) {
         fsdp_tensor *g32 = q->reduced;
         tensor_retain(g32);
@@ -213,7 +240,7 @@ static bool reduces_into_grad(const fsdp_sched *s, const unit *u) {
 }
 
 /* The walk reached the start of unit k's forward: its gradients are complete. */
-static fsdp_status after_backward(void *p) {
+static fsdp_status unit_backward_done(void *p) {
     marker_ctx *m = p;
     fsdp_sched *s = m->s;
     unit *u = &s->units[m->unit];
@@ -233,14 +260,14 @@ static fsdp_status after_backward(void *p) {
             FSDP_TRY(grow_pending(s, u));
             fsdp_work *w = NULL;
             FSDP_TRY(fsdp_all_reduce(&w, s->replica_comm, u->grad, FSDP_REDUCE_AVG, u->name));
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, false};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, false, NULL};
         }
     } else if (s->sync && u->flat_grad && local_reduce_in_place(s)) {
         /* a group of one whose gradient values the reduce dtype holds as
          * they are: the flat gradient itself is the reduction, added into
          * the gradient shard later (no copy, nothing widened first) */
         FSDP_TRY(grow_pending(s, u));
-        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, unit_grad_zero(u)};
+        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, unit_grad_zero(u), NULL};
         sched_unlink_grads(u);
         u->flat_grad = NULL;   /* the pending entry holds its reference */
     } else if (s->sync && u->flat_grad) {
@@ -273,7 +300,7 @@ static fsdp_status after_backward(void *p) {
             tensor_release(src);
             if (r != FSDP_OK) return r;
             u->grad_zero = false;
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, true};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, true, NULL};
         } else {
             r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, s->device, FSDP_TAG_COMM, false);
             /* a group of one: the average over one rank is the gradient itself */
@@ -285,7 +312,7 @@ static fsdp_status after_backward(void *p) {
                 tensor_release(dst);
                 return r;
             }
-            s->pend[s->n_pend++] = (pending){m->unit, w, dst, unit_grad_zero(u)};
+            s->pend[s->n_pend++] = (pending){m->unit, w, dst, unit_grad_zero(u), NULL};
         }
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);
@@ -299,11 +326,22 @@ static fsdp_status after_backward(void *p) {
     return FSDP_OK;
 }
 
+/* The unit's gradient reduction and the backward_post prefetch of the
+ * next unit: one NCCL group (independent buffers: the flat gradient and
+ * the reduction's output, the next unit's shard and full buffer). */
+static fsdp_status after_backward(void *p) {
+    comm_group_begin();
+    fsdp_status st = unit_backward_done(p);
+    comm_group_end();
+    return st;
+}
+
 /* After the walk: finish the reductions in issue order (the same on every
  * rank, so the replica all-reduces match too) into the gradient shards. */
 static fsdp_status finish_backward(void *p) {
     fsdp_sched *s = p;
     fsdp_status st = FSDP_OK;
+    if (s->replica_comm && s->replica_size > 1) st = replica_averages_issued(s);
     for (int k = 0; k < s->n_pend; k++) {
         fsdp_status r = add_reduced(s, k);
         if (r != FSDP_OK && st == FSDP_OK) st = r;
@@ -327,6 +365,7 @@ static void finish_release(void *p) {
     fsdp_sched *s = p;
     for (int k = 0; k < s->n_pend; k++) {
         if (s->pend[k].work) fsdp_work_free(s->pend[k].work);   /* (waits: the comm thread is done with it) */
+        if (s->pend[k].replica) fsdp_work_free(s->pend[k].replica);
         tensor_release(s->pend[k].reduced);
         unit *u = &s->units[s->pend[k].unit];
         if (s->pend[k].zero_before && u->grad && fsdp_fill(u->grad, 0.0) == FSDP_OK) unit_mark_grad_zero(u);

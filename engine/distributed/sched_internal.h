@@ -71,6 +71,7 @@ typedef struct pending {
     bool zero_before;              /* the gradient shard held the schedule's zeros before this reduction was
                                       added to it (during the walk or after): an abandoned backward zeroes it
                                       again, so no partial step is left in it */
+    fsdp_work *replica;            /* hybrid, after the walk: the replica average of reduced, issued (or NULL) */
 } pending;
 
 struct fsdp_sched {

@@ -24,6 +24,7 @@ struct emu_nccl_comm_s {
     int nranks, rank;
     MPI_Comm mpi;   /* the collectives' (the stream's thread); MPI_COMM_NULL for one rank */
     MPI_Comm ctl;   /* host calls that are collective (ncclCommSplit), apart from the stream's traffic */
+    bool aborted;   /* ncclCommAbort: no call takes it any more */
 };
 
 static int g_comms_made, g_comms_split;
@@ -106,7 +107,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
     memcpy(&b, id.internal, sizeof b);
     if (memcmp(b.magic, "fsdpemu", 8) != 0) return fail(ncclInvalidArgument, "ncclCommInitRank: not a unique id");
     if (nranks < 1 || rank < 0 || rank >= nranks) return fail(ncclInvalidArgument, "ncclCommInitRank: bad rank");
-    emu_nccl_comm_s *c = new emu_nccl_comm_s{nranks, rank, MPI_COMM_NULL, MPI_COMM_NULL};
+    emu_nccl_comm_s *c = new emu_nccl_comm_s{nranks, rank, MPI_COMM_NULL, MPI_COMM_NULL, false};
     if (nranks > 1) {
         if (!mpi_up()) {
             delete c;
@@ -160,6 +161,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
 
 ncclResult_t ncclCommDestroy(ncclComm_t c) {
     if (!c) return ncclSuccess;
+    if (c->aborted) return fail(ncclInvalidUsage, "ncclCommDestroy: the communicator was aborted");
     if (mpi_up()) {
         if (c->mpi != MPI_COMM_NULL) MPI_Comm_free(&c->mpi);
         if (c->ctl != MPI_COMM_NULL) MPI_Comm_free(&c->ctl);
@@ -168,16 +170,19 @@ ncclResult_t ncclCommDestroy(ncclComm_t c) {
     return ncclSuccess;
 }
 
-/* The emulated collectives block in MPI, where nothing can interrupt them;
- * an abort frees the communicator without its MPI parts (the process is
- * on its way out, as after a real NCCL abort). */
+/* The emulated collectives block in MPI, where nothing can interrupt them,
+ * so collectives already on a stream stay there and the handle's memory is
+ * kept for them; the handle itself is dead: every later call on it is
+ * refused, as on a communicator NCCL freed. */
 ncclResult_t ncclCommAbort(ncclComm_t c) {
-    delete c;
+    if (!c) return ncclSuccess;
+    c->aborted = true;
     return ncclSuccess;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *async) {
     if (!c || !async) return fail(ncclInvalidArgument, "ncclCommGetAsyncError: NULL argument");
+    if (c->aborted) return fail(ncclInvalidUsage, "ncclCommGetAsyncError: the communicator was aborted");
     *async = ncclSuccess;
     return ncclSuccess;
 }
@@ -206,12 +211,13 @@ ncclResult_t ncclCommSplit(ncclComm_t parent, int color, int key, ncclComm_t *ou
     if (!out) return fail(ncclInvalidArgument, "ncclCommSplit: newcomm is NULL");
     *out = NULL;
     if (!parent) return fail(ncclInvalidArgument, "ncclCommSplit: comm is NULL");
+    if (parent->aborted) return fail(ncclInvalidUsage, "ncclCommSplit: the communicator was aborted");
     bool bad = color < 0 && color != NCCL_SPLIT_NOCOLOR;
     bool in = color >= 0;
     if (parent->nranks == 1) {
         if (bad) return fail(ncclInvalidArgument, "ncclCommSplit: color must be >= 0 or NCCL_SPLIT_NOCOLOR");
         if (!in) return ncclSuccess;
-        *out = new emu_nccl_comm_s{1, 0, MPI_COMM_NULL, MPI_COMM_NULL};
+        *out = new emu_nccl_comm_s{1, 0, MPI_COMM_NULL, MPI_COMM_NULL, false};
         g_comms_split++;
         return ncclSuccess;
     }
@@ -219,7 +225,7 @@ ncclResult_t ncclCommSplit(ncclComm_t parent, int color, int key, ncclComm_t *ou
     mpi_ok(MPI_Comm_split(parent->ctl, in ? color : MPI_UNDEFINED, key, &ctl), "MPI_Comm_split");
     if (bad) return fail(ncclInvalidArgument, "ncclCommSplit: color must be >= 0 or NCCL_SPLIT_NOCOLOR");
     if (!in) return ncclSuccess;
-    emu_nccl_comm_s *c = new emu_nccl_comm_s{0, 0, MPI_COMM_NULL, ctl};
+    emu_nccl_comm_s *c = new emu_nccl_comm_s{0, 0, MPI_COMM_NULL, ctl, false};
     MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
     MPI_Comm_size(ctl, &c->nranks);
     MPI_Comm_rank(ctl, &c->rank);
@@ -356,6 +362,7 @@ static void run_coll(void *arg) {
 
 static ncclResult_t check_coll(const coll &x) {
     if (!x.c) return fail(ncclInvalidArgument, "collective on a NULL communicator");
+    if (x.c->aborted) return fail(ncclInvalidUsage, "collective on an aborted communicator");
     if (type_size(x.t) == 0) return fail(ncclInvalidArgument, "unknown data type");
     if ((x.k == K_REDUCE_SCATTER || x.k == K_ALL_REDUCE) &&
         !(x.t == ncclFloat32 || x.t == ncclBfloat16 || x.t == ncclInt32 || x.t == ncclInt64 || x.t == ncclFloat64))
@@ -386,13 +393,32 @@ ncclResult_t ncclGroupStart(void) {
     return ncclSuccess;
 }
 
+/* Test control: FSDP_EMU_NCCL_FAIL_GROUP=R:N makes the N-th group of at
+ * least one collective fail at its ncclGroupEnd on world rank R, launching
+ * nothing of it, as a group whose launch failed on one GPU. */
+static bool injected_failure(void) {
+    static int rank_to_fail = -2, nth = 0, seen = 0;
+    if (rank_to_fail == -2) {
+        rank_to_fail = -1;
+        const char *v = getenv("FSDP_EMU_NCCL_FAIL_GROUP");
+        if (v && sscanf(v, "%d:%d", &rank_to_fail, &nth) != 2) rank_to_fail = -1;
+    }
+    if (rank_to_fail < 0) return false;
+    int me = 0;
+    if (mpi_up()) MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    return me == rank_to_fail && ++seen == nth;
+}
+
 ncclResult_t ncclGroupEnd(void) {
     if (t_group_depth <= 0) return fail(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
     if (--t_group_depth > 0) return ncclSuccess;
     std::vector<std::pair<coll *, cudaStream_t>> *g = t_group;
     t_group = NULL;
     ncclResult_t r = ncclSuccess;
-    if (t_group_failed) {
+    if (!t_group_failed && !g->empty() && injected_failure()) {
+        for (auto &e : *g) delete e.first;
+        r = fail(ncclSystemError, "injected failure of this group's launch (FSDP_EMU_NCCL_FAIL_GROUP)");
+    } else if (t_group_failed) {
         for (auto &e : *g) delete e.first;
         r = fail(ncclInvalidArgument, "a call of the group failed; nothing of it was launched");
     } else {

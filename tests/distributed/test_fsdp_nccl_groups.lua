@@ -1,0 +1,90 @@
+-- On the CUDA emulation: the collectives the schedule issues back to back
+-- go out as NCCL groups (ncclGroupStart/End), and that changes nothing that
+-- is computed. Schedules that group (forward prefetch: a unit's gather with
+-- the next one's; backward_post: a unit's reduce-scatter with the next
+-- unit's gather; explicit prefetch lists: their gathers; hybrid_shard: the
+-- replica averages after the walk) train bit for bit as the default
+-- schedule (backward_pre, no forward prefetch), which groups nothing:
+-- losses, gradient shards and parameters after three AdamW steps.
+-- --strategy=hybrid_shard --group-size=2 for the replica averages.
+-- --fail=R:N (a test of the failure path, run under expect_fail.sh): world
+-- rank R's N-th NCCL group fails to launch; the job must end on every rank.
+--   mpirun -np 2 fsdp-lua-emu tests/distributed/test_fsdp_nccl_groups.lua
+package.path = "tests/lua/?.lua;" .. package.path
+local t = require "testlib"
+local fsdp = require "fsdp"
+local nn = require "fsdp.nn"
+local optim = require "fsdp.optim"
+local dist = fsdp.distributed
+local ffi = require "ffi"
+
+ffi.cdef [[ long long emu_nccl_groups(void); ]]
+assert(pcall(function() return ffi.C.emu_nccl_groups end) and fsdp.default_device() == "cuda",
+  "this test runs on the CUDA emulation (fsdp-lua-emu)")
+
+local opts = ... or {}
+local rank, world = dist.rank(), dist.world()
+local cfg = { vocab_size = 97, n_layer = 4, n_head = 3, n_embd = 21, block_size = 8 }
+local B, T, STEPS = 2, 8, 3
+local blocks = { "h.0", "h.1", "h.2", "h.3" }
+
+local function batch(step) return t.token_batch(step * 7919 + rank * 104729 + 17, B, T, cfg.vocab_size) end
+
+local function train(shard_opts, once)
+  local model = nn.GPT(cfg)
+  local so = { policy = fsdp.policy.per_block(), seed = 7, strategy = opts.strategy, group_size = opts.group_size }
+  for k, v in pairs(shard_opts) do so[k] = v end
+  local sharded = fsdp.shard(model, so)
+  if once then once(sharded) end
+  local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 3e-3, betas = { 0.9, 0.95 } })
+  local g0 = ffi.C.emu_nccl_groups()
+  local r = t.train_sharded(model, sharded, opt, batch, STEPS)
+  r.groups = tonumber(ffi.C.emu_nccl_groups() - g0)
+  return r
+end
+
+local function same(a, b, what)
+  local d = 0
+  for i = 1, #a.losses do d = math.max(d, math.abs(a.losses[i] - b.losses[i])) end
+  t.eq(d, 0, what .. ": losses bit for bit")
+  t.eq(t.max_abs_diff(a.grads, b.grads), 0, what .. ": gradient shards bit for bit")
+  t.eq(t.max_abs_diff(a.params, b.params), 0, what .. ": parameters bit for bit")
+end
+
+if opts.fail then
+  -- a failed group launch: the error on the failing rank, then the job ends (expect_fail.sh checks how)
+  train({ forward_prefetch = true, prefetch = "backward_post" })
+  error("the injected group failure was not raised on rank " .. rank)
+end
+
+local base = train({})
+local hybrid = opts.strategy == "hybrid_shard"
+t.ok(hybrid or base.groups == 0, string.format("rank %d: the default schedule made %d NCCL groups", rank,
+  base.groups))
+local variants = {
+  { "forward prefetch", { forward_prefetch = true } },
+  { "backward_post", { prefetch = "backward_post" } },
+  { "prefetch lists", {}, function(sh)
+    -- each block's forward gathers the next two, each backward the two before
+    for i, name in ipairs(blocks) do
+      local fwd, bwd = {}, {}
+      for j = i + 1, math.min(i + 2, #blocks) do fwd[#fwd + 1] = blocks[j] end
+      for j = i - 1, math.max(i - 2, 1), -1 do bwd[#bwd + 1] = blocks[j] end
+      sh:set_prefetch(name, { forward = fwd, backward = bwd })
+    end
+  end },
+}
+for _, v in ipairs(variants) do
+  local r = train(v[2], v[3])
+  same(r, base, v[1])
+  -- one rank: no collectives between ranks (a group of one copies locally)
+  if world > 1 then
+    t.ok(r.groups > 0, string.format("rank %d: %s: %d NCCL groups launched", rank, v[1], r.groups))
+  end
+  if rank == 0 then print(string.format("%s: %d NCCL groups in %d steps (default schedule: %d)", v[1], r.groups,
+    STEPS, base.groups)) end
+end
+if hybrid and world > 2 then
+  t.ok(base.groups > 0, string.format("rank %d: hybrid: the replica averages made %d NCCL groups", rank, base.groups))
+end
+t.done()
