@@ -201,10 +201,13 @@ __global__ void binary_contig_kernel(int op, T *__restrict__ out, const T *__res
 }
 
 /* bf16, same shape, contiguous, 16-byte aligned: 8 elements per 16-byte
- * load and store */
-struct bf16x8 {
+ * load and store. alignas(16) is what makes them one access: a struct of
+ * uint16_t alone has alignment 2, and nvcc then moves it as 8 separate
+ * 2-byte loads (its PTX showed ld.global.u16 x 8) */
+struct alignas(16) bf16x8 {
     uint16_t h[8];
 };
+static_assert(sizeof(bf16x8) == 16 && alignof(bf16x8) == 16, "bf16x8 is one 16-byte access");
 
 __global__ void binary_contig_bf16x8_kernel(int op, bf16x8 *__restrict__ out, const bf16x8 *__restrict__ a,
                                             const bf16x8 *__restrict__ b, int64_t n8) {
@@ -279,9 +282,10 @@ __global__ void axpy_bf16x8_kernel(bf16x8 *__restrict__ y, const bf16x8 *__restr
 /* f32 y += alpha x with x bf16, widened in registers (a group of one's bf16
  * flat gradient into its f32 gradient shard); one FMA per element, as the
  * CPU's cpu_axpy_f32_bf16. 16-byte accesses: 8 bf16 of x, 2 x 4 f32 of y. */
-struct f32x4 {
+struct alignas(16) f32x4 {
     float v[4];
 };
+static_assert(sizeof(f32x4) == 16 && alignof(f32x4) == 16, "f32x4 is one 16-byte access");
 __global__ void axpy_f32_bf16_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, float alpha, int64_t n) {
     GRID_STRIDE(i, n) y[i] = fmaf(alpha, bf16_to_f32(x[i]), y[i]);
 }

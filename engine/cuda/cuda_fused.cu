@@ -16,6 +16,27 @@ template <class T, int V> struct alignas(sizeof(T) * V) pack_t {
     T v[V];
 };
 
+/* *dst = v as one 16-byte access. nvcc moves a pack element by element and
+ * merges neighbouring accesses back into vector ones where it can prove the
+ * address aligned; in bias_gelu_bwd_kernel it cannot (the row index comes
+ * from a division of the block index), and dx went out as 2-byte stores
+ * (tests/gpu/ptx_vectors.sh shows it). This one store is spelt in PTX. */
+__device__ __forceinline__ uint32_t pack_word(const uint16_t *h) { return (uint32_t)h[0] | ((uint32_t)h[1] << 16); }
+__device__ __forceinline__ uint32_t pack_word(const float *f) { return __float_as_uint(f[0]); }
+
+template <class T, int V> __device__ __forceinline__ void store_pack(pack_t<T, V> *dst, const pack_t<T, V> &v) {
+#ifndef FSDP_CUDA_EMU
+    if constexpr (sizeof(T) * V == 16) {
+        constexpr int per = 4 / (int)sizeof(T);   /* elements a 32-bit word */
+        asm volatile("st.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(pack_word(v.v)), "r"(pack_word(v.v + per)),
+                     "r"(pack_word(v.v + 2 * per)), "r"(pack_word(v.v + 3 * per))
+                     : "memory");
+        return;
+    }
+#endif
+    *dst = v;
+}
+
 static bool fused_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* Elements per access for rows of cols elements at these pointers (NULL ones pass). */
@@ -81,7 +102,7 @@ __global__ void bias_gelu_bwd_kernel(T *__restrict__ dx, T *dbias, double *__res
                 stf(&d.v[k], ldf(gv.v[k]) * gelu_grad(ldf(xv.v[k]) + ldf(bv.v[k])));
                 s[k] += (double)ldf(d.v[k]);   /* the sum of dx as stored */
             }
-            *(P *)(dx + at) = d;
+            store_pack((P *)(dx + at), d);
         }
     }
     if (!dbias) return;   /* (the same for every thread of the launch) */

@@ -274,13 +274,17 @@ FSDP_HD int64_t cuda_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (int64_t)gridDim.x * blockDim.x)
 
-/* The dynamic shared memory of a launch. */
+/* The dynamic shared memory of a launch. Its start is promised only the
+ * alignment the extern array is declared with: 16 bytes here, since kernels
+ * keep doubles (norm_bwd_fused_kernel) in it after static arrays of their
+ * own, and a double on a 4-byte boundary faults ("misaligned address") on a
+ * GPU. The emulation's window is 128-byte aligned and cannot show it. */
 #ifdef FSDP_CUDA_EMU
 #define CUDA_DYN_SMEM() ((float *)emu_dyn_smem())
 #else
 #define CUDA_DYN_SMEM() cuda_dyn_smem_()
 __device__ __forceinline__ float *cuda_dyn_smem_(void) {
-    extern __shared__ float fsdp_dyn_smem[];
+    extern __shared__ __align__(16) float fsdp_dyn_smem[];
     return fsdp_dyn_smem;
 }
 #endif

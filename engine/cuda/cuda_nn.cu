@@ -564,9 +564,16 @@ __global__ void ce_bwd_kernel(T *__restrict__ dlogits, const T *__restrict__ log
  * those of the forward and backward kernels run one after the other. The
  * target's logit is read before the block's reductions, whose barriers keep
  * it ahead of any write. */
+/* A block of up to 1024 threads has 64 registers a thread at most (65536 an
+ * SM): __launch_bounds__ makes ptxas keep to that, so the launch cannot fail
+ * with "too many resources requested" on a GPU (the emulation has no
+ * registers to run out of). */
+#define CE_FUSED_MAX_THREADS 1024
+
 template <class T, int W>
-__global__ void ce_fused_kernel(float *losses, T *logits, const int64_t *targets, int64_t N, int64_t V,
-                                int64_t valid_v, int64_t ignore_index, int64_t count) {
+__global__ void __launch_bounds__(CE_FUSED_MAX_THREADS)
+    ce_fused_kernel(float *losses, T *logits, const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,
+                    int64_t ignore_index, int64_t count) {
     typedef ce_pack<T, W> P;
     __shared__ double sd[32];
     __shared__ float sf[32];
@@ -620,7 +627,7 @@ static void cross_entropy_fused(float *losses, T *logits, const int64_t *targets
      * (264 of 100 KB at GPT-2's vocabulary on an H200) stay in L2 for their second visit */
     int64_t cols = wide ? V / W : V;
     int threads = 32;
-    while (threads < 1024 && threads < cols) threads *= 2;
+    while (threads < CE_FUSED_MAX_THREADS && threads < cols) threads *= 2;
     LAUNCH(kernel, row_blocks(N), threads, 0)(losses, logits, targets, N, V, valid_v, ignore_index, count);
     CUDA_CHECK_LAUNCH();
 }

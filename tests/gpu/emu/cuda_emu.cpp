@@ -315,6 +315,37 @@ static void on_segv(int sig, siginfo_t *si, void *uctx) {
     signal(SIGSEGV, SIG_DFL);
 }
 
+/* ---- the SIGILL handler: a trapped alignment check ----
+ * The engine's .cu sources are built for the emulation with
+ * -fsanitize=alignment in trap mode (tests/gpu/CMakeLists.txt): an access
+ * through a pointer that is not a multiple of its type's alignment (a
+ * 16-byte vector at an odd element offset, a double at a 4-byte boundary)
+ * executes a trap instruction here, where a GPU would stop the kernel with
+ * "misaligned address". x86 itself runs such accesses, so without the check
+ * the emulation would pass code a GPU cannot run. */
+static void on_sigill(int, siginfo_t *, void *uctx) {
+    FILE *f = stderr;
+    int mine = t_op;
+    void *pc = NULL;
+#if defined(__x86_64__)
+    pc = (void *)((ucontext_t *)uctx)->uc_mcontext.gregs[REG_RIP];
+#else
+    (void)uctx;
+#endif
+    if (mine >= 0)
+        fprintf(f, "cuda_emu: device op %s %s (running) trapped at %p: a misaligned access (an address not a multiple "
+                   "of its type's alignment; a GPU stops the kernel with \"misaligned address\")\n",
+                g_ops[mine].kind, g_ops[mine].name, pc);
+    else
+        fprintf(f, "cuda_emu: a trap at %p outside every device op (a misaligned access in host code built with the "
+                   "alignment check, or an explicit trap)\n", pc);
+    say_ops(f, mine);
+    say_backtrace(f, pc);
+    fflush(f);
+    signal(SIGABRT, SIG_DFL);
+    abort();
+}
+
 static void guard_install(void) {
     void *warm[2];
     backtrace(warm, 2);   /* loads the unwinder now, not inside the handler */
@@ -324,6 +355,8 @@ static void guard_install(void) {
     sa.sa_flags = SA_SIGINFO;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGSEGV, &sa, &g_old_segv);
+    sa.sa_sigaction = on_sigill;
+    sigaction(SIGILL, &sa, NULL);
 }
 
 /* Opens its buffers for the lifetime of a scope (C++ callers). */
