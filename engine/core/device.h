@@ -288,6 +288,14 @@ typedef struct fsdp_device_kernels {
                                int64_t rows, int64_t cols);
 } fsdp_device_kernels;
 
+/* cuBLASLt's workspace (cuBLAS's own size on Hopper: room for its split-K
+ * algorithms). The CUDA matmul_epilogue_bf16 takes it from the engine's
+ * allocator, tag other, at its first call that runs, and holds it for the
+ * process, so fsdp.memory and the planner count it; the counting device
+ * does the same at its first such call after each fsdp_meta_mimic. When it
+ * does not fit (a cap), the entry returns 0: the unfused ops run. */
+#define FSDP_EPILOGUE_WORKSPACE_BYTES ((size_t)32 << 20)
+
 /* What the CUDA matmul_epilogue_bf16 fuses (engine/cuda/cuda_matmul_lt.cu), so
  * that the counting device takes the path a GPU takes: M, N, K from 1 to
  * 2^31 - 1; every buffer it touches (a, b, d, c when beta != 0, bias, aux,

@@ -89,8 +89,8 @@ FSDP_CUDA_EXPORT int cuda_device_ordinal(void);
 /* The most dynamic shared memory a flash attention block asks for (its
  * largest head dim's); a GPU that cannot give it gets no flash entries. */
 FSDP_CUDA_EXPORT size_t cuda_attention_flash_smem_max(void);
-/* cuBLASLt's workspace (bytes; 0 when none was made: FSDP_CUDA_EPILOGUES=0),
- * a raw cudaMalloc that the engine allocator's statistics do not count. */
+/* cuBLASLt's workspace (bytes; 0 until the first fused GEMM, and with
+ * FSDP_CUDA_EPILOGUES=0), counted by the engine allocator under tag other. */
 FSDP_CUDA_EXPORT size_t cuda_lt_workspace_bytes(void);
 /* The plans matmul_epilogue_bf16 keeps: how many now, and the most it
  * keeps (n <= 0: the default, 256); setting it destroys every plan. */
@@ -205,6 +205,7 @@ extern "C" {
 #include "device.h"
 /* engine/core/internal.h, which C++ cannot include (stdatomic.h) */
 fsdp_status fsdp_set_error(fsdp_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out);
 const char *fsdp_device_name(int device);
 }
 

@@ -28,8 +28,10 @@
  * (CUBLAS_STATUS_NOT_SUPPORTED or INVALID_VALUE, or none returned) makes the entry return 0
  * for that plan from then on, and the op layer composes the unfused ops.
  *
- * One handle and one workspace for the process, made at start-up
- * (cuda_lt_init) unless FSDP_CUDA_EPILOGUES=0; a plan (descriptor, layouts,
+ * One handle for the process, made at start-up (cuda_lt_init) unless
+ * FSDP_CUDA_EPILOGUES=0, and one workspace, taken from the engine's
+ * allocator at the first call that runs (device.h: FSDP_EPILOGUE_WORKSPACE_BYTES);
+ * a plan (descriptor, layouts,
  * algorithm) per shape, epilogue, transposes and those alignments, made at
  * its first call and kept, so a training step after the first creates
  * nothing: a call sets the descriptor's bias and aux pointers (host-side
@@ -50,12 +52,11 @@
 #include <string.h>
 
 static cublasLtHandle_t g_lt;
-/* Raw cudaMalloc, outside the engine allocator's statistics (fsdp.memory),
- * as cuBLAS's own workspace and the CUDA context are: the device's free
- * memory shows it, and cuda_lt_workspace_bytes() says how much it is. */
+/* From the engine's allocator (tag other), so fsdp.memory counts it (cuBLAS's
+ * own workspace and the CUDA context it does not): made under g_plans_mu at
+ * the first call that runs, held for the process. */
 static void *g_workspace;
-/* what cuBLAS itself keeps on Hopper: enough for its split-K algorithms */
-static const size_t LT_WORKSPACE = (size_t)32 << 20;
+static const size_t LT_WORKSPACE = FSDP_EPILOGUE_WORKSPACE_BYTES;
 static const uint32_t LT_ALIGN = 16;
 /* plans kept: a model's GEMMs are a few dozen shapes, far fewer */
 static const int LT_MAX_PLANS = 256;
@@ -68,12 +69,15 @@ const char *cuda_lt_init(void) {
         g_lt = NULL;
         return "cublasLtCreate failed";
     }
-    if (cudaMalloc(&g_workspace, LT_WORKSPACE) != cudaSuccess) {
-        (void)cudaGetLastError();
-        g_workspace = NULL;
-        return "cudaMalloc of cuBLASLt's 32 MiB workspace failed";
-    }
     return NULL;
+}
+
+/* The workspace, made now if it is not yet (under g_plans_mu); NULL when it
+ * does not fit (a cap, or the device is full): the caller runs unfused. */
+static void *lt_workspace(void) {
+    if (!g_workspace && fsdp_alloc(FSDP_DEVICE_CUDA, FSDP_TAG_OTHER, LT_WORKSPACE, &g_workspace) != FSDP_OK)
+        g_workspace = NULL;
+    return g_workspace;
 }
 
 typedef struct {
@@ -275,12 +279,16 @@ int cuda_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b,
                  epilogue_name(epilogue), (long long)M, (long long)N, (long long)K, (double)beta);
         cuda_fail(__func__, __FILE__, __LINE__, "the argument check", why);
     }
-    if (!g_lt || !g_workspace) return 0;
+    if (!g_lt) return 0;
     if (!matmul_epilogue_covers(d, a, b, c, M, N, K, alpha, beta, epilogue, bias, aux, dbias)) return 0;
     const void *bias_ptr = need_bias ? (const void *)bias : (const void *)dbias;
     lt_key key = {M, N, K, trans_a ? 1 : 0, trans_b ? 1 : 0, epilogue, align_class(bias_ptr),
                   need_aux ? align_class(aux) : 256};
     pthread_mutex_lock(&g_plans_mu);
+    if (!lt_workspace()) {
+        pthread_mutex_unlock(&g_plans_mu);
+        return 0;
+    }
     lt_plan *p = plan_for(&key, bias_ptr, aux);
     if (!p->ok) {
         pthread_mutex_unlock(&g_plans_mu);

@@ -677,13 +677,37 @@ META_ENTRIES(X_FN)
  * (GELU_AUX_BIAS) or read (DGELU_BGRAD), the bias gradient written. FLOPs:
  * 2 M N K, plus the epilogue's as the fused kernels count theirs (bias 1,
  * bias + GELU 9, GELU backward and its sum 14 per element of D; the bias
- * gradient of A 1 per element of op(A)). One launch. */
+ * gradient of A 1 per element of op(A)). One launch. Its first call that
+ * runs after a mimic takes the cuBLASLt workspace from this device's
+ * allocator, as the CUDA entry's first call does (device.h), so a plan
+ * holds it under tag other; mimic gives it back. */
+static pthread_mutex_t workspace_mu = PTHREAD_MUTEX_INITIALIZER;
+static void *g_workspace;
+
+static bool meta_lt_workspace(void) {
+    pthread_mutex_lock(&workspace_mu);
+    if (!g_workspace &&
+        fsdp_alloc(FSDP_DEVICE_META, FSDP_TAG_OTHER, FSDP_EPILOGUE_WORKSPACE_BYTES, &g_workspace) != FSDP_OK)
+        g_workspace = NULL;
+    bool have = g_workspace != NULL;
+    pthread_mutex_unlock(&workspace_mu);
+    return have;
+}
+
+static void meta_lt_workspace_release(void) {
+    pthread_mutex_lock(&workspace_mu);
+    if (g_workspace) fsdp_free(FSDP_DEVICE_META, FSDP_TAG_OTHER, g_workspace, FSDP_EPILOGUE_WORKSPACE_BYTES);
+    g_workspace = NULL;
+    pthread_mutex_unlock(&workspace_mu);
+}
+
 static int meta_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint16_t *b, const uint16_t *c, int64_t M,
                                      int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta,
                                      int epilogue, const uint16_t *bias, uint16_t *aux, uint16_t *dbias) {
     (void)trans_a;
     (void)trans_b;
     if (!matmul_epilogue_covers(d, a, b, c, M, N, K, alpha, beta, epilogue, bias, aux, dbias)) return 0;
+    if (!meta_lt_workspace()) return 0;
     int64_t mn = M * N, rd = BF16 * (M * K + K * N + (beta != 0) * mn), wr = BF16 * mn, fl = 2 * M * N * K;
     switch (epilogue) {
     case FSDP_EPILOGUE_BIAS: rd += BF16 * N, fl += mn; break;
@@ -827,6 +851,7 @@ fsdp_status fsdp_meta_mimic(fsdp_device device) {
         if (exact && (strcmp(nm, "raw_alloc") == 0 || strcmp(nm, "raw_free") == 0)) continue;
         slot_set(&meta_device_kernels, i, slot_get(target, i) ? slot_get(&meta_full, i) : NULL);
     }
+    meta_lt_workspace_release();   /* a new run takes it at its first fused GEMM, as a new process does */
     g_mimic = device;
     return FSDP_OK;
 }

@@ -536,6 +536,61 @@ static void test_meta(void) {
     fsdp_meta_mimic(FSDP_DEVICE_CPU);
 }
 
+/* The cuBLASLt workspace comes from the engine's allocator (tag other) at
+ * the entry's first call that runs, so fsdp.memory counts it: none before,
+ * none while a cap leaves no room (the entry returns 0, the op layer runs
+ * unfused), then FSDP_EPILOGUE_WORKSPACE_BYTES, once. Runs first, in a
+ * process that has made no fused GEMM yet. */
+static int64_t other_bytes(fsdp_device dev, int64_t *reserved) {
+    int64_t cur = -1;
+    fsdp_mem_stats(dev, FSDP_TAG_OTHER, &cur, NULL, reserved);
+    return cur;
+}
+
+static void test_workspace(void) {
+    const int64_t ws = (int64_t)FSDP_EPILOGUE_WORKSPACE_BYTES, M = 3, N = 8, K = 5;
+    test_check(ws == 32 << 20, "cuBLASLt's workspace is 32 MiB (%lld bytes)", (long long)ws);
+    int64_t res = -1;
+    test_check(cuda_lt_workspace_bytes() == 0 && other_bytes(FSDP_DEVICE_CUDA, &res) == 0 && res == 0,
+               "before the first fused GEMM: no workspace (%zu bytes), none counted (other %lld, reserved %lld)",
+               cuda_lt_workspace_bytes(), (long long)other_bytes(FSDP_DEVICE_CUDA, NULL), (long long)res);
+    uint16_t *d = dalloc((size_t)(M * N) * 2), *a = dalloc((size_t)(M * K) * 2), *b = dalloc((size_t)(K * N) * 2);
+    uint16_t *bias = dalloc((size_t)N * 2);
+    fsdp_mem_set_cap(FSDP_DEVICE_CUDA, 1 << 20);
+    int ran = G->matmul_epilogue_bf16(d, a, b, NULL, M, N, K, 0, 1, 1.0f, 0.0f, FSDP_EPILOGUE_BIAS, bias, NULL, NULL);
+    test_check(ran == 0 && cuda_lt_workspace_bytes() == 0 && other_bytes(FSDP_DEVICE_CUDA, NULL) == 0,
+               "a cap of 1 MiB: the fused GEMM returns 0 (%d) and takes no workspace (%zu bytes)", ran,
+               cuda_lt_workspace_bytes());
+    fsdp_mem_set_cap(FSDP_DEVICE_CUDA, 0);
+    for (int call = 1; call <= 2; call++) {
+        ran = G->matmul_epilogue_bf16(d, a, b, NULL, M, N, K, 0, 1, 1.0f, 0.0f, FSDP_EPILOGUE_BIAS, bias, NULL, NULL);
+        int64_t cur = other_bytes(FSDP_DEVICE_CUDA, &res);
+        test_check(ran == 1 && cuda_lt_workspace_bytes() == (size_t)ws && cur == ws && res == ws,
+                   "fused GEMM %d without a cap: runs (%d), the workspace %zu bytes, counted as in use %lld and "
+                   "reserved %lld under tag other", call, ran, cuda_lt_workspace_bytes(), (long long)cur,
+                   (long long)res);
+    }
+    G->synchronize();
+    free_case();
+    /* the counting device: the same at its first fused GEMM after a mimic, given back by the next mimic */
+    test_check(fsdp_meta_mimic(FSDP_DEVICE_CUDA) == FSDP_OK, "meta mimics CUDA: %s", fsdp_last_error());
+    const fsdp_device_kernels *mk = device_kernels(FSDP_DEVICE_META);
+    uint16_t *buf[4];
+    for (int i = 0; i < 4; i++) buf[i] = mk->raw_alloc(4096);
+    int64_t before = other_bytes(FSDP_DEVICE_META, NULL);
+    ran = mk->matmul_epilogue_bf16(buf[0], buf[1], buf[2], NULL, M, N, K, 0, 1, 1.0f, 0.0f, FSDP_EPILOGUE_BIAS, buf[3],
+                                   NULL, NULL);
+    int ran2 = mk->matmul_epilogue_bf16(buf[0], buf[1], buf[2], NULL, M, N, K, 0, 1, 1.0f, 0.0f, FSDP_EPILOGUE_BIAS,
+                                        buf[3], NULL, NULL);
+    int64_t during = other_bytes(FSDP_DEVICE_META, NULL);
+    fsdp_meta_mimic(FSDP_DEVICE_CPU);
+    int64_t after = other_bytes(FSDP_DEVICE_META, NULL);
+    test_check(ran == 1 && ran2 == 1 && before == 0 && during == ws && after == 0,
+               "meta: tag other %lld before, %lld after two fused GEMMs (want %lld), %lld after the next mimic",
+               (long long)before, (long long)during, (long long)ws, (long long)after);
+    for (int i = 0; i < 4; i++) mk->raw_free(buf[i]);
+}
+
 /* An unknown epilogue is the caller's bug: the process ends, naming the op. */
 static int fault(void) {
     uint16_t *d = dalloc(64), *a = dalloc(64), *b = dalloc(64);
@@ -579,13 +634,12 @@ int main(int argc, char **argv) {
     test_check(G && G->matmul_epilogue_bf16, "the CUDA table has matmul_epilogue_bf16");
     if (!G || !G->matmul_epilogue_bf16) return test_summary();
     test_check(device_kernels(FSDP_DEVICE_CPU)->matmul_epilogue_bf16 == NULL, "the CPU table has none");
-    test_check(cuda_lt_workspace_bytes() == (size_t)32 << 20, "cuBLASLt's workspace: %zu bytes (want 32 MiB)",
-               cuda_lt_workspace_bytes());
     char desc[256] = "";
     int avail = 0;
     cuda_device_info(&avail, desc, sizeof desc);
     printf("%s: %s\n", MODE, desc);
     if (do_fault) return fault();
+    test_workspace();
     test_epilogues();
     test_refusals();
 #ifdef FSDP_CUDA_EMU
