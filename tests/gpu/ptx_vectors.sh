@@ -50,6 +50,8 @@ cuda_nn ce_fused_kernelIfLi4 ld+st
 cuda_attention_flash fa_forward_kernelILi64 ld+st
 cuda_attention_flash fa_dq_kernelILi64 ld+st
 cuda_attention_flash fa_dkdv_kernelILi64 ld+st
+cuda_embedding emb_accumulate_kernelItLi8 ld+st
+cuda_embedding emb_accumulate_kernelIfLi4 ld+st
 EOF
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]
