@@ -89,6 +89,7 @@ __global__ void embedding_bwd_kernel(float *dtable, const int64_t *ids, int64_t 
 #define EMB_TILE 1024
 #define EMB_RANGE 32
 #define EMB_WAYS 16
+#define EMB_UNROLL 8   /* dout rows of one id loaded at once */
 
 struct emb_key {
     int64_t id, pos;
@@ -165,9 +166,25 @@ __global__ void emb_accumulate_kernel(T *__restrict__ dtable, const emb_key *__r
             P old = *row, out;
             float acc[V];
             for (int v = 0; v < V; v++) acc[v] = ldf(old.v[v]);
-            for (; s < n && keys[s].id == id; s++) {   /* past end too: the id is this block's */
-                P d = ((const P *)(dout + keys[s].pos * dim))[p];
-                for (int v = 0; v < V; v++) acc[v] += ldf(d.v[v]);
+            /* past end too: the id is this block's. EMB_UNROLL rows at a time,
+             * all loaded before any is added, so a frequent id's rows are in
+             * flight together rather than one latency each; the adds keep
+             * position order. The id's keys are contiguous, so the rows that
+             * belong to it are a prefix of the EMB_UNROLL. */
+            while (s < n && keys[s].id == id) {
+                P d[EMB_UNROLL];
+                bool mine[EMB_UNROLL];
+#pragma unroll
+                for (int u = 0; u < EMB_UNROLL; u++) {
+                    mine[u] = s + u < n && keys[s + u].id == id;
+                    if (mine[u]) d[u] = ((const P *)(dout + keys[s + u].pos * dim))[p];
+                }
+#pragma unroll
+                for (int u = 0; u < EMB_UNROLL; u++)
+                    if (mine[u]) {
+                        for (int v = 0; v < V; v++) acc[v] += ldf(d[u].v[v]);
+                        s++;
+                    }
             }
             for (int v = 0; v < V; v++) stf(&out.v[v], acc[v]);
             *row = out;

@@ -99,6 +99,12 @@ int bench(int tiny) {   /* tiny: toy sizes, to run the code in the emulation */
     /* bytes: dout, and each row of an id read and written (the ids here are all distinct) */
     BENCH("embedding backward acc bf16 (8192 ids, 768)", 2.0 * 3 * N * Cd, "GB/s",
           G->embedding_backward_acc_bf16(table16, dids, N, y16, Cd));
+    /* a frequent id: every 8th position the same token (one block sums its N / 8 rows in order) */
+    int64_t *zids = halloc((size_t)N * sizeof(int64_t));
+    for (int64_t i = 0; i < N; i++) zids[i] = i % 8 == 0 ? 13 : ids[i];
+    int64_t *dzids = dup_bytes(zids, (size_t)N * sizeof(int64_t));
+    BENCH("embedding backward acc bf16, 1/8 one id", 2.0 * (N + 2 * (N - N / 8 + 1)) * Cd, "GB/s",
+          G->embedding_backward_acc_bf16(table16, dzids, N, y16, Cd));
     float *p = dev_uniform(P), *pg = dev_uniform(P), *m1 = dev_uniform(P), *m2 = dev_uniform(P);
     G->scale_f32(m2, m2, 0.0f, P);
     BENCH("adamw (124M parameters)", 28.0 * P, "GB/s",
