@@ -45,6 +45,11 @@ static device_allocator allocators[FSDP_DEVICE_COUNT] = {
 
 static _Thread_local int default_tag = FSDP_TAG_ACTIVATION;
 
+/* Pinned host blocks (fsdp_alloc_pinned): their own free lists per device
+ * whose host_alloc made them, counted with the CPU's blocks (its lock, its
+ * statistics, its cap), so that statistics and plans see host memory whole. */
+static free_block *pinned_lists[FSDP_DEVICE_COUNT][N_CLASSES];
+
 int fsdp_default_tag(void) { return default_tag; }
 
 /* Tags whose blocks persist or recur at a few exact sizes: rounded finely. */
@@ -79,6 +84,21 @@ static void format_bytes(int64_t n, char *buf, size_t size) {
 }
 
 static void release_cache_locked(device_allocator *a) {
+    if (a == &allocators[FSDP_DEVICE_CPU]) {   /* the pinned blocks are host blocks too */
+        for (int d = 0; d < FSDP_DEVICE_COUNT; d++) {
+            const fsdp_device_kernels *k = device_kernels(d);
+            for (int c = 0; c < N_CLASSES; c++) {
+                free_block *b = pinned_lists[d][c];
+                while (b) {
+                    free_block *next = b->next;
+                    if (k && k->host_free) k->host_free(b->ptr);
+                    free(b);
+                    b = next;
+                }
+                pinned_lists[d][c] = NULL;
+            }
+        }
+    }
     for (int c = 0; c < N_CLASSES; c++) {
         free_block *b = a->free_lists[c];
         while (b) {
@@ -170,6 +190,78 @@ void fsdp_free(int device, int tag, void *ptr, size_t nbytes) {
         a->free_lists[c] = b;
     } else {   /* no room to cache it: give it back */
         a->backend->raw_free(ptr);
+        a->reserved[tag] -= (int64_t)rounded;
+        a->total_reserved -= (int64_t)rounded;
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
+fsdp_status fsdp_alloc_pinned(int accel, int tag, size_t nbytes, void **out) {
+    if (!valid_device(accel)) return fsdp_set_error(FSDP_ERR_DEVICE, "alloc_pinned: no device %d", accel);
+    if (tag < 0 || tag >= FSDP_TAG_COUNT) return fsdp_set_error(FSDP_ERR_INVALID, "alloc_pinned: unknown tag %d", tag);
+    const fsdp_device_kernels *k = device_kernels(accel);
+    if (!k || !k->host_alloc)
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "alloc_pinned: device %s has no pinned host memory",
+                              fsdp_device_name(accel));
+    device_allocator *a = &allocators[FSDP_DEVICE_CPU];
+    size_t rounded;
+    int c = size_class(nbytes, tag, &rounded);
+    if (c >= N_CLASSES) return fsdp_set_error(FSDP_ERR_OOM, "alloc_pinned: %zu bytes is beyond any size", nbytes);
+    pthread_mutex_lock(&a->lock);
+    void *ptr = NULL;
+    free_block *b = pinned_lists[accel][c];
+    if (b) {
+        pinned_lists[accel][c] = b->next;
+        ptr = b->ptr;
+        a->reserved[b->tag] -= (int64_t)rounded;
+        a->reserved[tag] += (int64_t)rounded;
+        free(b);
+    } else {
+        if (a->cap > 0 && a->total_reserved + (int64_t)rounded > a->cap) {
+            char req[32], cap[32];
+            format_bytes((int64_t)nbytes, req, sizeof req);
+            format_bytes(a->cap, cap, sizeof cap);
+            pthread_mutex_unlock(&a->lock);
+            return fsdp_set_error(FSDP_ERR_OOM, "out of memory: pinned host memory of %s (tag %s) for %s would "
+                                  "exceed the host's cap of %s", req, fsdp_tag_name(tag), fsdp_device_name(accel), cap);
+        }
+        ptr = k->host_alloc(rounded);
+        if (!ptr) {
+            char req[32];
+            format_bytes((int64_t)nbytes, req, sizeof req);
+            pthread_mutex_unlock(&a->lock);
+            return fsdp_set_error(FSDP_ERR_OOM, "out of memory: %s refused %s of pinned host memory (tag %s)",
+                                  fsdp_device_name(accel), req, fsdp_tag_name(tag));
+        }
+        a->reserved[tag] += (int64_t)rounded;
+        a->total_reserved += (int64_t)rounded;
+    }
+    a->current[tag] += (int64_t)rounded;
+    if (a->current[tag] > a->peak[tag]) a->peak[tag] = a->current[tag];
+    a->total_current += (int64_t)rounded;
+    if (a->total_current > a->total_peak) a->total_peak = a->total_current;
+    pthread_mutex_unlock(&a->lock);
+    *out = ptr;
+    return FSDP_OK;
+}
+
+void fsdp_free_pinned(int accel, int tag, void *ptr, size_t nbytes) {
+    if (!ptr || !valid_device(accel)) return;
+    device_allocator *a = &allocators[FSDP_DEVICE_CPU];
+    size_t rounded;
+    int c = size_class(nbytes, tag, &rounded);
+    free_block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&a->lock);
+    a->current[tag] -= (int64_t)rounded;
+    a->total_current -= (int64_t)rounded;
+    if (b) {
+        b->ptr = ptr;
+        b->tag = tag;
+        b->next = pinned_lists[accel][c];
+        pinned_lists[accel][c] = b;
+    } else {   /* no room to cache it: give it back */
+        const fsdp_device_kernels *k = device_kernels(accel);
+        if (k && k->host_free) k->host_free(ptr);
         a->reserved[tag] -= (int64_t)rounded;
         a->total_reserved -= (int64_t)rounded;
     }

@@ -34,6 +34,21 @@ typedef struct fsdp_device_kernels {
     void (*copy_from_host)(void *dst, const void *host_src, size_t nbytes);
     void (*copy_to_host)(void *host_dst, const void *src, size_t nbytes);
     void (*synchronize)(void);
+    /* Pinned host memory and the transfers through it (optional: NULL where
+     * a device has none, and transfers go through copy_from_host and
+     * copy_to_host). host_alloc: host memory the device copies to and from
+     * asynchronously (page-locked: cudaHostAlloc), or NULL when refused;
+     * host_free waits for the device's copies first (cudaFreeHost does).
+     * The copies are enqueued on the compute stream, in its order, and
+     * return at once with a fence: until it has passed the host neither
+     * writes the source nor reads the destination. fence_wait(f, 1) waits
+     * for it; fence_wait(f, 0) only asks (0: not yet). Either frees the
+     * fence once it has passed (then it returns 1). */
+    void *(*host_alloc)(size_t nbytes);
+    void (*host_free)(void *ptr);
+    void *(*copy_from_host_async)(void *dst, const void *pinned_src, size_t nbytes);
+    void *(*copy_to_host_async)(void *pinned_dst, const void *src, size_t nbytes);
+    int (*fence_wait)(void *fence, int block);
     /* cast.c, copy.c */
     void (*cast_any)(void *out, int out_dtype, const void *in, int in_dtype, int64_t n);
     void (*copy_strided)(void *dst, const int64_t *dst_strides, const void *src, const int64_t *src_strides, int ndim,

@@ -39,6 +39,11 @@ int fsdp_current_rank(void);   /* for messages; 0 before runtime init */
 /* Caching allocator per device with statistics per tag and an optional cap. */
 fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out);
 void fsdp_free(int device, int tag, void *ptr, size_t nbytes);
+/* Host memory that device accel copies asynchronously (its table's
+ * host_alloc: pinned), cached and counted like any host block of tag in
+ * the CPU's statistics and cap. FSDP_ERR_UNSUPPORTED when accel has none. */
+fsdp_status fsdp_alloc_pinned(int accel, int tag, size_t nbytes, void **out);
+void fsdp_free_pinned(int accel, int tag, void *ptr, size_t nbytes);
 int fsdp_default_tag(void);
 
 /* ---- storage and tensors (tensor.c) ---- */

@@ -190,6 +190,63 @@ static void cuda_synchronize(void) {
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
 }
 
+/* ---- pinned host memory ----
+ * Copies from and to page-locked memory are DMA transfers that
+ * cudaMemcpyAsync enqueues and returns from at once; from pageable memory
+ * it stages the bytes through a driver buffer first, and to pageable memory
+ * it returns only when they have arrived. A fence is an event recorded on
+ * the compute stream after the copy. */
+static void *cuda_host_alloc(size_t nbytes) {
+    CUDA_ENTER();
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocDefault);
+    if (e == cudaErrorMemoryAllocation) {   /* the allocator reports it as out of memory */
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    CUDA_CHECK(e);
+    return p;
+}
+
+static void cuda_host_free(void *ptr) {
+    CUDA_ENTER();
+    if (ptr) CUDA_CHECK(cudaFreeHost(ptr));
+}
+
+static void *fence_after_copy(void) {
+    cudaEvent_t ev = NULL;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(ev, g_stream));
+    return (void *)ev;
+}
+
+static void *cuda_copy_from_host_async(void *dst, const void *pinned_src, size_t nbytes) {
+    CUDA_ENTER();
+    if (nbytes) CUDA_CHECK(cudaMemcpyAsync(dst, pinned_src, nbytes, cudaMemcpyHostToDevice, g_stream));
+    return fence_after_copy();
+}
+
+static void *cuda_copy_to_host_async(void *pinned_dst, const void *src, size_t nbytes) {
+    CUDA_ENTER();
+    if (nbytes) CUDA_CHECK(cudaMemcpyAsync(pinned_dst, src, nbytes, cudaMemcpyDeviceToHost, g_stream));
+    return fence_after_copy();
+}
+
+static int cuda_fence_wait(void *fence, int block) {
+    CUDA_ENTER();
+    cudaEvent_t ev = (cudaEvent_t)fence;
+    if (!ev) return 1;
+    if (block) {
+        CUDA_CHECK(cudaEventSynchronize(ev));
+    } else {
+        cudaError_t e = cudaEventQuery(ev);
+        if (e == cudaErrorNotReady) return 0;
+        CUDA_CHECK(e);
+    }
+    CUDA_CHECK(cudaEventDestroy(ev));
+    return 1;
+}
+
 /* C++20 designated initializers: in the struct's order, or it does not compile. */
 extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .name = "cuda",
@@ -199,6 +256,11 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .copy_from_host = cuda_copy_from_host,
     .copy_to_host = cuda_copy_to_host,
     .synchronize = cuda_synchronize,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .copy_from_host_async = cuda_copy_from_host_async,
+    .copy_to_host_async = cuda_copy_to_host_async,
+    .fence_wait = cuda_fence_wait,
     .cast_any = cuda_cast_any,
     .copy_strided = cuda_copy_strided,
     .fill_f32 = cuda_fill_f32,

@@ -36,7 +36,14 @@
  * Offload (fsdp_sched_set_shard_device with the CPU): the master and
  * gradient shards, and so the optimizer state and its step, stay in host
  * memory; each gather copies this rank's shard (cast to the compute dtype
- * first) to the device, and each reduced gradient shard comes back.
+ * first) to the device, and each reduced gradient shard comes back. Where
+ * the device has pinned host memory (CUDA), both go through pinned blocks
+ * of the host (counted as host memory of their tag): the shard is cast
+ * into one on the host and copied asynchronously (no staging through a
+ * driver buffer, no host wait), the block kept until the gather has been
+ * waited for and the copy's fence has passed, so that nothing writes or
+ * reuses it while the copy may still read it; a reduced gradient comes
+ * back into one by DMA, and the host adds it once its fence has passed.
  *
  * Compute copies (fsdp_sched_set_compute_copy): a unit's master shard in
  * the compute dtype, kept beside it and owned by the master's storage, so
@@ -87,14 +94,89 @@ void sched_retain(fsdp_sched *s) { atomic_fetch_add(&s->refcount, 1); }
 
 void sched_unit_clear(unit *u);
 
+/* ---- offload through pinned host blocks ---- */
+
+bool sched_stages_pinned(const fsdp_sched *s) {
+    if (s->shard_device != FSDP_DEVICE_CPU || s->device == FSDP_DEVICE_CPU) return false;
+    const fsdp_device_kernels *k = device_kernels(s->device);
+    return k && k->host_alloc && k->copy_from_host_async && k->copy_to_host_async && k->fence_wait;
+}
+
+void sched_stage_retire(fsdp_sched *s, staged *b) {
+    if (!b->ptr) return;
+    const fsdp_device_kernels *k = device_kernels(s->device);
+    if (!b->fence || k->fence_wait(b->fence, 0)) {
+        fsdp_free_pinned(s->device, b->tag, b->ptr, b->nbytes);
+    } else {   /* the copy may still read it: kept until its fence passes */
+        if (s->n_retired == s->cap_retired) {
+            int cap = s->cap_retired ? 2 * s->cap_retired : 8;
+            staged *n = realloc(s->retired, (size_t)cap * sizeof *n);
+            if (!n) {   /* nowhere to keep it: wait for its copy now */
+                k->fence_wait(b->fence, 1);
+                fsdp_free_pinned(s->device, b->tag, b->ptr, b->nbytes);
+                *b = (staged){0};
+                return;
+            }
+            s->retired = n;
+            s->cap_retired = cap;
+        }
+        s->retired[s->n_retired++] = *b;
+    }
+    *b = (staged){0};
+}
+
+void sched_stage_reap(fsdp_sched *s, bool block) {
+    if (!s->n_retired) return;
+    const fsdp_device_kernels *k = device_kernels(s->device);
+    int kept = 0;
+    for (int i = 0; i < s->n_retired; i++) {
+        staged *b = &s->retired[i];
+        if (k->fence_wait(b->fence, block ? 1 : 0)) fsdp_free_pinned(s->device, b->tag, b->ptr, b->nbytes);
+        else s->retired[kept++] = *b;
+    }
+    s->n_retired = kept;
+}
+
+/* *src (this rank's shard on the host: the f32 master or its compute copy)
+ * <- the same elements in the compute dtype on the device, through a pinned
+ * block that the unit keeps until its gather has been waited for. */
+static fsdp_status stage_to_device(fsdp_sched *s, unit *u, fsdp_tensor **src) {
+    fsdp_tensor *h = *src;
+    int tag = fsdp_default_tag();
+    size_t nbytes = (size_t)u->shard_n * fsdp_dtype_size(s->compute_dtype);
+    sched_stage_reap(s, false);
+    if (u->stage.ptr) sched_stage_retire(s, &u->stage);
+    void *pin = NULL;
+    FSDP_TRY(fsdp_alloc_pinned(s->device, tag, nbytes, &pin));
+    fsdp_tensor *d = NULL;
+    fsdp_status r = tensor_new(&d, s->compute_dtype, 1, &u->shard_n, s->device, tag, false);
+    if (r != FSDP_OK) {
+        fsdp_free_pinned(s->device, tag, pin, nbytes);
+        return r;
+    }
+    /* cast (or copy) on the host, straight into the block the device reads */
+    device_kernels(FSDP_DEVICE_CPU)->cast_any(pin, s->compute_dtype, tensor_data(h), h->dtype, u->shard_n);
+    void *fence = KERNELS(d)->copy_from_host_async(tensor_data(d), pin, nbytes);
+    u->stage = (staged){pin, nbytes, tag, fence};
+    tensor_release(h);
+    *src = d;
+    return FSDP_OK;
+}
+
 void sched_release(fsdp_sched *s) {
     if (!s || atomic_fetch_sub(&s->refcount, 1) != 1) return;
     live_remove(s);
     for (int k = 0; k < s->n_pend; k++) {
         if (s->pend[k].work) fsdp_work_free(s->pend[k].work);
+        if (s->pend[k].replica) fsdp_work_free(s->pend[k].replica);
         tensor_release(s->pend[k].reduced);
     }
-    for (int k = 0; k < s->n_units; k++) sched_unit_clear(&s->units[k]);
+    for (int k = 0; k < s->n_units; k++) {
+        sched_unit_clear(&s->units[k]);   /* (a gather in flight is waited for) */
+        sched_stage_retire(s, &s->units[k].stage);
+    }
+    sched_stage_reap(s, true);
+    free(s->retired);
     free(s->units);
     free(s->order);
     free(s->fwd_order);
@@ -169,6 +251,7 @@ fsdp_status sched_wait_gather(fsdp_sched *s, unit *u) {
     }
     fsdp_work_free(u->gather);
     u->gather = NULL;
+    sched_stage_retire(s, &u->stage);   /* the copy from it came before the gather */
     if (u->gather_reads_copy) {
         u->master->storage->copy_readers--;
         u->gather_reads_copy = false;
@@ -280,8 +363,12 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
      * shard group of one beside its master casts straight into the full
      * buffer below (fsdp_copy: one kernel, no staged copy) */
     bool cast_in_copy = s->local_one && s->shard_device == s->device;
-    if (s->compute_dtype != FSDP_F32 && !copy && !cast_in_copy) r = sched_convert_to(&src, s->compute_dtype, -1);
-    if (r == FSDP_OK && s->shard_device != s->device) r = sched_convert_to(&src, -1, s->device);
+    if (sched_stages_pinned(s)) {
+        r = stage_to_device(s, u, &src);
+    } else {
+        if (s->compute_dtype != FSDP_F32 && !copy && !cast_in_copy) r = sched_convert_to(&src, s->compute_dtype, -1);
+        if (r == FSDP_OK && s->shard_device != s->device) r = sched_convert_to(&src, -1, s->device);
+    }
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
         st->data = NULL;
@@ -297,6 +384,7 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
         u->gather_reads_copy = true;
     }
     tensor_release(src);   /* the work holds it until done */
+    if (!u->gather) sched_stage_retire(s, &u->stage);   /* copied locally, or failed: no gather to wait for */
     if (r != FSDP_OK) {
         fsdp_free(st->device, st->tag, st->data, st->nbytes);
         st->data = NULL;

@@ -92,6 +92,39 @@ int sched_order_index(const int *order, int n, int k) {
     return -1;
 }
 
+/* Offload with pinned host blocks: whether reduced (on the device) comes
+ * back through one, which the host's kernels then read as they add it. */
+static bool pinned_back(const fsdp_sched *s, const fsdp_tensor *reduced) {
+    if (!sched_stages_pinned(s)) return false;
+    const fsdp_device_kernels *h = device_kernels(FSDP_DEVICE_CPU);
+    return reduced->dtype == FSDP_F32 ? h->axpy_f32 != NULL
+                                      : reduced->dtype == FSDP_BF16 && h->axpy_f32_bf16 && h->cast_any;
+}
+
+/* u's gradient shard (f32, on the host) += reduced (shard_n, on the
+ * device), by DMA into a pinned block of the host and, once its fence has
+ * passed, the host's add from there: widened as it is added (bf16), or as
+ * it is written into the schedule's zeros. */
+static fsdp_status add_through_pinned(fsdp_sched *s, unit *u, fsdp_tensor *reduced) {
+    size_t nbytes = (size_t)u->shard_n * fsdp_dtype_size(reduced->dtype);
+    int tag = reduced->storage->tag;
+    void *pin = NULL;
+    FSDP_TRY(fsdp_alloc_pinned(s->device, tag, nbytes, &pin));
+    const fsdp_device_kernels *k = KERNELS(reduced);
+    k->fence_wait(k->copy_to_host_async(pin, tensor_data(reduced), nbytes), 1);   /* the host reads it next */
+    fsdp_status r = sched_ensure_grad(s, u);
+    if (r == FSDP_OK) {
+        const fsdp_device_kernels *h = KERNELS(u->grad);
+        float *g = tensor_data(u->grad);
+        if (reduced->dtype == FSDP_F32) h->axpy_f32(g, pin, 1.0f, u->shard_n);
+        else if (unit_grad_zero(u)) h->cast_any(g, FSDP_F32, pin, FSDP_BF16, u->shard_n);
+        else h->axpy_f32_bf16(g, pin, 1.0f, u->shard_n);
+        u->grad_zero = false;
+    }
+    fsdp_free_pinned(s->device, tag, pin, nbytes);
+    return r;
+}
+
 /* After the walk (hybrid): the replica averages of the reductions still
  * pending, issued together as one NCCL group once the compute stream is
  * ordered after each reduce-scatter (no host wait), instead of one blocking
@@ -134,7 +167,9 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
     } else if (r == FSDP_OK && s->replica_comm && s->replica_size > 1) {
         r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
     }
-    if (r == FSDP_OK) {
+    if (r == FSDP_OK && pinned_back(s, q->reduced)) {
+        r = add_through_pinned(s, u, q->reduced);
+    } else if (r == FSDP_OK) {
         fsdp_tensor *g32 = q->reduced;
         tensor_retain(g32);
         /* back to the offloaded shard in the reduce dtype (fewer bytes), then f32 */

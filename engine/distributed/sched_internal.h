@@ -9,6 +9,15 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
+/* A pinned host block carrying an offloaded shard to the device: the
+ * host's until its copy's fence has passed (sched.c). */
+typedef struct staged {
+    void *ptr;                     /* NULL: none */
+    size_t nbytes;
+    int tag;
+    void *fence;
+} staged;
+
 typedef struct unit {
     char name[128];
     int n_params;
@@ -41,6 +50,7 @@ typedef struct unit {
     bool gather_reads_copy;        /* the gather in flight sends the copy (it counts among its readers) */
     bool full_is_copy;             /* a shard group of one: full's data is the copy's, nothing allocated */
     uint64_t full_version;         /* full's storage version when it became the copy */
+    staged stage;                  /* offload: the pinned block the gather in flight was copied from */
 } unit;
 
 /* The schedule wrote zeros into u's gradient shard. */
@@ -57,6 +67,13 @@ static inline void unit_mark_grad_zero(unit *u) {
  * holds sums (a second backward without zero_grad, one after no_sync) is
  * never taken for zeros; only unit_mark_grad_zero sets it again, where the
  * schedule wrote the zeros. (distributed.grad_write.* checks both.) */
+/* Offload through pinned host blocks (sched.c): whether the device has
+ * them; a block handed back once its copy is done (else kept until it is);
+ * every kept block whose copy is done handed back (block: waiting for each). */
+bool sched_stages_pinned(const fsdp_sched *s);
+void sched_stage_retire(fsdp_sched *s, staged *b);
+void sched_stage_reap(fsdp_sched *s, bool block);
+
 static inline bool unit_grad_zero(const unit *u) {
     return u->grad_zero && u->grad && u->grad->storage->version == u->grad_zero_version;
 }
@@ -101,6 +118,8 @@ struct fsdp_sched {
     int n_gathered, peak_gathered;
     pending *pend;
     int n_pend, cap_pend;
+    staged *retired;               /* offload: pinned blocks whose copies may still run (their fence unpassed) */
+    int n_retired, cap_retired;
     bool finish_registered;
     struct fsdp_sched *live_prev, *live_next;   /* the live schedules (fsdp_sched_reshard_all) */
 };

@@ -514,7 +514,12 @@ static bool emb_sorted_runs(int64_t n, int64_t dim) { return n > 0 && dim > 0; }
 /* Entries whose counts depend on whether the device would run them: their
  * counting functions are written out below (the cost columns here unused). */
 #define META_ENTRIES_BY_HAND(X)                                                                                     \
-    X(int, matmul_epilogue_bf16, "gemm_bf16", (void), 0, 0, 0, 0, 0, )
+    X(int, matmul_epilogue_bf16, "gemm_bf16", (void), 0, 0, 0, 0, 0, )                                             \
+    X(void *, host_alloc, "memory", (void), 0, 0, 0, 0, 0, )                                                      \
+    X(void, host_free, "memory", (void), 0, 0, 0, 0, 0, )                                                         \
+    X(void *, copy_from_host_async, "transfer", (void), 0, 0, 0, 0, 0, )                                          \
+    X(void *, copy_to_host_async, "transfer", (void), 0, 0, 0, 0, 0, )                                            \
+    X(int, fence_wait, "sync", (void), 0, 0, 0, 0, 0, )
 
 /* ---- counters ---- */
 
@@ -717,6 +722,45 @@ static int meta_matmul_epilogue_bf16(uint16_t *d, const uint16_t *a, const uint1
     default: wr += BF16 * M, fl += M * K; break;   /* BGRAD_A */
     }
     record(E_matmul_epilogue_bf16, rd, wr, fl, 1, 0);
+    return 1;
+}
+
+/* Pinned host memory: real host memory (host code casts into it and adds
+ * from it), counted as the pinned blocks a CUDA device would make. The
+ * copies are one GPU operation each and no host wait; a fence waited for
+ * is one (the host stops until the copy is done), a fence only asked about
+ * none. Values copied back are zeros. */
+static char meta_fence;   /* every fence: one that has passed */
+
+static void *meta_host_alloc(size_t nbytes) {
+    record(E_host_alloc, 0, 0, 0, 0, 0);
+    void *p = NULL;
+    return posix_memalign(&p, 64, nbytes ? nbytes : 1) == 0 ? p : NULL;
+}
+
+/* cudaFreeHost waits for the device: a sync where the meta device mimics one. */
+static void meta_host_free(void *ptr) {
+    record(E_host_free, 0, 0, 0, 0, 1);
+    free(ptr);
+}
+
+static void *meta_copy_from_host_async(void *dst, const void *pinned_src, size_t nbytes) {
+    (void)dst;
+    (void)pinned_src;
+    record(E_copy_from_host_async, 0, (int64_t)nbytes, 0, 1, 0);
+    return &meta_fence;
+}
+
+static void *meta_copy_to_host_async(void *pinned_dst, const void *src, size_t nbytes) {
+    (void)src;
+    record(E_copy_to_host_async, (int64_t)nbytes, 0, 0, 1, 0);
+    memset(pinned_dst, 0, nbytes);
+    return &meta_fence;
+}
+
+static int meta_fence_wait(void *fence, int block) {
+    (void)fence;
+    record(E_fence_wait, 0, 0, 0, 0, block ? 1 : 0);
     return 1;
 }
 
