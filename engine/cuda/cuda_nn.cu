@@ -557,6 +557,12 @@ __global__ void ce_bwd_kernel(T *__restrict__ dlogits, const T *__restrict__ log
     }
 }
 
+/* A block of up to 1024 threads has 64 registers a thread at most (65536 an
+ * SM): __launch_bounds__ makes ptxas keep to that, so the launch cannot fail
+ * with "too many resources requested" on a GPU (the emulation has no
+ * registers to run out of). */
+#define CE_FUSED_MAX_THREADS 1024
+
 /* The loss and its gradient in one pass over each row (after llm.c): the
  * forward's online max and sum, then, from the row just read (in L2),
  * dlogits = g (softmax - onehot) written over it, g = 1 / count (dloss 1):
@@ -564,12 +570,6 @@ __global__ void ce_bwd_kernel(T *__restrict__ dlogits, const T *__restrict__ log
  * those of the forward and backward kernels run one after the other. The
  * target's logit is read before the block's reductions, whose barriers keep
  * it ahead of any write. */
-/* A block of up to 1024 threads has 64 registers a thread at most (65536 an
- * SM): __launch_bounds__ makes ptxas keep to that, so the launch cannot fail
- * with "too many resources requested" on a GPU (the emulation has no
- * registers to run out of). */
-#define CE_FUSED_MAX_THREADS 1024
-
 template <class T, int W>
 __global__ void __launch_bounds__(CE_FUSED_MAX_THREADS)
     ce_fused_kernel(float *losses, T *logits, const int64_t *targets, int64_t N, int64_t V, int64_t valid_v,

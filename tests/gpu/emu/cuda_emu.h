@@ -21,6 +21,11 @@
  *   past the end fault); freed memory is never reused and becomes
  *   inaccessible (use after free faults); new memory is filled with NaN
  *   bytes (reads of unwritten memory show).
+ * - Alignment: the .cu sources are built with -fsanitize=alignment in trap
+ *   mode, so an access through a pointer not aligned for its type (a
+ *   16-byte vector at an odd element offset, a double at a 4-byte boundary
+ *   of shared memory), which a GPU stops with "misaligned address", ends in
+ *   a report naming the kernel (cuda_emu.cpp's SIGILL handler).
  * - The host guard: device memory is inaccessible (PROT_NONE) to host code;
  *   only a running device op (a kernel: the allocations of its pointer
  *   arguments; a copy, memset, cuBLAS call or NCCL collective: its buffers)
