@@ -387,6 +387,9 @@ static void drop_orphan(fsdp_work *w) {
     w->split_out = NULL;
     if (w->status == FSDP_OK && child->magic == COMM_MAGIC) {
         comm_live_remove(child);
+        /* its NCCL side, when ncclCommSplit gave it one (nothing of it ran) */
+        if (child->gpu && child->dev) (void)child->dev->gpu_destroy(child->gpu);
+        child->gpu = NULL;
         (void)child->be->destroy(child);
     }
     comm_counts_unref(child->counts);
@@ -540,10 +543,42 @@ static void flush_group(void) {
     }
 }
 
-/* Keeps agreed member w for its group's launch; false when it must run now. */
+/* The bytes a CUDA work reads (src) and writes (dst). */
+static void work_ranges(const fsdp_work *w, const void **rd, int64_t *rn, const void **wr, int64_t *wn) {
+    int64_t b = w->n * (int64_t)fsdp_dtype_size(w->dtype), size = w->comm_size;
+    *rd = w->src;
+    *wr = w->dst;
+    switch (w->kind) {
+    case K_ALL_GATHER: *rn = b, *wn = b * size; break;
+    case K_REDUCE_SCATTER: *rn = b * size, *wn = b; break;
+    default: *rd = w->dst, *rn = b, *wn = b; break;   /* in place */
+    }
+}
+
+/* Whether a and b touch the same bytes with at least one writing them:
+ * then b depends on a, and a group (whose operations may run together)
+ * must not hold both. */
+static bool works_conflict(const fsdp_work *a, const fsdp_work *b) {
+    const void *ar, *aw, *br, *bw;
+    int64_t arn, awn, brn, bwn;
+    work_ranges(a, &ar, &arn, &aw, &awn);
+    work_ranges(b, &br, &brn, &bw, &bwn);
+    return comm_overlaps(aw, awn, bw, bwn) || comm_overlaps(aw, awn, br, brn) || comm_overlaps(ar, arn, bw, bwn);
+}
+
+/* Keeps agreed member w for its group's launch; false when it must run now.
+ * A member that depends on an earlier one (their buffers overlap, one
+ * writing: the same tensors on every rank, so every rank decides alike)
+ * starts a new group after the earlier members' launch, in stream order. */
 static bool group_add(fsdp_work *w) {
     if (g_group_n == GROUP_MAX) flush_group();   /* a long group: launched in parts */
     if (g_group_n > 0 && g_group[0]->device != w->device) flush_group();
+    for (int i = 0; i < g_group_n; i++) {
+        if (works_conflict(g_group[i], w)) {
+            flush_group();
+            break;
+        }
+    }
     g_group[g_group_n++] = w;
     w->deferred = true;
     return true;

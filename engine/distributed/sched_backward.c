@@ -136,8 +136,9 @@ static fsdp_status replica_averages_issued(fsdp_sched *s) {
     for (int k = 0; k < s->n_pend && st == FSDP_OK; k++) {
         pending *q = &s->pend[k];
         if (!q->reduced || !q->work) continue;
-        /* the all-reduce reads the reduce-scatter's output: ordered after it (on a GPU the wait is the
-         * compute stream's, and it ends the group so far: the two may not run concurrently) */
+        /* the all-reduce reads the reduce-scatter's output, so the reduce-scatter is no member of this group
+         * (it was issued during the walk); the wait orders the compute stream after it, and the all-reduce's
+         * ready event, recorded after that wait, makes the comm stream wait for it too */
         st = fsdp_work_wait(q->work);
         if (st == FSDP_OK) st = fsdp_all_reduce(&q->replica, s->replica_comm, q->reduced, FSDP_REDUCE_AVG,
                                                 s->units[q->unit].name);

@@ -13,7 +13,7 @@ local dist = fsdp.distributed
 local ffi = require "ffi"
 local C = require("fsdp.core").C
 
-ffi.cdef [[ int emu_nccl_comms_made(void); int emu_nccl_comms_split(void); ]]
+ffi.cdef [[ int emu_nccl_comms_made(void); int emu_nccl_comms_split(void); int emu_nccl_comms_live(void); ]]
 assert(pcall(function() return ffi.C.emu_nccl_comms_split end) and fsdp.default_device() == "cuda",
   "this test runs on the CUDA emulation (fsdp-lua-emu)")
 
@@ -117,7 +117,26 @@ t.eq(ffi.C.emu_nccl_comms_made(), made1, "still no ncclCommInitRank")
 -- every rank of the world still in step: one more CUDA collective on all of it
 check_group(wg, function() return 0 end, by_rank, "world after the splits")
 
+-- 4. a split whose wait is abandoned (the REPL's fsdp_comm_abandon): the queue drops the child when the split is
+-- done, its NCCL side (by ncclCommSplit: the world has one) with it
+local live0 = ffi.C.emu_nccl_comms_live()
+t.eq(C.fsdp_comm_abandon("a split nobody waits for", nil), 0, "fsdp_comm_abandon")
+local ast = C.fsdp_comm_split(box, wg.comm, 0, rank)
+t.eq(C.fsdp_comm_abandon(nil, nil), 0, "fsdp_comm_abandon off")
+if ast == 0 then   -- (the split finished before the wait looked: an ordinary child)
+  C.fsdp_comm_free(box[0])
+else
+  t.ok(ffi.string(C.fsdp_last_error()):find("abandoned", 1, true) ~= nil, "the wait was abandoned: "
+    .. ffi.string(C.fsdp_last_error()))
+end
+-- a collective after it on every rank: the comm thread has finished the split (and dropped its child) first
+check_group(wg, function() return 0 end, by_rank, "world after an abandoned split")
+t.eq(ffi.C.emu_nccl_comms_live(), live0, "no NCCL communicator left of the abandoned split")
+
+local live1 = ffi.C.emu_nccl_comms_live()
 for _, x in ipairs({ gg, g3, g, early }) do x:free() end
+dist.world_group():barrier()
+t.eq(ffi.C.emu_nccl_comms_live(), live1 - 4, "the four groups' NCCL communicators destroyed with them")
 if rank == 0 then
   print(string.format("%d ranks: %d communicators by ncclCommSplit, %d by ncclCommInitRank", world,
     ffi.C.emu_nccl_comms_split() - split0, ffi.C.emu_nccl_comms_made() - made0))

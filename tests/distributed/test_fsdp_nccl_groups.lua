@@ -18,7 +18,7 @@ local optim = require "fsdp.optim"
 local dist = fsdp.distributed
 local ffi = require "ffi"
 
-ffi.cdef [[ long long emu_nccl_groups(void); ]]
+ffi.cdef [[ long long emu_nccl_groups(void); void comm_group_begin(void); void comm_group_end(void); ]]
 assert(pcall(function() return ffi.C.emu_nccl_groups end) and fsdp.default_device() == "cuda",
   "this test runs on the CUDA emulation (fsdp-lua-emu)")
 
@@ -83,6 +83,43 @@ for _, v in ipairs(variants) do
   end
   if rank == 0 then print(string.format("%s: %d NCCL groups in %d steps (default schedule: %d)", v[1], r.groups,
     STEPS, base.groups)) end
+end
+-- the group itself (the engine's comm_group_begin/end): independent collectives go out as one NCCL group;
+-- one that reads what an earlier member writes starts a new group after it (same results, in order)
+if not hybrid then
+  local C = require("fsdp.core").C
+  local g = dist.world_group()
+  local box = ffi.new("fsdp_work *[2]")
+  local function run(issue)
+    local g0 = ffi.C.emu_nccl_groups()
+    ffi.C.comm_group_begin()
+    local ok, err = pcall(issue)
+    ffi.C.comm_group_end()
+    assert(ok, err)
+    for i = 0, 1 do
+      assert(C.fsdp_work_wait(box[i]) == 0, ffi.string(C.fsdp_last_error()))
+      C.fsdp_work_free(box[i])
+    end
+    return tonumber(ffi.C.emu_nccl_groups() - g0)
+  end
+  local a, b = fsdp.tensor({ rank + 1, 2 * rank }), fsdp.tensor({ 3, rank })
+  local n = run(function()
+    assert(C.fsdp_all_reduce(box, g.comm, a, 0, "group.a") == 0)
+    assert(C.fsdp_all_reduce(box + 1, g.comm, b, 0, "group.b") == 0)
+  end)
+  local sa, sb = world * (world + 1) / 2, world * (world - 1) / 2
+  t.eq(table.concat(a:tolist(), ","), string.format("%d,%d", sa, 2 * sb), "independent members: first sum")
+  t.eq(table.concat(b:tolist(), ","), string.format("%d,%d", 3 * world, sb), "independent members: second sum")
+  t.eq(n, world > 1 and 1 or 0, "two independent all-reduces: one NCCL group")
+  local x, full = fsdp.tensor({ rank + 1 }), fsdp.zeros(world)
+  n = run(function()
+    assert(C.fsdp_all_reduce(box, g.comm, x, 0, "group.x") == 0)
+    assert(C.fsdp_all_gather(box + 1, g.comm, full, x, "group.full") == 0)   -- reads x, which the first writes
+  end)
+  local want = {}
+  for r = 1, world do want[r] = sa end
+  t.eq(table.concat(full:tolist(), ","), table.concat(want, ","), "a dependent member sees the earlier one's result")
+  t.eq(n, 0, "an all-gather of an all-reduce's output: not in its group")
 end
 if hybrid and world > 2 then
   t.ok(base.groups > 0, string.format("rank %d: hybrid: the replica averages made %d NCCL groups", rank, base.groups))

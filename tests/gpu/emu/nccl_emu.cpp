@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <atomic>
 #include <vector>
 
 struct emu_nccl_comm_s {
@@ -33,6 +34,8 @@ static thread_local char t_last[256];
 
 extern "C" int emu_nccl_comms_made(void) { return g_comms_made; }
 extern "C" int emu_nccl_comms_split(void) { return g_comms_split; }
+static std::atomic<int> g_comms_live;   /* made or split, not yet destroyed (read from any thread) */
+extern "C" int emu_nccl_comms_live(void) { return g_comms_live; }
 
 /* An MPI failure, or a bootstrap that cannot go on, would leave the other
  * ranks waiting: end the process (mpirun then ends the job). */
@@ -148,6 +151,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
         mpi_ok(MPI_Comm_dup(c->mpi, &c->ctl), "MPI_Comm_dup");
     }
     g_comms_made++;
+    g_comms_live++;
     static bool told;   /* as NCCL does with NCCL_DEBUG=VERSION (or more): its version, once */
     const char *dbg = getenv("NCCL_DEBUG");
     if (dbg && *dbg && !told && rank == 0) {
@@ -162,6 +166,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId id, int 
 ncclResult_t ncclCommDestroy(ncclComm_t c) {
     if (!c) return ncclSuccess;
     if (c->aborted) return fail(ncclInvalidUsage, "ncclCommDestroy: the communicator was aborted");
+    g_comms_live--;
     if (mpi_up()) {
         if (c->mpi != MPI_COMM_NULL) MPI_Comm_free(&c->mpi);
         if (c->ctl != MPI_COMM_NULL) MPI_Comm_free(&c->ctl);
@@ -176,6 +181,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t c) {
  * refused, as on a communicator NCCL freed. */
 ncclResult_t ncclCommAbort(ncclComm_t c) {
     if (!c) return ncclSuccess;
+    if (!c->aborted) g_comms_live--;
     c->aborted = true;
     return ncclSuccess;
 }
@@ -219,6 +225,7 @@ ncclResult_t ncclCommSplit(ncclComm_t parent, int color, int key, ncclComm_t *ou
         if (!in) return ncclSuccess;
         *out = new emu_nccl_comm_s{1, 0, MPI_COMM_NULL, MPI_COMM_NULL, false};
         g_comms_split++;
+        g_comms_live++;
         return ncclSuccess;
     }
     MPI_Comm ctl = MPI_COMM_NULL;
@@ -235,6 +242,7 @@ ncclResult_t ncclCommSplit(ncclComm_t parent, int color, int key, ncclComm_t *ou
         MPI_Comm_free(&c->ctl);
     }
     g_comms_split++;
+    g_comms_live++;
     *out = c;
     return ncclSuccess;
 }

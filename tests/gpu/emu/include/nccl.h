@@ -104,6 +104,7 @@ ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataT
 /* ---- test controls ---- */
 int emu_nccl_comms_made(void);    /* ncclCommInitRank calls that succeeded */
 int emu_nccl_comms_split(void);   /* communicators ncclCommSplit made */
+int emu_nccl_comms_live(void);    /* communicators made or split and not yet destroyed or aborted */
 long long emu_nccl_groups(void);  /* groups of at least one collective launched */
 /* FSDP_EMU_NCCL_FAIL_GROUP=R:N (environment): the N-th such group fails at
  * its ncclGroupEnd on world rank R, launching nothing of it. */
