@@ -893,8 +893,25 @@ void emu_shuffle(const void *mine, void *out, size_t size, int mode, int arg, un
     wait_at(F_WARP_WAIT, "a shuffle");
 }
 
+/* FSDP_EMU_ORDER=reverse: the blocks of a grid, and the threads of a block
+ * between two barriers, run last to first. A GPU promises neither order, so
+ * a correct kernel computes the same either way; one that reads what
+ * another thread (or block) writes without a barrier between them sees the
+ * value in one order and not in the other (gpu.test_cuda_kernels_emu.reverse). */
+static bool emu_reverse_order(void) {
+    static int r = -1;
+    if (r < 0) {
+        const char *v = getenv("FSDP_EMU_ORDER");
+        if (v && *v && strcmp(v, "reverse") != 0 && strcmp(v, "forward") != 0)
+            emu_fail("FSDP_EMU_ORDER must be forward (the default) or reverse");
+        r = v && strcmp(v, "reverse") == 0;
+    }
+    return r == 1;
+}
+
 static void run_block(void) {
     unsigned n = g_nt;
+    const bool reverse = emu_reverse_order();
     if (g_fibers.size() < n) g_fibers.resize(n);
     for (unsigned t = 0; t < n; t++) {
         emu_fiber &f = g_fibers[t];
@@ -911,12 +928,14 @@ static void run_block(void) {
         f.idx = uint3{t % g_block_dim.x, (t / g_block_dim.x) % g_block_dim.y, t / (g_block_dim.x * g_block_dim.y)};
     }
     for (;;) {
-        for (unsigned t = 0; t < n; t++)
+        for (unsigned k = 0; k < n; k++) {
+            unsigned t = reverse ? n - 1 - k : k;
             if (g_fibers[t].state == F_READY) {
                 g_cur = (int)t;
                 to_fiber(g_fibers[t]);
                 g_cur = -1;
             }
+        }
         unsigned done = 0, at_block = 0;
         for (unsigned t = 0; t < n; t++) {
             done += g_fibers[t].state == F_DONE;
@@ -982,10 +1001,11 @@ void emu_run(const emu_launch_cfg &c, const std::function<void()> &body) {
     g_grid_dim = c.grid;
     g_nt = (unsigned)nt;
     g_body = &body;
+    const bool reverse = emu_reverse_order();
     for (unsigned z = 0; z < c.grid.z; z++)
         for (unsigned y = 0; y < c.grid.y; y++)
             for (unsigned x = 0; x < c.grid.x; x++) {
-                g_block_idx = uint3{x, y, z};
+                g_block_idx = reverse ? uint3{c.grid.x - 1 - x, c.grid.y - 1 - y, c.grid.z - 1 - z} : uint3{x, y, z};
                 run_block();
             }
     g_body = NULL;

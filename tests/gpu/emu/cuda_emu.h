@@ -26,6 +26,9 @@
  *   16-byte vector at an odd element offset, a double at a 4-byte boundary
  *   of shared memory), which a GPU stops with "misaligned address", ends in
  *   a report naming the kernel (cuda_emu.cpp's SIGILL handler).
+ * - Order: FSDP_EMU_ORDER=reverse runs a grid's blocks and a block's threads
+ *   between barriers last to first instead of first to last, so a kernel
+ *   that depends on either order (which a GPU does not keep) shows it.
  * - The host guard: device memory is inaccessible (PROT_NONE) to host code;
  *   only a running device op (a kernel: the allocations of its pointer
  *   arguments; a copy, memset, cuBLAS call or NCCL collective: its buffers)
