@@ -90,7 +90,10 @@ static const char *page_up(const char *p) {
  * in its backing directory (/dev/shm unless osc_sm_backing_directory says
  * otherwise) and wants the whole size free there, though pages are taken
  * only as they are touched. Half the free space, shared by the host's
- * ranks, at most 64 GiB each and the physical memory. */
+ * ranks, at most 64 GiB each and the physical memory. The pages are the
+ * file system's: should other jobs fill /dev/shm during the run, touching
+ * a new page of the heap fails (SIGBUS), as it would for MPI's own shared
+ * segments. */
 static uint64_t heap_reserve(int n) {
     const char *dir = getenv("OMPI_MCA_osc_sm_backing_directory");
     struct statvfs vs;

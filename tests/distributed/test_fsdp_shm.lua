@@ -21,12 +21,16 @@ local dtype = opts.compute or "f32"
 local rank, world = fsdp.rank(), fsdp.world()
 assert(expect == "shm" or expect == "mpi", "--expect=shm or --expect=mpi")
 
-local cfg = { vocab_size = 97, n_layer = 2, n_head = 2, n_embd = 14, block_size = 8 }
+-- --head-chunk=R: the head and loss by vocabulary chunks (the tied embedding
+-- a sliced unit, gathered and reduced by slices); --reshard=G: hpZ groups of G
+local cfg = { vocab_size = 97, n_layer = 2, n_head = 2, n_embd = 14, block_size = 8,
+  head_chunk = tonumber(opts.head_chunk) }
 local B, T, STEPS, SEED = 12, 8, 4, 11
 local model = nn.GPT(cfg)
 local sharded = fsdp.shard(model, {
   policy = fsdp.policy.by_size(500), strategy = strategy, group_size = opts.group_size, seed = SEED,
   mixed_precision = { compute = dtype, reduce = "f32" }, offload = opts.offload == true,
+  reshard_after_forward = tonumber(opts.reshard),
 })
 local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 3e-3, betas = { 0.9, 0.95 }, eps = 1e-8 })
 assert(B % world == 0, "batch not divisible")
