@@ -194,6 +194,7 @@ struct comm_gpu {
     ncclComm_t nccl;
     int device;     /* the GPU it was made on: the comm thread selects it for host calls */
     bool aborted;   /* ncclCommAbort after a failed group: nccl is gone */
+    char why[512];  /* that group's error, for what still used it */
 };
 
 /* What rank 0 broadcasts: the id, or why there is none (so that no rank
@@ -291,7 +292,7 @@ static fsdp_status nccl_before(const comm_gpu_call *c, cudaStream_t s) {
 static fsdp_status nccl_call(comm_gpu *g, const comm_gpu_call *c, cudaStream_t s) {
     if (g->aborted)
         return fsdp_set_error(FSDP_ERR_COMM, "this communicator's NCCL side was aborted after a collective group "
-                              "failed on it");
+                              "failed on it (%s)", g->why);
     ncclDataType_t t = ncclFloat32;
     size_t k = 1;
     ncclRedOp_t op = ncclSum;
@@ -336,7 +337,7 @@ static fsdp_status gpu_comm_check(comm_gpu *g) {
     if (!g) return FSDP_OK;
     if (g->aborted)
         return fsdp_set_error(FSDP_ERR_COMM, "the NCCL communicator was aborted after a collective group failed on "
-                              "it, with collectives of it still in flight");
+                              "it (%s), with collectives of it still in flight", g->why);
     ncclResult_t async = ncclSuccess;
     NCCL_CHECK(ncclCommGetAsyncError(g->nccl, &async));
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
@@ -402,14 +403,15 @@ static fsdp_status gpu_run_group(comm_gpu **gcs[], comm_gpu_work *ws[], const co
             fsdp_set_error(st, "in a group of %d collectives: %s", n, first);
         if (st != FSDP_OK) {
             char msg[1024];
-            snprintf(msg, sizeof msg, "%s", fsdp_last_error());
+            snprintf(msg, sizeof msg, "%s; its NCCL communicators were aborted", fsdp_last_error());
             for (int i = 0; i < n; i++) {   /* each communicator it reached, once */
                 comm_gpu *g = *gcs[i];
                 if (!g || g->aborted || i >= reached) continue;
                 (void)ncclCommAbort(g->nccl);
                 g->aborted = true;
+                snprintf(g->why, sizeof g->why, "%.500s", msg);
             }
-            fsdp_set_error(st, "%s; its NCCL communicators were aborted", msg);
+            fsdp_set_error(st, "%s", msg);
         }
     }
     for (int i = 0; i < n && st == FSDP_OK; i++) st = nccl_after(&calls[i], s);
