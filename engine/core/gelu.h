@@ -1,8 +1,11 @@
 /* gelu.h: GELU in its tanh form, one element at a time, as the CPU kernels
  * (activation.c, fused.c), the CUDA kernels (cuda_nn.cu, cuda_fused.cu: host
- * and device code) and the CUDA emulation all compute it, so that every path
- * and the plain and bias-fused kernels agree bit for bit (vec512.h has the
- * 16-lane twin). C, C++ and CUDA.
+ * and device code) and the CUDA emulation all compute it (vec512.h has the
+ * 16-lane twin). C, C++ and CUDA. One formula makes the plain and the
+ * bias-fused kernels of one device agree bit for bit. It does not make
+ * devices agree: a GPU's expf is not the host's (ulps apart), nvcc contracts
+ * the multiply-adds into FMAs, and vec512.h's twin has its own exp and FMAs,
+ * so the CPU, the emulation and a real GPU agree to rounding only.
  *   gelu(x) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3),
  * since 0.5 (1 + tanh u) = sigmoid(2u) (no cancellation in 1 + tanh u for
  * negative x, one exp instead of a tanh), and its derivative

@@ -183,13 +183,13 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
         bool widen_in_add = r == FSDP_OK && g32->dtype == FSDP_BF16 && KERNELS(u->grad)->axpy_f32_bf16;
         bool widen_as_write = widen_in_add && unit_grad_zero(u) && KERNELS(u->grad)->cast_any;
         if (r == FSDP_OK && !widen_in_add) r = sched_convert_to(&g32, FSDP_F32, -1);
+        if (r == FSDP_OK) unit_grad_written(u);
         if (r == FSDP_OK && widen_as_write)
             KERNELS(u->grad)->cast_any(tensor_data(u->grad), FSDP_F32, tensor_data(g32), FSDP_BF16, u->shard_n);
         else if (r == FSDP_OK && widen_in_add)
             KERNELS(u->grad)->axpy_f32_bf16(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
         else if (r == FSDP_OK)
             KERNELS(u->grad)->axpy_f32(tensor_data(u->grad), tensor_data(g32), 1.0f, u->shard_n);
-        if (r == FSDP_OK) u->grad_zero = false;
         tensor_release(g32);
     }
     if (q->work) fsdp_work_free(q->work);
@@ -217,7 +217,7 @@ static fsdp_status before_backward(void *p) {
             /* a shard that holds the schedule's zeros takes each parameter's first gradient as a write:
              * the values of an add into zeros, without reading them (a GEMM's beta 0) */
             bool zeros = unit_grad_zero(u);
-            u->grad_zero = false;
+            unit_grad_written(u);
             u->flat_grad = tensor_view(u->grad, 1, &u->padded, &one, u->grad->offset);
             if (!u->flat_grad) return fsdp_set_error(FSDP_ERR_OOM, "unit %s: out of host memory", u->name);
             FSDP_TRY(link_grads(u, zeros));
@@ -228,6 +228,7 @@ static fsdp_status before_backward(void *p) {
             FSDP_TRY(tensor_new(&u->flat_grad, s->compute_dtype, 1, &u->padded, s->device, FSDP_TAG_GRAD,
                                 !unwritten));
             u->flat_unwritten = unwritten;
+            u->flat_new = true;
             FSDP_TRY(link_grads(u, unwritten));
         }
     }
@@ -296,14 +297,14 @@ static fsdp_status unit_backward_done(void *p) {
             FSDP_TRY(grow_pending(s, u));
             fsdp_work *w = NULL;
             FSDP_TRY(fsdp_all_reduce(&w, s->replica_comm, u->grad, FSDP_REDUCE_AVG, u->name));
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, false, NULL};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, NULL};
         }
     } else if (s->sync && u->flat_grad && local_reduce_in_place(s)) {
         /* a group of one whose gradient values the reduce dtype holds as
          * they are: the flat gradient itself is the reduction, added into
          * the gradient shard later (no copy, nothing widened first) */
         FSDP_TRY(grow_pending(s, u));
-        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, unit_grad_zero(u), NULL};
+        s->pend[s->n_pend++] = (pending){m->unit, NULL, u->flat_grad, NULL};
         sched_unlink_grads(u);
         u->flat_grad = NULL;   /* the pending entry holds its reference */
     } else if (s->sync && u->flat_grad) {
@@ -332,11 +333,11 @@ static fsdp_status unit_backward_done(void *p) {
         fsdp_work *w = NULL;
         if (reduces_into_grad(s, u)) {
             /* the reduce-scatter adds its average into the gradient shard as it sums the terms */
+            unit_grad_written(u);
             r = comm_reduce_scatter_add(&w, s->shard_comm, u->grad, src, FSDP_REDUCE_AVG, u->name);
             tensor_release(src);
             if (r != FSDP_OK) return r;
-            u->grad_zero = false;
-            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, true, NULL};
+            s->pend[s->n_pend++] = (pending){m->unit, w, NULL, NULL};
         } else {
             r = tensor_new(&dst, s->reduce_dtype, 1, &u->shard_n, s->device, FSDP_TAG_COMM, false);
             /* a group of one: the average over one rank is the gradient itself */
@@ -348,7 +349,7 @@ static fsdp_status unit_backward_done(void *p) {
                 tensor_release(dst);
                 return r;
             }
-            s->pend[s->n_pend++] = (pending){m->unit, w, dst, unit_grad_zero(u), NULL};
+            s->pend[s->n_pend++] = (pending){m->unit, w, dst, NULL};
         }
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);
@@ -383,6 +384,8 @@ static fsdp_status finish_backward(void *p) {
         if (r != FSDP_OK && st == FSDP_OK) st = r;
     }
     s->n_pend = 0;
+    /* complete: nothing of this backward is to be undone */
+    for (int k = 0; k < s->n_units && st == FSDP_OK; k++) s->units[k].restore_zeros = s->units[k].flat_new = false;
     /* a unit prefetched but not used since (a recomputed block's backward
      * can prefetch one that already ran) would keep values from before the
      * optimizer step: nothing stays gathered past a backward */
@@ -395,25 +398,32 @@ static fsdp_status finish_backward(void *p) {
 }
 
 /* Runs after the finish hook, and instead of it when the backward was
- * abandoned (aborted, or the tape cleared): then partial flat gradients,
- * pending reductions and gathered units must not leak into the next step. */
+ * abandoned (aborted, the tape cleared, or the finish failed): then partial
+ * flat gradients, pending reductions and gathered units must not leak into
+ * the next step, and every gradient shard this backward wrote into while it
+ * held the schedule's zeros (restore_zeros, in every mode: a world of one
+ * accumulates into its shards during the walk) holds zeros again. */
 static void finish_release(void *p) {
     fsdp_sched *s = p;
     for (int k = 0; k < s->n_pend; k++) {
         if (s->pend[k].work) fsdp_work_free(s->pend[k].work);   /* (waits: the comm thread is done with it) */
         if (s->pend[k].replica) fsdp_work_free(s->pend[k].replica);
         tensor_release(s->pend[k].reduced);
-        unit *u = &s->units[s->pend[k].unit];
-        if (s->pend[k].zero_before && u->grad && fsdp_fill(u->grad, 0.0) == FSDP_OK) unit_mark_grad_zero(u);
     }
     s->n_pend = 0;
     for (int k = 0; k < s->n_units; k++) {
         unit *u = &s->units[k];
-        if (u->flat_grad && s->sync) {
+        /* without sync a flat gradient is kept for the next micro-batch, unless this backward made it (it holds
+         * only this backward's part) or it is the gradient shard itself (direct: the next backward links it
+         * again, as writes into restored zeros or adds onto earlier micro-batches) */
+        if (u->flat_grad && (s->sync || s->direct || u->flat_new)) {
             sched_unlink_grads(u);
             tensor_release(u->flat_grad);
             u->flat_grad = NULL;
+            u->flat_unwritten = false;
         }
+        if (u->restore_zeros && u->grad && fsdp_fill(u->grad, 0.0) == FSDP_OK) unit_mark_grad_zero(u);
+        u->restore_zeros = u->flat_new = false;
         sched_reshard_unit(s, u);
         sched_drop_secondary(u);
     }

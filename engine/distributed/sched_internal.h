@@ -33,6 +33,12 @@ typedef struct unit {
                                       no gradient has been added since: an abandoned backward may restore them;
                                       read through unit_grad_zero */
     uint64_t grad_zero_version;    /* grad's storage version when those zeros were written */
+    bool restore_zeros;            /* this backward wrote into grad while it held those zeros (set by
+                                      unit_grad_written, for every mode: a reduction added after the walk or
+                                      during it, a world of one accumulating into it, a slice's add): until the
+                                      backward finishes, an abandoned one zeroes grad again */
+    bool flat_new;                 /* flat_grad was made by this backward (kept without sync, it holds no
+                                      earlier micro-batch's gradients): an abandoned backward drops it */
     fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
     fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
     bool gathered;                 /* data allocated and its gather issued */
@@ -63,20 +69,29 @@ static inline void unit_mark_grad_zero(unit *u) {
  * backward adds, and an abandoned one leaves the shard alone. The schedule's
  * own writes (add_reduced, a reduce-scatter adding into the shard, a world
  * of one accumulating into it during the walk, sched_slice.c's adds) do not
- * bump the storage version: each clears grad_zero instead, so a shard that
- * holds sums (a second backward without zero_grad, one after no_sync) is
- * never taken for zeros; only unit_mark_grad_zero sets it again, where the
- * schedule wrote the zeros. (distributed.grad_write.* checks both.) */
+ * bump the storage version: each goes through unit_grad_written instead, so
+ * a shard that holds sums (a second backward without zero_grad, one after
+ * no_sync) is never taken for zeros; only unit_mark_grad_zero sets it again,
+ * where the schedule wrote the zeros. (distributed.grad_write.* checks both.) */
+static inline bool unit_grad_zero(const unit *u) {
+    return u->grad_zero && u->grad && u->grad->storage->version == u->grad_zero_version;
+}
+/* The schedule writes (or has issued a write of) gradients into u's shard:
+ * called at every such write, before the backward finishes. A shard that
+ * held the schedule's zeros is remembered, so that an abandoned backward
+ * restores them (sched_backward.c's finish_release): the one record of
+ * which shards held zeros when the backward began, whatever the mode. */
+static inline void unit_grad_written(unit *u) {
+    if (unit_grad_zero(u)) u->restore_zeros = true;
+    u->grad_zero = false;
+}
+
 /* Offload through pinned host blocks (sched.c): whether the device has
  * them; a block handed back once its copy is done (else kept until it is);
  * every kept block whose copy is done handed back (block: waiting for each). */
 bool sched_stages_pinned(const fsdp_sched *s);
 void sched_stage_retire(fsdp_sched *s, staged *b);
 void sched_stage_reap(fsdp_sched *s, bool block);
-
-static inline bool unit_grad_zero(const unit *u) {
-    return u->grad_zero && u->grad && u->grad->storage->version == u->grad_zero_version;
-}
 
 typedef struct pending {
     int unit;
@@ -85,9 +100,6 @@ typedef struct pending {
                                     * values in the reduce dtype's range: local_reduce_in_place); NULL for an
                                     * all-reduce in place (direct) or a reduce-scatter that adds straight into
                                     * the gradient shard */
-    bool zero_before;              /* the gradient shard held the schedule's zeros before this reduction was
-                                      added to it (during the walk or after): an abandoned backward zeroes it
-                                      again, so no partial step is left in it */
     fsdp_work *replica;            /* hybrid, after the walk: the replica average of reduced, issued (or NULL) */
 } pending;
 

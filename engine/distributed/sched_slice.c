@@ -65,8 +65,8 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
      * across them first, below: a sliced unit has no backward end of its own to all-reduce its shard at) */
     if (s->direct && !(s->replica_comm && s->replica_size > 1)) {
         fsdp_status r = sched_ensure_grad(s, u);
+        if (r == FSDP_OK) unit_grad_written(u);
         if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(src), 1.0f, n);
-        if (r == FSDP_OK) u->grad_zero = false;
         tensor_release(src);
         return r;
     }
@@ -78,8 +78,8 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
         r = sched_ensure_grad(s, u);
         if (r == FSDP_OK) part = tensor_view(u->grad, 1, &n, &one, u->grad->offset + lo);
         if (r == FSDP_OK && !part) r = fsdp_set_error(FSDP_ERR_OOM, "slice reduce(%s): out of host memory", u->name);
+        if (r == FSDP_OK) unit_grad_written(u);
         if (r == FSDP_OK) r = comm_reduce_scatter_add(NULL, s->shard_comm, part, src, FSDP_REDUCE_AVG, u->name);
-        if (r == FSDP_OK) u->grad_zero = false;
         tensor_release(part);
         tensor_release(src);
         return r;
@@ -95,8 +95,8 @@ static fsdp_status slice_reduce(const fsdp_row_slicer *sl, int64_t lo, int64_t n
     if (r == FSDP_OK && s->shard_device != s->device) r = sched_convert_to(&dst, -1, s->shard_device);
     if (r == FSDP_OK) r = sched_convert_to(&dst, FSDP_F32, -1);
     if (r == FSDP_OK) r = sched_ensure_grad(s, u);
+    if (r == FSDP_OK) unit_grad_written(u);
     if (r == FSDP_OK) KERNELS(u->grad)->axpy_f32((float *)tensor_data(u->grad) + lo, tensor_data(dst), 1.0f, n);
-    if (r == FSDP_OK) u->grad_zero = false;
     tensor_release(dst);
     return r;
 }
