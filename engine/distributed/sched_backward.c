@@ -116,10 +116,11 @@ static fsdp_status add_through_pinned(fsdp_sched *s, unit *u, fsdp_tensor *reduc
     if (r == FSDP_OK) {
         const fsdp_device_kernels *h = KERNELS(u->grad);
         float *g = tensor_data(u->grad);
+        bool zeros = unit_grad_zero(u);
+        unit_grad_written(u);
         if (reduced->dtype == FSDP_F32) h->axpy_f32(g, pin, 1.0f, u->shard_n);
-        else if (unit_grad_zero(u)) h->cast_any(g, FSDP_F32, pin, FSDP_BF16, u->shard_n);
+        else if (zeros) h->cast_any(g, FSDP_F32, pin, FSDP_BF16, u->shard_n);
         else h->axpy_f32_bf16(g, pin, 1.0f, u->shard_n);
-        u->grad_zero = false;
     }
     fsdp_free_pinned(s->device, tag, pin, nbytes);
     return r;

@@ -7,8 +7,10 @@
 -- which the walk reaches after every unit's reduce-scatter was issued.
 -- Without sync too: a failed first micro-batch leaves nothing for the next.
 -- (--head-chunk=R: the head by vocabulary chunks, the tied embedding a sliced
--- unit whose slices are reduced into its shard during the walk)
+-- unit whose slices are reduced into its shard during the walk; --offload:
+-- on a GPU, the shards on the host, reductions added there)
 --   mpirun -np 2 fsdp-lua tests/distributed/test_fsdp_abandon.lua [--strategy=S] [--bf16] [--head-chunk=R]
+--     [--offload]
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
@@ -17,8 +19,9 @@ local opts = ... or {}
 local rank = fsdp.rank()
 local model, sharded, x, y = t.sharded_gpt { cfg = { vocab_size = 61, n_layer = 3, n_head = 2, n_embd = 12,
   block_size = 8, head_chunk = opts.head_chunk }, seed = 3, data_seed = 41, T = 7, strategy = opts.strategy,
-  mixed_precision = opts.bf16 and { compute = "bf16" } or nil }
+  mixed_precision = opts.bf16 and { compute = "bf16" } or nil, offload = opts.offload }
 
+if opts.offload then t.ok(sharded.offload, "--offload: the shards live on the host (the test runs on a GPU)") end
 local function grads() return t.grad_lists(sharded) end
 local function nonzero(all)
   local n = 0

@@ -211,13 +211,13 @@ end
 --- A GPT sharded one unit per block over every rank, and this rank's part
 -- of a token batch of 2 rows per rank -> model, sharded, x, y. o: cfg (the
 -- GPT's), seed (the init), data_seed, T, and optionally strategy (default
--- full_shard) and mixed_precision.
+-- full_shard), mixed_precision and offload.
 function M.sharded_gpt(o)
   local fsdp = require "fsdp"
   local rank, world = fsdp.rank(), fsdp.world()
   local model = require("fsdp.nn").GPT(o.cfg)
   local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = o.strategy or "full_shard",
-    seed = o.seed, mixed_precision = o.mixed_precision })
+    seed = o.seed, mixed_precision = o.mixed_precision, offload = o.offload })
   local B = 2 * world
   local x, y = M.token_batch(o.data_seed, B, o.T, o.cfg.vocab_size)
   local per = B / world
