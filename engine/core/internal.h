@@ -251,26 +251,4 @@ fsdp_tensor *node_grad_held(fsdp_node *node, int i, int dtype);
 /* Adds g into t's gradient accumulator (bgrad, or .grad for a leaf); takes g. */
 fsdp_status tensor_accumulate_grad(fsdp_tensor *t, fsdp_tensor *g);
 
-
-/* ---- the host heap (host_heap.c): CPU blocks the host's other ranks can map ---- */
-#define HOST_HEAP_CONTROL ((uint64_t)1 << 20)   /* the owner's control area at the start of its heap */
-#define HOST_HEAP_MAGIC 0x7061656874736f68ull   /* "hostheap" */
-typedef struct host_heap_header {
-    uint64_t magic;
-    int64_t pid;
-    uint64_t size;
-} host_heap_header;
-/* Turns the heap on over [base, base + size): this rank's segment of the
- * host's shared window (comm_shm.c). Later CPU raw blocks come from it. */
-fsdp_status host_heap_adopt(void *base, uint64_t size);
-/* The segment is about to go (finalize): nothing more comes from it. */
-void host_heap_disown(void);
-bool host_heap_on(void);
-/* A raw block from the heap, or NULL (off or full: the caller allocates privately). */
-void *host_heap_alloc(size_t nbytes);
-/* Gives back a block of the heap; false when ptr is not the heap's. */
-bool host_heap_free(void *ptr);
-/* Whether [ptr, ptr + nbytes) lies in this process's heap (*off: its offset). */
-bool host_heap_locate(const void *ptr, uint64_t nbytes, int64_t *off);
-
 #endif

@@ -1,19 +1,11 @@
 /* cpu_device.c: the CPU's kernel table (see device.h). */
 #include "cpu_kernels.h"
 #include "device.h"
-#include "internal.h"
 #include <stdlib.h>
 #include <string.h>
 
-/* From the host heap once it is on (ranks sharing a host read each other's
- * buffers there, comm_shm.c), else private memory. */
-static void *host_raw_alloc(size_t nbytes) {
-    void *p = host_heap_alloc(nbytes);
-    return p ? p : aligned_alloc(64, nbytes);
-}
-static void host_raw_free(void *ptr) {
-    if (!host_heap_free(ptr)) free(ptr);
-}
+static void *host_raw_alloc(size_t nbytes) { return aligned_alloc(64, nbytes); }
+static void host_raw_free(void *ptr) { free(ptr); }
 static void host_copy_from_host(void *dst, const void *src, size_t nbytes) { memcpy(dst, src, nbytes); }
 static void host_copy_to_host(void *dst, const void *src, size_t nbytes) { memcpy(dst, src, nbytes); }
 static void host_synchronize(void) {}

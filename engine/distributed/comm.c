@@ -319,9 +319,7 @@ fsdp_status comm_leave(void) {
     MPI_Finalized(&fin);
     if (!inited || fin) return FSDP_OK;
     if (comm_cfg()->error[0]) return FSDP_OK;   /* refused at the first collective already */
-    FSDP_TRY(comm_mpi_backend.leave(comm_cfg()->watchdog_s));
-    comm_shm_world_free();   /* every rank has left: each frees the host's window with the others */
-    return FSDP_OK;
+    return comm_mpi_backend.leave(comm_cfg()->watchdog_s);
 }
 
 int comm_rank_of(fsdp_comm *c) { return c ? c->rank : -1; }

@@ -79,7 +79,6 @@ struct fsdp_comm {
     int *members;                 /* world rank of each rank of c; NULL: c's ranks are world ranks */
     fingerprint last_done;        /* the last collective finished on c (seq UINT64_MAX: none; comm thread) */
     struct fsdp_comm *next_live;  /* the list of live communicators (comm_live_*) */
-    struct comm_shm *shm;         /* the one-host path (comm_shm.c): NULL until its first data collective */
 };
 
 /* Live communicators between ranks (not counting ones), found by id: the
@@ -143,8 +142,6 @@ typedef struct comm_config {
     bool blocking_wait;    /* FSDP_NCCL_BLOCKING_WAIT: host waits for CUDA collectives */
     double watchdog_s;     /* FSDP_WATCHDOG_SECONDS; 0: off */
     bool sync;             /* FSDP_COMM_SYNC: every collective completes before it returns */
-    bool shm;              /* FSDP_COMM_SHM (default 1): ranks of one host gather and reduce-scatter through
-                              shared memory (comm_shm.c); 0: through MPI */
     char error[160];       /* a setting that was refused ("" when all are fine) */
 } comm_config;
 const comm_config *comm_cfg(void);
@@ -199,22 +196,6 @@ void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t nam
  * with every other's, or w fails on every rank with a message naming both
  * sides (w->status, w->msg set). */
 fsdp_status comm_agree(fsdp_work *w);
-
-/* ---- the one-host path (comm_shm.c; the mpi backend's, comm thread) ----
- * true: the collective was handled (or failed: *st); false: move it through
- * MPI (shared memory off for c, or a buffer outside its owner's heap, on
- * every rank alike). */
-bool comm_shm_all_gather(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes, fsdp_status *st);
-bool comm_shm_reduce_scatter_f32(fsdp_comm *c, float *dst, const float *src, int64_t block, int divide,
-                                 bool accumulate, fsdp_status *st);
-void comm_shm_destroy(fsdp_comm *c);
-/* At the world's first collective, after its agreement (every rank is
- * there): the host's shared window and this rank's host heap in it. Once;
- * only an MPI failure is an error. */
-fsdp_status comm_shm_world_setup(fsdp_comm *world);
-/* At finalize, once every rank has left: the window goes (collective over
- * the host). */
-void comm_shm_world_free(void);
 
 /* ---- the watchdog (comm_watchdog.c) ---- */
 

@@ -83,8 +83,6 @@ static MPI_Datatype mpi_unit(size_t elem) {   /* moves bytes, elem at a time */
 }
 
 static fsdp_status mpi_all_gather(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes, size_t elem) {
-    fsdp_status shm_st;
-    if (comm_shm_all_gather(c, dst, src, block_bytes, &shm_st)) return shm_st;   /* one host */
     /* MPI counts are ints: beyond 2 GiB per rank, count elements instead of
      * bytes (the caller bounds elements per rank to INT_MAX). */
     MPI_Datatype t = block_bytes <= INT_MAX ? MPI_BYTE : mpi_unit(elem);
@@ -185,8 +183,6 @@ static fsdp_status mpi_reduce_scatter_f32(fsdp_comm *c, float *dst, const float 
             memcpy(dst, src, (size_t)block * sizeof(float));
         return FSDP_OK;
     }
-    fsdp_status shm_st;
-    if (comm_shm_reduce_scatter_f32(c, dst, src, block, divide, accumulate, &shm_st)) return shm_st;   /* one host */
     int64_t chunk = RS_SCRATCH_FLOATS / (2 * (P - 1));
     if (chunk < RS_MIN_CHUNK) chunk = RS_MIN_CHUNK;
     if (chunk > block) chunk = block;
@@ -283,7 +279,6 @@ static fsdp_status mpi_split(fsdp_comm *parent, int color, int key, fsdp_comm *c
 }
 
 static fsdp_status mpi_destroy(fsdp_comm *c) {
-    comm_shm_destroy(c);
     free(c->members);
     c->members = NULL;
     if (c->mpi != MPI_COMM_NULL && c->mpi != MPI_COMM_WORLD) MPI_CHECK(MPI_Comm_free(&c->mpi));

@@ -61,14 +61,6 @@ static void config_init(void) {
     g_cfg.debug = env_flag("FSDP_DEBUG_COLLECTIVES");
     g_cfg.blocking_wait = env_flag("FSDP_NCCL_BLOCKING_WAIT");
     g_cfg.sync = env_flag("FSDP_COMM_SYNC");
-    const char *shm = getenv("FSDP_COMM_SHM");
-    g_cfg.shm = true;
-    if (shm && shm[0]) {
-        if (strcmp(shm, "0") == 0) g_cfg.shm = false;
-        else if (strcmp(shm, "1") != 0)
-            snprintf(g_cfg.error, sizeof g_cfg.error, "FSDP_COMM_SHM=%.40s: expected 1 (one host's collectives through "
-                     "shared memory, the default) or 0 (through MPI)", shm);
-    }
     const char *w = getenv("FSDP_WATCHDOG_SECONDS");
     if (w && w[0]) {
         char *end = NULL;
@@ -651,13 +643,6 @@ static void run_work(fsdp_work *w) {
         if (st != FSDP_OK) comm_work_take_error(w, st);
         else comm_count_traffic(w, c);
         return;
-    }
-    if (c && c->is_world && c->be == &comm_mpi_backend) {   /* the host's shared window, at the first collective */
-        st = comm_shm_world_setup(c);
-        if (st != FSDP_OK) {
-            comm_work_take_error(w, st);
-            return;
-        }
     }
     /* A counting communicator leaves tensors of other devices untouched:
      * their memory may not be readable from the host. */

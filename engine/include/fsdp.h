@@ -518,12 +518,6 @@ fsdp_status fsdp_work_free(fsdp_work *w);
  * bytes reduced (sent into reduce-scatter and all-reduce), and seconds the
  * caller spent blocked in fsdp_work_wait. */
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
-/* Process-wide, since the start: all-gathers and reduce-scatters between
- * ranks of one host that moved through shared memory (*shared), and those
- * between ranks of one host that went through MPI instead because a buffer
- * lay outside its rank's host heap (*fallback). FSDP_COMM_SHM=0 sends all
- * of them through MPI (neither counts then). Either pointer may be NULL. */
-fsdp_status fsdp_comm_shm_stats(int64_t *shared, int64_t *fallback);
 /* With a reason: every fsdp_work_wait of this process, now or later, fails
  * at once with that reason instead of waiting (the REPL, when a peer rank
  * failed a chunk this rank still runs). A collective given up this way may

@@ -309,8 +309,6 @@ fsdp_status fsdp_work_free(fsdp_work *w);
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
 
-fsdp_status fsdp_comm_shm_stats(int64_t *shared, int64_t *fallback);
-
 fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
 
 fsdp_status fsdp_comm_pending(int64_t *works, uint64_t *comm_id, uint64_t *seq, int *moving);

@@ -728,20 +728,12 @@ function Sharded:full_state_dict()
 end
 
 --- Traffic and memory of this rank since the last call (reset after).
--- shm_collectives: all-gathers and reduce-scatters between ranks of one host
--- through shared memory; shm_fallbacks: those that went through MPI because a
--- buffer was outside its rank's host heap (FSDP_COMM_SHM=0: both 0).
 local stat_i64, stat_dbl = ffi.new("int64_t[2]"), ffi.new("double[1]")
-local shm_i64, shm_seen = ffi.new("int64_t[2]"), { 0, 0 }
 function Sharded:step_stats()
   if C.fsdp_comm_stats(stat_i64, stat_i64 + 1, stat_dbl) ~= 0 then raise() end
   local s = { gathered_bytes = tonumber(stat_i64[0]), reduced_bytes = tonumber(stat_i64[1]),
     wait_seconds = stat_dbl[0] }
   C.fsdp_comm_reset_stats()
-  if C.fsdp_comm_shm_stats(shm_i64, shm_i64 + 1) ~= 0 then raise() end
-  local shared, fallback = tonumber(shm_i64[0]), tonumber(shm_i64[1])
-  s.shm_collectives, s.shm_fallbacks = shared - shm_seen[1], fallback - shm_seen[2]
-  shm_seen[1], shm_seen[2] = shared, fallback
   return s
 end
 

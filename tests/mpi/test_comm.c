@@ -17,7 +17,6 @@
 #include "testutil.h"
 #include <math.h>
 #include <stdarg.h>
-#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,49 +163,6 @@ static void t_all_gather_int(const char *cn, fsdp_comm *c, int r, int s, int dt,
     fsdp_tensor_release(src);
     fsdp_tensor_release(dst);
     free(v), free(got);
-}
-
-/* The one-host path (comm_shm.c). Ranks of one host (every job here) move
- * their gathers and reduce-scatters through shared memory unless
- * FSDP_COMM_SHM=0; a gather whose source lies outside its rank's host heap
- * on one rank (g_private, made before the world) goes through MPI on every
- * rank, with the same values. */
-static fsdp_tensor *g_private;
-
-static void t_shm(fsdp_comm *world) {
-    const char *env = getenv("FSDP_COMM_SHM");
-    bool on = g_world > 1 && !(env && strcmp(env, "0") == 0);
-    int64_t shared = -1, fallback = -1;
-    OK(fsdp_comm_shm_stats(&shared, &fallback));
-    check(on ? shared > 0 && fallback == 0 : shared == 0 && fallback == 0,
-          "shared-memory collectives so far: %lld, through MPI for want of a shared buffer: %lld (FSDP_COMM_SHM %s, "
-          "%d ranks)", (long long)shared, (long long)fallback, env ? env : "unset", g_world);
-    const int64_t n = 5;
-    float v[5], got[5 * 4] = {0};
-    for (int64_t i = 0; i < n; i++) v[i] = (float)(100 * g_rank + i);
-    fsdp_tensor *src = g_rank == 0 ? g_private : make(FSDP_F32, n, v), *dst = zeros(FSDP_F32, n * g_world);
-    if (g_rank == 0) {
-        fsdp_tensor *tmp = make(FSDP_F32, n, v);
-        OK(fsdp_copy(g_private, tmp));
-        fsdp_tensor_release(tmp);
-    }
-    OK(fsdp_all_gather(NULL, world, dst, src, "ag.private"));
-    if (g_world <= 4) {
-        read_f(dst, got, n * g_world);
-        int64_t wrong = 0;
-        for (int q = 0; q < g_world; q++)
-            for (int64_t i = 0; i < n; i++) wrong += got[q * n + i] != (float)(100 * q + i);
-        g_wrong_values += wrong;
-        check(wrong == 0, "all_gather with rank 0's source outside its host heap: %lld wrong values", (long long)wrong);
-    }
-    int64_t shared2 = -1, fallback2 = -1;
-    OK(fsdp_comm_shm_stats(&shared2, &fallback2));
-    check(shared2 == shared && fallback2 == fallback + (on ? 1 : 0),
-          "that gather went through MPI on every rank: shared %lld -> %lld, fallbacks %lld -> %lld", (long long)shared,
-          (long long)shared2, (long long)fallback, (long long)fallback2);
-    if (g_rank != 0) fsdp_tensor_release(src);
-    fsdp_tensor_release(dst);
-    fsdp_tensor_release(g_private);
 }
 
 static void tol_for(int dt, int s, double *atol, double *rtol) {
@@ -617,7 +573,6 @@ int main(void) {
         return 1;
     }
     fsdp_comm *world = NULL, *odd_even = NULL, *pairs = NULL, *single = NULL;
-    g_private = zeros(FSDP_F32, 5);   /* before the world: outside the host heap */
     OK(fsdp_comm_world(&world));
     int r = -1, s = 0;
     OK(fsdp_comm_info(world, &r, &s));
@@ -661,7 +616,6 @@ int main(void) {
     t_bad_input("world", world);
     t_bad_input("rank%2", odd_even);
     t_stats(world);
-    t_shm(world);
 
     /* Split communicators issue and wait interleaved with the world's. */
     fsdp_work *wa = NULL, *wb = NULL;

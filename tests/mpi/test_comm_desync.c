@@ -11,8 +11,6 @@
  *   early     returns from the program (finalize) while the others go on
  *   exit      calls exit(0) in the middle of the run
  *   stop      stops itself (SIGSTOP) before a collective
- *   kill      is killed (SIGKILL) while a large reduce-scatter it issued is
- *             moving (on one host: the others wait on its shared flags)
  * Mismatches must fail on every rank with a message naming both sides, and
  * leave the ranks in step: each rank prints what it caught, then the ranks
  * count how many caught (an all-reduce that must succeed), rank 0 prints
@@ -89,20 +87,6 @@ int main(int argc, char **argv) {
     if (odd && !strcmp(c, "exit")) {
         fprintf(stderr, "rank 1 calls exit(0)\n");
         exit(0);
-    }
-    if (!strcmp(c, "kill")) {
-        int64_t n = (int64_t)24 << 20;   /* 96 MiB of terms per rank: the sums take a while */
-        fsdp_tensor *src = floats(n, FSDP_F32), *dst = floats(n / world, FSDP_F32);
-        fsdp_work *work = NULL;
-        fsdp_status kst = fsdp_reduce_scatter(&work, w, dst, src, FSDP_REDUCE_SUM, "big");
-        if (odd) {
-            usleep(2000);
-            fprintf(stderr, "rank 1 is killed\n");
-            raise(SIGKILL);
-        }
-        if (kst == FSDP_OK) kst = fsdp_work_wait(work);
-        fprintf(stderr, "rank %d: case kill: %s\n", g_rank, kst == FSDP_OK ? "the collective succeeded" : fsdp_last_error());
-        return 3;   /* nobody to finalize with */
     }
     if (odd && !strcmp(c, "stop")) {
         fprintf(stderr, "rank 1 stops itself\n");
