@@ -116,6 +116,54 @@ static void release_cache_locked(device_allocator *a) {
 
 static bool valid_device(int device) { return device >= 0 && device < FSDP_DEVICE_COUNT; }
 
+/* Under the lock: a cached block of class c for tag, or NULL (its reserved
+ * bytes move from the tag that cached it to this one). */
+static void *take_cached_locked(device_allocator *a, free_block **lists, int c, int tag, size_t rounded) {
+    free_block *b = lists[c];
+    if (!b) return NULL;
+    lists[c] = b->next;
+    void *ptr = b->ptr;
+    a->reserved[b->tag] -= (int64_t)rounded;
+    a->reserved[tag] += (int64_t)rounded;
+    free(b);
+    return ptr;
+}
+
+/* Under the lock: a block handed out, counted (fresh: newly reserved too). */
+static void count_taken_locked(device_allocator *a, int tag, size_t rounded, bool fresh) {
+    if (fresh) {
+        a->reserved[tag] += (int64_t)rounded;
+        a->total_reserved += (int64_t)rounded;
+    }
+    a->current[tag] += (int64_t)rounded;
+    if (a->current[tag] > a->peak[tag]) a->peak[tag] = a->current[tag];
+    a->total_current += (int64_t)rounded;
+    if (a->total_current > a->total_peak) a->total_peak = a->total_current;
+}
+
+/* A block given back: cached in lists[class], or, with no room to cache it,
+ * released by raw_free (NULL: nothing to call). */
+static void give_back(device_allocator *a, free_block **lists, int tag, void *ptr, size_t nbytes,
+                      void (*raw_free)(void *)) {
+    size_t rounded;
+    int c = size_class(nbytes, tag, &rounded);
+    free_block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&a->lock);
+    a->current[tag] -= (int64_t)rounded;
+    a->total_current -= (int64_t)rounded;
+    if (b) {
+        b->ptr = ptr;
+        b->tag = tag;
+        b->next = lists[c];
+        lists[c] = b;
+    } else {
+        if (raw_free) raw_free(ptr);
+        a->reserved[tag] -= (int64_t)rounded;
+        a->total_reserved -= (int64_t)rounded;
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
 fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out) {
     if (!valid_device(device)) return fsdp_set_error(FSDP_ERR_DEVICE, "alloc: no device %d", device);
     if (tag < 0 || tag >= FSDP_TAG_COUNT) return fsdp_set_error(FSDP_ERR_INVALID, "alloc: unknown tag %d", tag);
@@ -128,15 +176,9 @@ fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out) {
     int c = size_class(nbytes, tag, &rounded);
     if (c >= N_CLASSES) return fsdp_set_error(FSDP_ERR_OOM, "alloc: %zu bytes is beyond any size", nbytes);
     pthread_mutex_lock(&a->lock);
-    void *ptr = NULL;
-    free_block *b = a->free_lists[c];
-    if (b) {
-        a->free_lists[c] = b->next;
-        ptr = b->ptr;
-        a->reserved[b->tag] -= (int64_t)rounded;
-        a->reserved[tag] += (int64_t)rounded;
-        free(b);
-    } else {
+    void *ptr = take_cached_locked(a, a->free_lists, c, tag, rounded);
+    bool fresh = !ptr;
+    if (fresh) {
         if (a->cap > 0 && a->total_reserved + (int64_t)rounded > a->cap) release_cache_locked(a);
         if (a->cap > 0 && a->total_reserved + (int64_t)rounded > a->cap) {
             char req[32], cap[32], used[32];
@@ -162,13 +204,8 @@ fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out) {
             return fsdp_set_error(FSDP_ERR_OOM, "out of memory: the system refused %s (tag %s) on %s (%s in use)",
                                   req, fsdp_tag_name(tag), fsdp_device_name(device), used);
         }
-        a->reserved[tag] += (int64_t)rounded;
-        a->total_reserved += (int64_t)rounded;
     }
-    a->current[tag] += (int64_t)rounded;
-    if (a->current[tag] > a->peak[tag]) a->peak[tag] = a->current[tag];
-    a->total_current += (int64_t)rounded;
-    if (a->total_current > a->total_peak) a->total_peak = a->total_current;
+    count_taken_locked(a, tag, rounded, fresh);
     pthread_mutex_unlock(&a->lock);
     *out = ptr;
     return FSDP_OK;
@@ -177,23 +214,7 @@ fsdp_status fsdp_alloc(int device, int tag, size_t nbytes, void **out) {
 void fsdp_free(int device, int tag, void *ptr, size_t nbytes) {
     if (!ptr || !valid_device(device)) return;
     device_allocator *a = &allocators[device];
-    size_t rounded;
-    int c = size_class(nbytes, tag, &rounded);
-    free_block *b = malloc(sizeof *b);
-    pthread_mutex_lock(&a->lock);
-    a->current[tag] -= (int64_t)rounded;
-    a->total_current -= (int64_t)rounded;
-    if (b) {
-        b->ptr = ptr;
-        b->tag = tag;
-        b->next = a->free_lists[c];
-        a->free_lists[c] = b;
-    } else {   /* no room to cache it: give it back */
-        a->backend->raw_free(ptr);
-        a->reserved[tag] -= (int64_t)rounded;
-        a->total_reserved -= (int64_t)rounded;
-    }
-    pthread_mutex_unlock(&a->lock);
+    give_back(a, a->free_lists, tag, ptr, nbytes, a->backend ? a->backend->raw_free : NULL);
 }
 
 fsdp_status fsdp_alloc_pinned(int accel, int tag, size_t nbytes, void **out) {
@@ -208,15 +229,9 @@ fsdp_status fsdp_alloc_pinned(int accel, int tag, size_t nbytes, void **out) {
     int c = size_class(nbytes, tag, &rounded);
     if (c >= N_CLASSES) return fsdp_set_error(FSDP_ERR_OOM, "alloc_pinned: %zu bytes is beyond any size", nbytes);
     pthread_mutex_lock(&a->lock);
-    void *ptr = NULL;
-    free_block *b = pinned_lists[accel][c];
-    if (b) {
-        pinned_lists[accel][c] = b->next;
-        ptr = b->ptr;
-        a->reserved[b->tag] -= (int64_t)rounded;
-        a->reserved[tag] += (int64_t)rounded;
-        free(b);
-    } else {
+    void *ptr = take_cached_locked(a, pinned_lists[accel], c, tag, rounded);
+    bool fresh = !ptr;
+    if (fresh) {
         if (a->cap > 0 && a->total_reserved + (int64_t)rounded > a->cap) {
             char req[32], cap[32];
             format_bytes((int64_t)nbytes, req, sizeof req);
@@ -233,13 +248,8 @@ fsdp_status fsdp_alloc_pinned(int accel, int tag, size_t nbytes, void **out) {
             return fsdp_set_error(FSDP_ERR_OOM, "out of memory: %s refused %s of pinned host memory (tag %s)",
                                   fsdp_device_name(accel), req, fsdp_tag_name(tag));
         }
-        a->reserved[tag] += (int64_t)rounded;
-        a->total_reserved += (int64_t)rounded;
     }
-    a->current[tag] += (int64_t)rounded;
-    if (a->current[tag] > a->peak[tag]) a->peak[tag] = a->current[tag];
-    a->total_current += (int64_t)rounded;
-    if (a->total_current > a->total_peak) a->total_peak = a->total_current;
+    count_taken_locked(a, tag, rounded, fresh);
     pthread_mutex_unlock(&a->lock);
     *out = ptr;
     return FSDP_OK;
@@ -247,25 +257,8 @@ fsdp_status fsdp_alloc_pinned(int accel, int tag, size_t nbytes, void **out) {
 
 void fsdp_free_pinned(int accel, int tag, void *ptr, size_t nbytes) {
     if (!ptr || !valid_device(accel)) return;
-    device_allocator *a = &allocators[FSDP_DEVICE_CPU];
-    size_t rounded;
-    int c = size_class(nbytes, tag, &rounded);
-    free_block *b = malloc(sizeof *b);
-    pthread_mutex_lock(&a->lock);
-    a->current[tag] -= (int64_t)rounded;
-    a->total_current -= (int64_t)rounded;
-    if (b) {
-        b->ptr = ptr;
-        b->tag = tag;
-        b->next = pinned_lists[accel][c];
-        pinned_lists[accel][c] = b;
-    } else {   /* no room to cache it: give it back */
-        const fsdp_device_kernels *k = device_kernels(accel);
-        if (k && k->host_free) k->host_free(ptr);
-        a->reserved[tag] -= (int64_t)rounded;
-        a->total_reserved -= (int64_t)rounded;
-    }
-    pthread_mutex_unlock(&a->lock);
+    const fsdp_device_kernels *k = device_kernels(accel);
+    give_back(&allocators[FSDP_DEVICE_CPU], pinned_lists[accel], tag, ptr, nbytes, k ? k->host_free : NULL);
 }
 
 fsdp_status fsdp_mem_stats(fsdp_device device, fsdp_tag tag, int64_t *current, int64_t *peak, int64_t *reserved) {
