@@ -10,6 +10,7 @@
  *   (a bf16 view at an odd element offset) and the double at a 4-byte
  *   offset must each end in the emulation's report naming the kernel. */
 #include "cuda_emu.h"
+#include "emu_child.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,25 +55,9 @@ static void misaligned_double(void) { launch(smem_double_kernel, "smem_double_ke
 /* Runs fn in a child; true when it died (signal or failure exit) with every
  * string of want in its stderr. */
 static bool dies_with(void (*fn)(void), const char *want1, const char *want2) {
-    int fds[2];
-    if (pipe(fds) != 0) return false;
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 2);
-        close(fds[0]);
-        fn();
-        _exit(0);
-    }
-    close(fds[1]);
     char buf[8192];
-    size_t n = 0;
-    ssize_t k;
-    while (n + 1 < sizeof buf && (k = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)k;
-    buf[n] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
+    int status = run_child(fn, buf, sizeof buf);
+    if (status < 0) return false;
     bool died = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
     bool ok = died && strstr(buf, want1) && (!want2 || strstr(buf, want2));
     if (!ok) fprintf(stderr, "  child (%s) said: %s\n", died ? "died" : "exited 0", buf);

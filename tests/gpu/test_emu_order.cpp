@@ -11,6 +11,7 @@
  *   orders differ (blocks run last to first);
  * - FSDP_EMU_ORDER=sideways is refused, named. */
 #include "cuda_emu.h"
+#include "emu_child.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,31 +93,18 @@ static bool run_child(const char *order, results *r) {
     return n == sizeof *r && WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
+static void launch_sideways(void) {
+    setenv("FSDP_EMU_ORDER", "sideways", 1);
+    cudaSetDevice(0);
+    int *d_out;
+    cudaMalloc((void **)&d_out, sizeof(int) * N);
+    launch(neighbour_kernel, 1, N, d_out, 1);
+}
+
 static bool refused(void) {
-    int fds[2];
-    if (pipe(fds) != 0) return false;
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 2);
-        close(fds[0]);
-        setenv("FSDP_EMU_ORDER", "sideways", 1);
-        cudaSetDevice(0);
-        int *d_out;
-        cudaMalloc((void **)&d_out, sizeof(int) * N);
-        launch(neighbour_kernel, 1, N, d_out, 1);
-        _exit(0);
-    }
-    close(fds[1]);
     char buf[1024];
-    size_t n = 0;
-    ssize_t k;
-    while (n + 1 < sizeof buf && (k = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)k;
-    buf[n] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    return WIFSIGNALED(status) && strstr(buf, "FSDP_EMU_ORDER must be forward (the default) or reverse");
+    int status = run_child(launch_sideways, buf, sizeof buf);
+    return status >= 0 && WIFSIGNALED(status) && strstr(buf, "FSDP_EMU_ORDER must be forward (the default) or reverse");
 }
 
 int main(void) {

@@ -13,6 +13,7 @@
  *   partial warp, a pointer not 256-bit aligned, an ldm not a multiple of 16
  *   bytes. */
 #include "cuda_emu.h"
+#include "emu_child.h"
 #include <mma.h>
 #include <math.h>
 #include <signal.h>
@@ -102,26 +103,9 @@ static uint16_t bf16_of(float f) { return f32_to_bf16(f); }
 
 /* Runs fn in a child; true when it died of SIGABRT with `want` in its stderr. */
 static bool dies_with(void (*fn)(void), const char *want) {
-    int fds[2];
-    if (pipe(fds) != 0) return false;
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], 2);
-        close(fds[0]);
-        fn();
-        _exit(0);
-    }
-    close(fds[1]);
     char buf[4096];
-    size_t n = 0;
-    ssize_t k;
-    while (n + 1 < sizeof buf && (k = read(fds[0], buf + n, sizeof buf - 1 - n)) > 0) n += (size_t)k;
-    buf[n] = 0;
-    close(fds[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    bool ok = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT && strstr(buf, want);
+    int status = run_child(fn, buf, sizeof buf);
+    bool ok = status >= 0 && WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT && strstr(buf, want);
     if (!ok) fprintf(stderr, "  child said: %s", buf);
     return ok;
 }
