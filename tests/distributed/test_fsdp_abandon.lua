@@ -31,13 +31,7 @@ local function nonzero(all)
   return n
 end
 -- values of a and b further apart than tol (default 0: bit for bit)
-local function same(a, b, tol)
-  local differ = 0
-  for i = 1, #a do
-    for j = 1, #a[i] do if math.abs(a[i][j] - b[i][j]) > (tol or 0) then differ = differ + 1 end end
-  end
-  return differ
-end
+local same = t.count_differ
 local function step(fail) return t.lm_backward(model, x, y, fail) end
 
 step(false)

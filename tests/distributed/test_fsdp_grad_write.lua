@@ -32,13 +32,7 @@ local function plus(all, c)
 end
 -- values of a and b further apart than tol (a world of one adds a parameter's
 -- gradient into the shard part by part, so onto 0.5 it rounds differently)
-local function differ(a, b, tol)
-  local n = 0
-  for i = 1, #a do
-    for j = 1, #a[i] do if math.abs(a[i][j] - b[i][j]) > (tol or 0) then n = n + 1 end end
-  end
-  return n
-end
+local differ = t.count_differ
 local TOL = 1e-6   -- f32 rounding at 0.5 is 3e-8 an add; an overwrite or a re-zeroing is off by 0.25 or more
 
 step()

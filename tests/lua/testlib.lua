@@ -232,6 +232,16 @@ function M.grad_lists(sharded)
   return all
 end
 
+--- How many values of two grad_lists results lie further apart than tol
+-- (default 0: bit for bit).
+function M.count_differ(a, b, tol)
+  local n = 0
+  for i = 1, #a do
+    for j = 1, #a[i] do if math.abs(a[i][j] - b[i][j]) > (tol or 0) then n = n + 1 end end
+  end
+  return n
+end
+
 local Boom   -- a Lua op that passes its input on and fails in its backward
 --- The backward of model(x, y)'s loss with a Lua op recorded before the
 -- model's forward, so that the walk reaches it after every unit's
