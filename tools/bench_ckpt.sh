@@ -3,7 +3,7 @@
 # (124M, full_shard, 2 ranks) next to the raw write speed of the same disk
 # (dd if=/dev/zero ... conv=fsync), measured in the same run: standalone
 # before and after, and between the checkpoint repetitions for the same
-# byte count (tools/bench_ckpt.lua). Results go in BENCHMARKS.md, "## Checkpoints".
+# byte count (tools/bench_ckpt.lua). Results go in docs/performance.md, "Checkpoints".
 #   tools/bench_ckpt.sh                      # build/, 5 repetitions, 2 ranks
 #   BUILD=build REPS=3 NP=2 DIR=/mnt/fast/bench tools/bench_ckpt.sh
 set -euo pipefail

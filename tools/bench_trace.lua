@@ -4,7 +4,7 @@
 --   fsdp-lua tools/bench_trace.lua [--steps=30]                 (tracing off)
 --   fsdp-lua --trace=/tmp/t.json tools/bench_trace.lua [--steps=30]   (on)
 -- Compare against a build without the hooks in the same session, runs
--- interleaved (BENCHMARKS.md, "Timeline").
+-- interleaved (docs/performance.md, "Timeline").
 local fsdp = require "fsdp"
 local nn = require "fsdp.nn"
 local optim = require "fsdp.optim"

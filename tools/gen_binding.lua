@@ -1,6 +1,6 @@
 -- gen_binding.lua: writes lua/fsdp/cdef.lua from the FFI region of
 -- engine/include/fsdp.h, so the Lua binding is never a hand-kept copy of
--- the header (DESIGN.md, "Decided" 1).
+-- the header (DESIGN.md, decision 1).
 --
 --   luajit tools/gen_binding.lua [out-path [header-path]]
 --

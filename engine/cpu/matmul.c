@@ -59,7 +59,7 @@ void cpu_matmul_f32_blas(float *c, const float *a, const float *b, int64_t batch
 
 /* Which library runs an f32 matmul, by what tools/bench_kernels and the
  * step's own statistics (FSDP_MATMUL_STATS) measured at GPT-2's products as
- * a step stores them (BENCHMARKS.md): oneDNN from 2^18 multiply-adds up
+ * a step stores them (docs/notes/cpu-performance-log.md): oneDNN from 2^18 multiply-adds up
  * (5-15% more GFLOP per CPU second than OpenBLAS in the step, forward,
  * dX and dW alike, once a wide B read as stored is reordered first: see
  * matmul_dnnl.c), OpenBLAS below, where its single-threaded small-matrix

@@ -1,6 +1,6 @@
 /* fsdp.h: the public C API of the fsdp-lua engine, and its FFI surface.
  *
- * Rules (DESIGN.md, "Decided" 1 and 2): C99, opaque handles, every call
+ * Rules (DESIGN.md, decisions 1 and 2): C99, opaque handles, every call
  * returns an fsdp_status, results come back through out-parameters, no
  * structs by value, no varargs, no callbacks. On failure the call returns a
  * non-zero status and fsdp_last_error() names the op, shapes, dtypes,
@@ -555,7 +555,7 @@ fsdp_status fsdp_trace_start(const char *path);
 fsdp_status fsdp_trace_step(int64_t step);
 fsdp_status fsdp_trace_stop(void);
 
-/* ---- sharded units and their schedule (DESIGN.md, "The FSDP contract") ----
+/* ---- sharded units and their schedule (DESIGN.md, "What sharding means here") ----
  * A unit's parameters are flattened into one buffer padded to a multiple of
  * the shard group size N; this rank keeps its 1/N slice: the f32 master,
  * its gradient (both persistent) and, in Lua, the optimizer state. Before a

@@ -50,6 +50,10 @@ and the usual global `arg` (arg[0] the script, arg[1]... its arguments).
 Without a script (and without -e or -v), fsdp-lua starts the REPL, also when
 stdin is a pipe.
 
+environment: FSDP_NUM_THREADS (threads per rank), FSDP_TRACE=FILE, FSDP_DEVICE=cpu,
+FSDP_WATCHDOG_SECONDS and every other FSDP_* variable are listed, once, in
+docs/environment.md of the source tree.
+
 examples:
   fsdp-lua                                   # REPL, `fsdp` preloaded
   fsdp-lua recipes/mlp.lua --steps=500 --lr=0.1

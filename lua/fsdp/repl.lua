@@ -3,7 +3,7 @@
 -- Each input is first tried as `return <input>` so that expressions print
 -- their values; input that ends early (an open `for`, `function`, string)
 -- continues on the next line under ">> ". Errors print with a traceback and
--- the loop goes on (DESIGN.md, "Decided" 2: the REPL survives every user
+-- the loop goes on (DESIGN.md, decision 2: the REPL survives every user
 -- mistake). Line editing, history and Tab completion (globals, fields,
 -- methods) come from readline when the launcher was built with it and stdin
 -- is a terminal. Ctrl-C interrupts the running chunk, or clears the line.

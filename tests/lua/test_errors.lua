@@ -1,6 +1,6 @@
 -- Error paths: every mistake raises a Lua error naming the op and the
 -- shapes/dtypes, reported at the caller's line, and the engine keeps
--- working afterwards (DESIGN.md, "Decided" 2).
+-- working afterwards (DESIGN.md, decision 2).
 package.path = (arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # lua/fsdp/cdef.lua must be what tools/gen_binding.lua makes from
-# engine/include/fsdp.h (DESIGN.md, "Decided" 1: no hand-kept copy).
+# engine/include/fsdp.h (DESIGN.md, decision 1: no hand-kept copy).
 #   bash tests/sh/test_binding_drift.sh <launcher> <repo root>
 set -u
 L=${1:?usage: test_binding_drift.sh <launcher> <repo root>}

@@ -21,7 +21,7 @@ code() { if [ "$2" -eq "$3" ]; then ok; else bad "$1: exit code $2, expected $3"
 # --help / -h
 out=$("$L" --help 2>&1); rc=$?
 code "--help" $rc 0
-for s in "usage: fsdp-lua" "-e CODE" "-l MODULE" "-i " "-v, --version" "-h, --help" "--key=value" "examples:" "mpirun"; do
+for s in "usage: fsdp-lua" "-e CODE" "-l MODULE" "-i " "-v, --version" "-h, --help" "--key=value" "examples:" "mpirun" "docs/environment.md"; do
   has "--help lists $s" "$out" "$s"
 done
 out=$("$L" -h 2>&1); has "-h" "$out" "usage: fsdp-lua"
