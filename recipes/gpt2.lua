@@ -12,6 +12,7 @@ local optim = require "fsdp.optim"
 local data = require "fsdp.data"
 local options = require "fsdp.options"
 local metrics = require "fsdp.metrics"
+local sample = require "fsdp.sample"
 local dist, log = fsdp.distributed, fsdp.distributed.print0
 
 local o = options.parse(..., {
@@ -52,7 +53,16 @@ local o = options.parse(..., {
   { "seed", "int", 1, "init and data order seed", min = 0 },
   { "threads", "int", nil, "CPU threads (default: all cores)", min = 1, max = 256 },
   { "sample", "int", 64, "tokens to generate at the end (0 = none)", min = 0 },
-  { "top_k", "int", 1, "1 = greedy; >1 samples among the k most likely", min = 1 },
+  { "top_k", "int", 40, "sample among the k most likely tokens (0 = all of them, 1 = greedy)", min = 0 },
+  { "temperature", "number", 0.8, "sampling temperature (0 = greedy)", min = 0 },
+  { "top_p", "number", 1.0, "nucleus sampling: the most likely tokens up to this probability (1 = off)", min = 0,
+    max = 1 },
+  { "prompt", "string", nil, "text the samples continue, tokenized as the data is (default: 16 held-out tokens)" },
+  { "num_samples", "int", 1, "samples printed each time", min = 1 },
+  { "sample_seed", "int", nil, "the samples' seed (default: --seed)", min = 0 },
+  { "sample_every", "int", 0, "also print samples every N training steps (0 = only at the end)", min = 0 },
+  { "eval_only", "bool", false, "evaluate the --resume checkpoint (or the --init weights) and stop" },
+  { "generate_only", "bool", false, "print samples from the --resume checkpoint (or the --init weights) and stop" },
   { "init", "file", nil, "a Hugging Face GPT-2 safetensors file to start from" },
   { "export", "outfile", nil, "write the trained weights (HF names) to this safetensors file" },
   { "metrics", "outfile", nil, "write one JSON object per step to this file (tools/plot draws it)" },
@@ -78,9 +88,19 @@ options.check("gpt2.lua", {   -- what cannot work is refused before anything is 
     tostring(o.group_size), world },
   { o.reshard_group == 0 or (o.group_size or world) % o.reshard_group == 0,
     "--reshard-group=%d does not divide the shard group of %d ranks", o.reshard_group, o.group_size or world },
+  { o.top_p > 0, "--top-p must be above 0 (1 = off), got %s", o.top_p },
+  { o.prompt ~= "", "--prompt is empty: give some text to continue, or leave it out" },
+  { not (o.eval_only or o.generate_only) or o.resume or o.init, "--%s needs weights: --resume[=PATH] (a checkpoint) "
+    .. "or --init=FILE", o.eval_only and "eval-only" or "generate-only" },
 })
 local run = fsdp.checkpoint.manager { save_dir = o.save_dir, save_every = o.save_every, keep = o.keep,
   resume = o.resume, what = "gpt2.lua" }   -- refuses a --resume=PATH without a checkpoint now
+if (o.eval_only or o.generate_only) and o.resume and not run.dir then
+  options.fail("gpt2.lua: --%s: no checkpoint in %s to start from", o.eval_only and "eval-only" or "generate-only",
+    run.resume_from)
+end
+-- the prompt in the data's tokens (bytes for the tiny preset, GPT-2's BPE for small)
+local prompt_ids = o.prompt and require("fsdp.tokenizer").encode_for(cfg.vocab_size, o.prompt)
 
 -- Data: each rank reads its rows of every global batch. Evaluation reads
 -- data held out from training: --val-data, or else the last tenth of a
@@ -113,6 +133,38 @@ local first_step = run:load { model = sharded, optim = opt, data = train, val = 
   schedule = { kind = "cosine", lr = o.lr, warmup = o.warmup, total = o.steps, min_lr = o.min_lr },
   extra = { preset = o.preset, model = o.model, seed = o.seed } }
 
+local function evaluate(step)
+  local el = require("fsdp.evaluate").loss(model, val, o.eval_steps)
+  log("step %5d | eval loss %.4f", step, el)
+  return el
+end
+-- Samples: --num-samples continuations of one prompt (--prompt, or rank 0's
+-- first held-out tokens, read without moving the evaluation's position).
+-- Every rank runs the forwards (sharded units gather collectively).
+local function print_samples(when)
+  if o.sample == 0 then return end
+  local prompt = prompt_ids
+  if not prompt then
+    local at = val:state()
+    prompt = val:next():narrow(1, 1, 1):narrow(2, 1, math.min(16, o.ctx)):tolist()[1]
+    val:set_state(at)
+    prompt = dist.broadcast(prompt)
+  end
+  local rows = {}
+  for i = 1, o.num_samples do rows[i] = prompt end
+  local how = { temperature = o.temperature, top_k = o.top_k, top_p = o.top_p, seed = o.sample_seed or o.seed }
+  rows = model:generate(rows, o.sample, how)
+  for i, r in ipairs(rows) do
+    log("%s", sample.text(r, #prompt, cfg.vocab_size, string.format("sample %d/%d %s (%s, seed %d):", i, #rows, when,
+      sample.describe(how), how.seed)))
+  end
+end
+if o.eval_only or o.generate_only then   -- a checkpoint's figures; no training, nothing saved
+  if o.eval_only then evaluate(first_step - 1) end
+  if o.generate_only then print_samples(string.format("after step %d", first_step - 1)) end
+  return
+end
+
 local meter = metrics.new { path = o.metrics, tokens_per_step = o.batch * o.ctx,   -- per step, max over ranks
   flops_per_token = metrics.gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx) }
 if meter.peak_flops then log("MFU against %.1f TFLOP/s (%s)", meter.peak_flops / 1e12, meter.peak_source) end
@@ -138,10 +190,9 @@ for step = first_step, o.steps do
   local rec = meter:end_step { step = step, loss = dist.mean(loss), lr = lr, grad_norm = norm }
   if step == 1 or step % o.log_every == 0 or step == o.steps then log("%s", meter:format(rec)) end
   if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps) then
-    local el = require("fsdp.evaluate").loss(model, val, o.eval_steps)
-    meter:record { step = step, eval_loss = el }
-    log("step %5d | eval loss %.4f", step, el)
+    meter:record { step = step, eval_loss = evaluate(step) }
   end
+  if o.sample_every > 0 and step % o.sample_every == 0 and step < o.steps then print_samples("at step " .. step) end
   run:maybe_save(step)
 end
 meter:close()
@@ -149,12 +200,7 @@ local summary = meter:summary()
 log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (max over ranks)", o.steps,
   summary.mean_step_ms, summary.peak_bytes / 2 ^ 20)
 
-if o.sample > 0 then   -- every rank runs the forwards (sharded units gather collectively)
-  local prompt = val:next():narrow(1, 1, 1):narrow(2, 1, math.min(16, o.ctx))
-  local rows = model:generate(prompt, o.sample, { top_k = o.top_k, seed = o.seed })
-  local text, decoded = require("fsdp.tokenizer").printable(rows[1], cfg.vocab_size)
-  log("sample%s: %s", decoded and "" or " tokens", text)
-end
+print_samples("after step " .. o.steps)
 if o.export then   -- HF names; streamed unit by unit, never the whole model on one rank
   fsdp.checkpoint.export(o.export, sharded, { hf = true })
   log("wrote %s", o.export)

@@ -67,7 +67,7 @@ end
 function M.bar(label, opts)
   if not M.enabled() then return nil end
   local unit = opts and opts.unit
-  local t0, last, finished, drawn = timer.now(), -math.huge, false, false
+  local t0, last, finished, drawn, width = timer.now(), -math.huge, false, false, 0
   return function(done, total)
     if finished then return end
     if done == nil then
@@ -79,7 +79,10 @@ function M.bar(label, opts)
     local over = done >= total
     if not over and now - last < M.INTERVAL then return end
     last = now
-    io.stderr:write("\r", M.line(label, done, total, now - t0, unit), over and "\n" or "")
+    local text = M.line(label, done, total, now - t0, unit)
+    -- spaces over what a longer previous line left (a rate that got shorter)
+    io.stderr:write("\r", text, string.rep(" ", width - #text), over and "\n" or "")
+    width = #text
     io.stderr:flush()
     drawn, finished = true, over
   end

@@ -372,6 +372,18 @@ end
 --- tok:token_bytes(id) -> the bytes of one token (nil when unknown).
 function Tokenizer:token_bytes(id) return self.decoder[id] end
 
+--- tokenizer.encode_for(vocab_size, text) -> ids (a Lua list): text as a
+-- model of that vocabulary reads it: bytes for 256, GPT-2's BPE (from
+-- tokenizer.gpt2()) for 50257; any other vocabulary has no tokenizer here
+-- and is an error saying so.
+function M.encode_for(vocab_size, text)
+  if type(text) ~= "string" then error("tokenizer.encode_for: text must be a string, got " .. type(text), 2) end
+  if vocab_size == 256 then return require("fsdp.data").encode_bytes(text) end
+  if vocab_size == 50257 then return M.gpt2():encode(text) end
+  error(string.format("tokenizer.encode_for: no tokenizer for a vocabulary of %s (256: bytes, 50257: GPT-2)",
+    tostring(vocab_size)), 2)
+end
+
 --- tokenizer.printable(ids, vocab_size) -> text, decoded: a model's tokens
 -- (a Lua list) for a log line. A vocabulary of 256 is bytes; GPT-2's
 -- (50257) is decoded with tokenizer.gpt2() when its files are there and
@@ -387,7 +399,43 @@ function M.printable(ids, vocab_size)
     ok, text = pcall(function() return M.gpt2():decode(ids) end)
   end
   if not ok then return concat(ids, " "), false end
-  return (text:gsub("%c", " ")), true
+  return M.valid_utf8((text:gsub("%c", " "))), true
+end
+
+-- The length of the well-formed UTF-8 sequence at s[i] (0: none there).
+local function utf8_len(s, i)
+  local b = byte(s, i)
+  local n = b < 0x80 and 1 or (b >= 0xC2 and b <= 0xDF) and 2 or (b >= 0xE0 and b <= 0xEF) and 3
+    or (b >= 0xF0 and b <= 0xF4) and 4 or 0
+  if n <= 1 then return n end
+  for k = 1, n - 1 do
+    local c = byte(s, i + k)
+    if not c or c < 0x80 or c > 0xBF then return 0 end
+  end
+  local b2 = byte(s, i + 1)
+  if (b == 0xE0 and b2 < 0xA0) or (b == 0xED and b2 > 0x9F) or (b == 0xF0 and b2 < 0x90) or (b == 0xF4 and b2 > 0x8F)
+  then
+    return 0   -- overlong, a surrogate, or past U+10FFFF
+  end
+  return n
+end
+
+--- tokenizer.valid_utf8(s) -> s with each byte that is not part of a
+-- well-formed UTF-8 character replaced by '?' (a sample cut mid-character,
+-- a byte model's stray high bytes), so a terminal or a log shows text.
+function M.valid_utf8(s)
+  local out, i, n = {}, 1, #s
+  while i <= n do
+    local len = utf8_len(s, i)
+    if len == 0 then
+      out[#out + 1] = "?"
+      i = i + 1
+    else
+      out[#out + 1] = sub(s, i, i + len - 1)
+      i = i + len
+    end
+  end
+  return concat(out)
 end
 
 return M

@@ -26,7 +26,8 @@ last=$(awk '$1 == 12 { print $2 }' <<<"$losses")
 if awk -v a="$first" -v b="$last" 'BEGIN { exit !(a > 5 && a < 6 && b < a - 0.5) }'; then ok; else
   bad "loss starts near ln(256) = 5.55 and falls ($first -> $last)" "$out"; fi
 [ "$(grep -c 'eval loss' <<<"$out")" -eq 2 ] && ok || bad "two evaluations (steps 6 and 12)" "$out"
-[ "$(grep -c '^sample: ' <<<"$out")" -eq 1 ] && ok || bad "one sample line" "$out"
+[ "$(grep -c '^sample 1/1 ' <<<"$out")" -eq 1 ] && [ "$(grep -c '^  continuation | ' <<<"$out")" -eq 1 ] && ok ||
+  bad "one sample, its lines once" "$out"
 [ "$(grep -c '^done: 12 steps' <<<"$out")" -eq 1 ] && ok || bad "one done line" "$out"
 
 out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --stpes=3 2>&1); rc=$?

@@ -91,7 +91,8 @@ for _, T in ipairs({ 8, 1 }) do
   if T == 8 then
     local m1 = gpt_run(7, T)
     local prompt = fsdp.tensor({ { 1, 2, 3 } }, { dtype = "i64" })
-    t.eq(t.show(m1:generate(prompt, 4)), t.show(m0:generate(prompt, 4)), "GPT head_chunk: the same greedy samples")
+    t.eq(t.show(m1:generate(prompt, 4, { temperature = 0 })), t.show(m0:generate(prompt, 4, { temperature = 0 })),
+      "GPT head_chunk: the same greedy samples")
   end
 end
 

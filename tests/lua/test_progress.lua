@@ -35,7 +35,7 @@ local plain = run("FSDP_PROGRESS=")
 t.ok(plain:find("saved", 1, true) and not plain:find("save [", 1, true), "no bar when stderr is not a terminal: " .. plain)
 local forced = run("FSDP_PROGRESS=1")
 t.ok(forced:find("save [", 1, true) ~= nil, "a bar when forced: " .. forced)
-t.ok(forced:find("100%", 1, true) ~= nil and forced:find("/s\n", 1, true) ~= nil, "the bar ends at 100% with a rate")
+t.ok(forced:find("100%", 1, true) ~= nil and forced:find("/s *\n") ~= nil, "the bar ends at 100% with a rate")
 local off = run("FSDP_PROGRESS=0")
 t.ok(not off:find("save [", 1, true), "FSDP_PROGRESS=0 turns bars off")
 -- the planner: a bar over its steps on a terminal, nothing otherwise
@@ -50,5 +50,28 @@ local bar = plan("FSDP_PROGRESS=1")
 t.ok(bar:find("\rplan [", 1, true) and bar:find("100% 2 / 2 steps", 1, true) and bar:sub(-1) == "\n",
      "--plan draws its steps when forced: " .. bar)
 t.ok(not plan("FSDP_PROGRESS="):find("plan [", 1, true), "--plan draws nothing when stderr is not a terminal")
+-- a redraw covers all of the line before it (a shorter rate leaves no tail)
+do
+  local progress = require "fsdp.progress"
+  local saved_err, saved_enabled, saved_interval = io.stderr, progress.enabled, progress.INTERVAL
+  local written = {}
+  io.stderr = { write = function(self, ...) for _, s in ipairs({ ... }) do written[#written + 1] = s end end,
+                flush = function() end }
+  progress.enabled, progress.INTERVAL = function() return true end, 0
+  local timer = require "fsdp.timer"
+  local saved_now, clock = timer.now, 0
+  timer.now = function() return clock end
+  local b = progress.bar("load")
+  clock = 1
+  b(900 * 2 ^ 20, 2 ^ 30)   -- 900.0 MiB/s
+  clock = 100
+  b(901 * 2 ^ 20, 2 ^ 30)   -- 9.0 MiB/s: two columns shorter
+  io.stderr, progress.enabled, progress.INTERVAL, timer.now = saved_err, saved_enabled, saved_interval, saved_now
+  local lines = {}
+  for seg in table.concat(written):gmatch("\r([^\r]*)") do lines[#lines + 1] = seg end
+  t.eq(#lines, 2, "two redraws")
+  t.ok(#lines[2] >= #lines[1], string.format("the second covers the first (%d >= %d columns)", #lines[2], #lines[1]))
+  t.ok(lines[2]:find("901.0 MiB / 1.00 GiB", 1, true) ~= nil, "the second is the new figure: " .. lines[2])
+end
 os.execute("rm -rf '" .. tmp .. "'")
 t.done()

@@ -34,7 +34,7 @@ first=$(grep -E '^step +1 \|' <<<"$out" | sed -E 's/.*loss ([0-9.]+).*/\1/')
 last=$(grep -E '^step +40 \|' <<<"$out" | sed -E 's/.*loss ([0-9.]+).*/\1/')
 if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.0) }'; then ok; else bad "loss falls ($first -> $last)" "$out"; fi
 has "eval line" "$out" "eval loss"
-has "sample line" "$out" "sample:"
+has "sample line" "$out" "continuation |"
 
 # the Llama variant and activation recomputation run too
 out=$("$L" recipes/gpt2.lua --model=llama --recompute --steps=3 --eval-every=0 --sample=0 2>&1)

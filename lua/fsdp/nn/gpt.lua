@@ -223,55 +223,12 @@ function GPT:from_hf(hf)
   return self:load_state_dict(sd)
 end
 
---- Generates n tokens after prompt (B, T) ids: greedy, or top-k sampling
--- with {top_k=, temperature=, seed=}. Returns a Lua table per row.
+--- m:generate(prompt, n, opts) -> a Lua list per row: the prompt (B, T)
+-- ids, each row followed by n sampled ids. opts as fsdp.sample.generate:
+-- temperature (0.8; 0 = greedy), top_k (40; 0 = off, 1 = greedy), top_p
+-- (1 = off), seed (1).
 function GPT:generate(prompt, n, opts)
-  opts = opts or {}
-  require("fsdp.options").check_keys(opts, { "top_k", "temperature", "seed" }, self.__name .. ":generate", 2)
-  local rows = prompt:tolist()
-  local was_training = self.training
-  self:eval()
-  local rng = opts.seed or 1
-  local function uniform()   -- a small LCG: sampling needs no engine state
-    rng = (rng * 1103515245 + 12345) % 2147483648
-    return rng / 2147483648
-  end
-  fsdp.no_grad(function()
-    for _ = 1, n do
-      for b = 1, #rows do
-        local ctx = rows[b]
-        local from = math.max(1, #ctx - self.config.block_size + 1)
-        local window = {}
-        for i = from, #ctx do window[#window + 1] = ctx[i] end
-        local logits = self:forward(fsdp.tensor({ window }, { dtype = "i64" }))
-        local last = logits:narrow(2, #window, 1):view(-1):tolist()
-        local k = opts.top_k or 1
-        -- the k best of the real vocabulary (padding excluded)
-        local best = {}
-        for v = 1, self.vocab_size do
-          local s = last[v]
-          if #best < k or s > best[#best].s then
-            best[#best + 1] = { v = v - 1, s = s }
-            table.sort(best, function(a, c) return a.s > c.s end)
-            if #best > k then best[#best] = nil end
-          end
-        end
-        local choice = best[1].v
-        if k > 1 then
-          local temp, total, w = opts.temperature or 1.0, 0, {}
-          for i, e in ipairs(best) do w[i] = math.exp((e.s - best[1].s) / temp); total = total + w[i] end
-          local r = uniform() * total
-          for i, e in ipairs(best) do
-            r = r - w[i]
-            if r <= 0 then choice = e.v; break end
-          end
-        end
-        ctx[#ctx + 1] = choice
-      end
-    end
-  end)
-  self:train(was_training)
-  return rows
+  return require("fsdp.sample").generate(self, prompt, n, opts)
 end
 M.GPT = GPT
 
