@@ -517,6 +517,39 @@ function M.ByteLoader(opts)
   return L
 end
 
+-- ---- synthetic tokens: what the planner feeds (fsdp.dryrun) ----
+
+-- While on (data.synthetic(true)), data.open reads nothing: a loader of the
+-- asked shape gives token ids below the vocabulary of the kind of data the
+-- path names (a text file's 256 bytes, GPT-2's 50257 tokens for shards),
+-- so a plan neither needs the data nor depends on how much of it there is.
+local synthetic_on = false
+
+--- data.synthetic(on) -> whether it was on before.
+function M.synthetic(on)
+  local was = synthetic_on
+  synthetic_on = on and true or false
+  return was
+end
+
+M.GPT2_VOCAB = 50257
+
+local function synthetic_loader(path, split, opts)
+  local shards = type(path) == "string" and (is_dir(path) or path:match("%.bin$") or path:match("[%*%?]"))
+  local vocab = shards and M.GPT2_VOCAB or 256
+  local rows = int_opt(opts, "batch", nil, 1, "data.synthetic") / int_opt(opts, "world", 1, 1, "data.synthetic")
+  local m = math.max(1, math.floor(rows)) * int_opt(opts, "ctx", nil, 1, "data.synthetic") + 1
+  -- one rank's window, the same for every window: ids spread over the vocabulary
+  local ids = ffi.new("uint16_t[?]", m)
+  for i = 0, m - 1 do ids[i] = (i * 7919) % vocab end
+  local name = "synthetic tokens for " .. tostring(path) .. (split and (" (" .. split .. ")") or "")
+  local windows = 1024   -- an epoch long enough for any plan
+  local segs = { { name = name, ntok = windows * (m - 1) * int_opt(opts, "world", 1, 1, "data.synthetic") + m } }
+  local L = new_loader("data.synthetic", opts, segs, function() return ids, ids end, vocab)
+  L.files, L.synthetic = {}, true
+  return L
+end
+
 -- ---- a recipe's data: training and held-out loaders from a path ----
 
 -- Mistakes in the paths a user gave are usage errors: one line, exit 2.
@@ -540,6 +573,7 @@ function M.open(path, split, spec)
   end
   local opts = {}
   for k, v in pairs(spec) do if k ~= "what" then opts[k] = v end end
+  if synthetic_on then return synthetic_loader(path, split, opts) end
   if is_dir(path) then
     local want = (split and split .. "_" or "") .. "*.bin"
     opts.pattern = M.glob(path:gsub("/+$", "") .. "/" .. want)

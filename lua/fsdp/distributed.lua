@@ -316,8 +316,18 @@ function M.max(x) return reduce(default_group(), x, "max", "max") end
 function M.min(x) return reduce(default_group(), x, "min", "min") end
 function M.barrier() return default_group():barrier() end
 function M.broadcast(value, root) return default_group():broadcast(value, root) end
+local quiet = false
 function M.print0(...)
-  if M.rank() == 0 then single.print0(single, ...) end
+  if M.rank() == 0 and not quiet then single.print0(single, ...) end
+end
+
+-- While on, print0 prints nothing: a dry run's log lines would show the
+-- counting device's figures as if measured (fsdp.dryrun). Returns the
+-- previous setting.
+function M._set_quiet(on)
+  local was = quiet
+  quiet = on and true or false
+  return was
 end
 
 return M

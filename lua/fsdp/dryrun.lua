@@ -16,7 +16,9 @@
 -- fsdp.distributed answers them; the default is a world of one), progress
 -- (a function(done, total) told the steps done, in halves: forward, then
 -- backward and optimizer step; done nil when the run stops early, e.g. a
--- fsdp.progress bar).
+-- fsdp.progress bar), synthetic_data (true: data.open reads nothing and
+-- gives synthetic token ids, fsdp.data.synthetic). fsdp.distributed.print0
+-- prints nothing meanwhile.
 local ffi = require "ffi"
 local fsdp = require "fsdp"
 local core = require "fsdp.core"
@@ -133,6 +135,11 @@ function M.run(fn, opts, ...)
   core.full_collect()
   core.full_collect()
   local world_group, leave_world = enter_world(opts.world or 1, opts.rank or 0)
+  -- no data is read (synthetic tokens of the asked shape) and the recipe's
+  -- own log lines stay quiet
+  local data = require "fsdp.data"
+  local was_synthetic = data.synthetic(opts.synthetic_data ~= false)
+  local was_quiet = require("fsdp.distributed")._set_quiet(true)
   -- every sharded model the run makes, for the plan's unit list
   local shard_mod = require "fsdp.shard"
   local real_shard = shard_mod.shard
@@ -206,6 +213,8 @@ function M.run(fn, opts, ...)
   end
   shard_mod.shard = real_shard
   autograd.backward = real_backward
+  data.synthetic(was_synthetic)
+  require("fsdp.distributed")._set_quiet(was_quiet)
   fsdp.set_default_device(prev_device)
   result.sharded = sharded
   if result.steps_run == 0 then   -- no fsdp.optim step: the whole run counts as one
