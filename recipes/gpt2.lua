@@ -69,6 +69,8 @@ local o = options.parse(..., {
   { "save_every", "int", 0, "save a sharded checkpoint every N steps (0 = never)", min = 0 },
   { "save_dir", "string", "checkpoints/", "where checkpoints go, one step_NNNNNNNN folder each" },
   { "keep", "int", 0, "keep only the newest K checkpoints in --save-dir (0 = all)", min = 0 },
+  { "nan", { "stop", "skip" }, "stop", "a loss, gradient norm or parameter that is NaN or infinite: stop the run "
+    .. "there (exit status 3, nothing saved from it) or skip the step's update (counted, logged)" },
   { "resume", "path_or_flag", nil, "--resume: go on from the newest checkpoint in --save-dir (if any); "
     .. "--resume=PATH: from that checkpoint, or the newest under PATH" },
 }, "gpt2.lua")
@@ -164,6 +166,8 @@ if o.eval_only or o.generate_only then   -- a checkpoint's figures; no training,
   if o.generate_only then print_samples(string.format("after step %d", first_step - 1)) end
   return
 end
+-- NaN or infinity in the loss, gradient norm or parameters: stop, or drop the update (--nan)
+local guard = require("fsdp.guard").new { model = sharded, mode = o.nan, what = "gpt2.lua", checkpoints = run }
 
 local meter = metrics.new { path = o.metrics, tokens_per_step = o.batch * o.ctx,   -- per step, max over ranks
   flops_per_token = metrics.gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx) }
@@ -185,7 +189,10 @@ for step = first_step, o.steps do
     if m < o.accum and not o.accum_sync then sharded:no_sync(forward_backward) else forward_backward() end
   end
   local norm = sharded:grad_norm()
-  opt:step { grad_scale = o.clip > 0 and optim.clip_coef(norm, o.clip) or 1 }   -- the clip, in AdamW's pass
+  if guard:check_step { step = step, loss = loss, grad_norm = norm } then
+    opt:step { grad_scale = o.clip > 0 and optim.clip_coef(norm, o.clip) or 1 }   -- the clip, in AdamW's pass
+    guard:check_params(step)
+  end
   opt:zero_grad()
   local rec = meter:end_step { step = step, loss = dist.mean(loss), lr = lr, grad_norm = norm }
   if step == 1 or step % o.log_every == 0 or step == o.steps then log("%s", meter:format(rec)) end

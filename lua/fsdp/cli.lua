@@ -139,7 +139,7 @@ local function run_recipe(chunk, args)
   if caught then
     io.stdout:flush()
     if require("fsdp.distributed").rank() == 0 then io.stderr:write(caught.message, "\n") end
-    return USAGE_EXIT
+    return caught.status or USAGE_EXIT
   end
   local C, dist = require("fsdp.core").C, require "fsdp.distributed"
   local rank, world = dist.rank(), dist._ranks_running()

@@ -29,6 +29,14 @@ function M.fail(fmt, ...)
   error(setmetatable({ message = msg }, UsageError), 0)
 end
 
+--- Ends a run cleanly on every rank: the same one-line message (from rank 0)
+-- and exit status `status`, for conditions all ranks agreed on (a
+-- non-finite loss, fsdp.guard) rather than mistakes in the options.
+function M.stop(status, fmt, ...)
+  local msg = select("#", ...) > 0 and string.format(fmt, ...) or fmt
+  error(setmetatable({ message = msg, status = status }, UsageError), 0)
+end
+
 function M.is_usage_error(e) return getmetatable(e) == UsageError end
 
 -- ---- names ----

@@ -626,6 +626,7 @@ function Sharded:grad_norm()
   local grads = ffi.new("fsdp_tensor *[?]", n > 0 and n or 1)
   for i, g in ipairs(self.grads) do grads[i - 1] = g end
   if C.fsdp_sumsq_many(grads, n, sumsq_box) ~= 0 then raise() end   -- one pass, one wait
+  self.local_grad_sumsq = sumsq_box[0]   -- this rank's part (fsdp.guard names the rank it is not finite on)
   return math.sqrt(self.shard_group:sum(sumsq_box[0]))
 end
 

@@ -65,5 +65,15 @@ a=$(steps_of "$whole"); b=$(steps_of "$resumed")
 --- resumed:
 $b"
 
+# a learning rate that blows the model up: the run stops at the step whose loss
+# is not finite, exit status 3, one line; the checkpoint before it is kept
+out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --steps=4 --lr=1e30 --warmup=0 --eval-every=0 --sample=0 \
+  --save-every=1 --keep=1 --save-dir="$TMP/nan" 2>&1); rc=$?
+[ $rc -eq 3 ] && ok || bad "a NaN loss exits 3, got $rc" "$out"
+[ "$(grep -c '^gpt2.lua: step 2: the loss is nan on rank 0.*training stopped, nothing saved from this state' \
+  <<<"$out")" -eq 1 ] && ok || bad "one line names the step, the value and the rank" "$out"
+[ -f "$TMP/nan/step_00000001/index.json" ] && [ ! -e "$TMP/nan/step_00000002" ] && ok ||
+  bad "the step-1 checkpoint is kept, none from step 2" "$(ls -R "$TMP/nan")"
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ] && [ $pass -gt 0 ]

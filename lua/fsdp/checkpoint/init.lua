@@ -232,6 +232,7 @@ function Manager:load(parts)
   parts.data:set_state(info.data)
   if parts.val and info.extra and info.extra.val then parts.val:set_state(info.extra.val) end
   if info.rng then nn.set_rng_state(info.rng) end
+  self.last_saved = self.dir
   self.log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", self.dir,
     info.world_size, info.step, info.data.index, info.data.epoch)
   return info.step + 1
@@ -249,6 +250,7 @@ function Manager:maybe_save(step)
     schedule = p.schedule and with(p.schedule, "step", step),
     extra = with(p.extra, "val", p.val and p.val:state()),
   }, { keep = self.keep > 0 and self.keep or nil })
+  self.last_saved = dir
   self.log("step %5d | saved %s", step, dir)
   return dir
 end

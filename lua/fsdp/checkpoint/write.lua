@@ -16,6 +16,7 @@ local together, describe, optim_kind = common.together, common.describe, common.
 local gather_strings, check_state = common.gather_strings, common.check_state
 local on_host, check_f32, group_hparams = common.on_host, common.check_f32, common.group_hparams
 local new_hasher, check_tiling = format.new_hasher, format.check_tiling
+local sumsq = require("fsdp.guard").sumsq
 local ALIGN = format.ALIGN
 
 local M = {}
@@ -201,6 +202,35 @@ local function build_index(d, state, opt, texts)
   return index
 end
 
+-- NaN or infinity in what this rank would write is refused: a checkpoint
+-- of non-finite state would replace a good one (and retention drop it).
+local function check_finite(d, opt, what)
+  local list, names = {}, opt and select(2, optim_kind(opt, what)) or {}
+  for _, s in ipairs(d.segments) do
+    list[#list + 1] = s.flat
+    local st = opt and opt.state[s.key]
+    for _, nm in ipairs(names) do if st and st[nm] then list[#list + 1] = st[nm] end end
+  end
+  local total = sumsq(list)
+  if total == total and total ~= math.huge then return end
+  for _, s in ipairs(d.segments) do   -- name the first tensor that is not finite
+    local st, label = opt and opt.state[s.key], nil
+    local v = sumsq({ s.flat })
+    if v ~= v or v == math.huge then label = fmt("parameter '%s'", s.path) end
+    for _, nm in ipairs(names) do
+      if not label and st and st[nm] then
+        v = sumsq({ st[nm] })
+        if v ~= v or v == math.huge then label = fmt("optimizer state %s of '%s'", nm, s.path) end
+      end
+    end
+    if label then
+      error(fmt("%s: %s holds NaN or infinity on rank %d: a checkpoint of non-finite state is refused "
+        .. "(nothing was written)", what, label, d.rank), 0)
+    end
+  end
+  error(fmt("%s: the state holds NaN or infinity on rank %d: refused (nothing was written)", what, d.rank), 0)
+end
+
 -- Rank 0, after every rank wrote and synced its file: the index, then the
 -- directory into place (an older one of the same name goes aside first).
 local function publish(dir, tmp, index, what)
@@ -233,6 +263,7 @@ function M.save(dir, state, opts)
   -- fail early and alike on every rank when the state cannot be stored
   together(comm, function()
     if opt then optim_kind(opt, what) end
+    check_finite(d, opt, what)
     for _, k in ipairs({ "step", "schedule", "data", "rng", "extra" }) do
       local okk, e = pcall(json.encode, state[k])
       if not okk then error(fmt("%s: state.%s cannot be stored as JSON: %s", what, k, e), 0) end
