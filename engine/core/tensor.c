@@ -497,6 +497,12 @@ fsdp_status fsdp_fill(fsdp_tensor *t, double value) {
     /* fill one element, then copy it out with a broadcast read */
     int64_t n = tensor_numel(t);
     if (n == 0) return FSDP_OK;
+    if (value == 0.0 && !signbit(value) && tensor_is_contiguous(t)) {
+        /* +0 is all-zero bits in every dtype: a memset, with no f32 staging
+         * copy on a device (a bf16 flat gradient's would be twice its size) */
+        KERNELS(t)->zero(tensor_data(t), (size_t)n * fsdp_dtype_size(t->dtype));
+        return FSDP_OK;
+    }
     union { float f; uint16_t h; int32_t i; int64_t l; } v;
     switch (t->dtype) {
     case FSDP_F32: v.f = (float)value; break;

@@ -86,8 +86,14 @@ function policy.by_type(...)
   return function(m) return names[m.__name] == true end
 end
 
---- One unit per transformer block.
-function policy.per_block() return policy.by_type("Block") end
+--- One unit per transformer block, and one for each vocabulary-sized table
+-- a model marks _vocab_table (an untied token embedding, an untied LM head):
+-- each is as large as several blocks, and left in the root it would be held
+-- gathered, with its flat gradient, from the forward to the end of the
+-- backward. A tied embedding cannot be a unit (why_not_unit) and stays root.
+function policy.per_block()
+  return function(m) return m.__name == "Block" or (m._vocab_table == true and M.why_not_unit(m) == nil) end
+end
 
 --- Why module m cannot be a unit, or nil when it can: a module whose
 -- parameters are used outside its own forward (GPT's token embedding, tied

@@ -16,6 +16,8 @@
 -- rows (its tied embedding gathered and reduced by chunks).
 -- --offload keeps shards and optimizer state on the CPU (the model computes
 -- on the default device: the GPU where there is one).
+-- --model=llama: the Llama variant (untied embedding and head, which
+-- per_block makes units of their own; with --head-chunk both are sliced units).
 -- --n-head=N: N heads instead of 2 (1: head dim 16, which the fused flash
 -- attention covers on CUDA in bf16; 2 heads of 8 take the GEMM path).
 --   mpirun -np 3 fsdp-lua tests/distributed/test_fsdp_equiv.lua --strategy=full_shard --policy=block
@@ -49,7 +51,8 @@ local function batch(step) return t.token_batch(step * 7919 + 17, B, T, cfg.voca
 local function adamw(groups) return optim.AdamW(groups, { lr = 3e-3, betas = { 0.9, 0.95 }, eps = 1e-8 }) end
 
 -- reference: one process, the whole global batch
-local ref = nn.GPT(cfg):materialize { seed = SEED }
+local Model = opts.model == "llama" and nn.Llama or nn.GPT
+local ref = Model(cfg):materialize { seed = SEED }
 local ref_opt = adamw(optim.decay_groups(ref:named_parameters(), 0.1))
 local ref_params = ref:parameters()
 
@@ -58,13 +61,20 @@ local ref_params = ref:parameters()
 local scfg = {}
 for k, v in pairs(cfg) do scfg[k] = v end
 scfg.head_chunk = opts.head_chunk
-local model = nn.GPT(scfg)
+local model = Model(scfg)
 if opts.recompute then nn.recompute(model, "Block") end   -- recomputed blocks regather in backward
 local sharded = fsdp.shard(model, {
   policy = policies[policy_name], strategy = strategy, group_size = opts.group_size, seed = SEED,
   mixed_precision = { compute = dtype, reduce = "f32" }, offload = opts.offload == true,
 })
 local opt = adamw(sharded:param_groups(0.1))
+if opts.model == "llama" and world > 1 then   -- the untied tables: units of their own, or sliced by chunks
+  local names = {}
+  for _, u in ipairs(sharded.units) do names[u.name] = u end
+  for _, n in ipairs(opts.head_chunk and { "wte.weight", "lm_head.weight" } or { "wte", "lm_head" }) do
+    t.ok(names[n] ~= nil, "llama: a unit " .. n .. (opts.head_chunk and " (sliced)" or ""))
+  end
+end
 if opts.offload then
   -- shards in host memory, the optimizer state made beside them; the model computes on the default device
   for _, u in ipairs(sharded.units) do

@@ -253,4 +253,22 @@ if launcher then
       "gpu-model without CUDA says so in one line")
   end
 end
+
+-- Zeroing a bf16 tensor on a device is one memset: no f32 staging copy of
+-- twice its size (which a Llama's bf16 flat head gradient made: 2 GiB of
+-- "other" at 128K vocabulary); another value still stages through f32.
+do
+  meta.mimic("cuda")
+  local x = fsdp.empty({ 1000, 33 }, { dtype = "bf16", device = "meta", tag = "grad" })
+  fsdp.memory.reset_peak("meta")
+  local other = fsdp.memory.stats("other", "meta").current
+  local e = counts_of(function() x:fill(0) end)
+  t.eq(e.zero.calls, 1, "fill(0) of bf16 on a device: one memset")
+  t.eq(e.zero.bytes_written, 2 * 33000, "the memset writes the bf16 bytes")
+  t.eq(e.fill_f32.calls + e.cast_any.calls, 0, "no f32 fill and no converting copy")
+  t.eq(fsdp.memory.stats("other", "meta").peak, other, "no staging buffer")
+  e = counts_of(function() x:fill(1.5) end)
+  t.eq(e.fill_f32.calls, 1, "fill(1.5) still goes through an f32 fill")
+  meta.mimic("cpu")
+end
 t.done()

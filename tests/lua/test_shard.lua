@@ -150,4 +150,20 @@ do
   t.near(sh:grad_norm(), 0.1, 1e-5, "the clipped norm is max_norm")
 end
 
+-- per_block: a unit per block, and units of their own for the untied
+-- vocabulary tables (a Llama's token embedding and head); a GPT's tied
+-- embedding cannot be one and stays with the root
+do
+  local function unit_paths(m)
+    local sh = fsdp.shard(m, { policy = fsdp.policy.per_block(), seed = 3 })
+    local paths = {}
+    for i, u in ipairs(sh.units) do paths[i] = u.name end
+    table.sort(paths)
+    return table.concat(paths, " ")
+  end
+  local cfg = { vocab_size = 37, n_layer = 3, n_head = 2, n_embd = 8, block_size = 8 }
+  t.eq(unit_paths(nn.Llama(cfg)), "h.0 h.1 h.2 lm_head root wte", "per_block on a Llama")
+  t.eq(unit_paths(nn.GPT(cfg)), "h.0 h.1 h.2 root", "per_block on a GPT (tied embedding in the root)")
+end
+
 t.done()

@@ -62,7 +62,7 @@ local function common_init(self, name, cfg)
   self.config = cfg
   self.vocab_size = cfg.vocab_size
   self.padded_vocab = padded(cfg.vocab_size, cfg.pad_to)
-  self:add("wte", layers.Embedding(self.padded_vocab, cfg.n_embd))
+  self:add("wte", layers.Embedding(self.padded_vocab, cfg.n_embd))._vocab_table = true
   self.head_chunk = cfg.head_chunk
   return cfg.n_embd, 0.02 / math.sqrt(2 * cfg.n_layer)
 end
@@ -246,13 +246,19 @@ function Llama:__init(cfg)
     }))
   end
   self:add("ln_f", layers.RMSNorm(C))
-  self:add("lm_head", layers.Linear(C, self.padded_vocab, { bias = false }))
+  local head = self:add("lm_head", layers.Linear(C, self.padded_vocab, { bias = false }))
+  head._vocab_table = true
+  if cfg.head_chunk then   -- both tables read by vocabulary chunks: sliced units under fsdp.shard
+    head._used_outside_forward, head._slice_rows = true, cfg.head_chunk
+    self.wte._used_outside_forward, self.wte._slice_rows = true, cfg.head_chunk
+  end
 end
 
 function Llama:forward(idx, targets, opts)
   local keep_logits = wants_logits(self, targets, opts)
   local B, T = check_ids(self, idx, "idx")
-  local x = self.wte(idx)
+  local chunk = self.head_chunk
+  local x = chunk and fsdp.chunked_embedding(self.wte.weight, idx, { chunk = chunk }) or self.wte(idx)
   for i = 0, self.h.n - 1 do x = self.h:get(i)(x) end
   x = self.ln_f(x)
   if self.head_chunk then return chunked_head(self, x, self.lm_head.weight, targets, B, T) end

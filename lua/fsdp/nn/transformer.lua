@@ -79,9 +79,23 @@ function Attention:__init(dim, n_head, opts)
   end
 end
 
+-- One set of tables per (length, head dim, theta, device), shared by every
+-- layer (a table per layer cost 32 x 4 MiB at 4096 x 128); weak, so the
+-- tables go when no model holds them.
+local rotary_cache = setmetatable({}, { __mode = "v" })
+
 function Attention:rope(x, T)
   local r = self.rotary
-  if not r.cos then r.cos, r.sin, r.rot = rotary_tables(r.block_size, self.head_dim, r.theta) end
+  if not r.cos then
+    local key = string.format("%d/%d/%.17g/%s", r.block_size, self.head_dim, r.theta, fsdp.default_device())
+    local tabs = rotary_cache[key]
+    if not tabs then
+      tabs = { rotary_tables(r.block_size, self.head_dim, r.theta) }
+      rotary_cache[key] = tabs
+    end
+    r.tables = tabs   -- (held here, so the cache's weak entry lives as long as a layer uses it)
+    r.cos, r.sin, r.rot = tabs[1], tabs[2], tabs[3]
+  end
   local dt = x:dtype()
   local cos, sin, rot = r.cos:narrow(1, 1, T), r.sin:narrow(1, 1, T), r.rot
   if dt ~= "f32" then cos, sin, rot = cos:cast(dt), sin:cast(dt), rot:cast(dt) end
