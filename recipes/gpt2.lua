@@ -37,6 +37,11 @@ local o = options.parse(..., {
     .. "gathers to send (2 bytes per parameter per shard; false: cast at every gather; default: on unless --offload)" },
   { "reshard_group", "int", 0, "keep 1/N of each block after its forward and regather it for the backward within "
     .. "groups of N ranks (hpZ; 0 = free it, the default)", min = 0 },
+  { "grad_compress", { "none", "int8", "topk" }, "none", "compressed gradient reduction: int8 blocks or top-k "
+    .. "entries, with error feedback (a residual kept per rank and checkpointed)" },
+  { "topk_density", "number", 0.01, "--grad-compress=topk: the fraction of each rank's part sent", min = 0, max = 1 },
+  { "compress_block", "int", 256, "--grad-compress=int8: elements per scale (a power of two)", min = 1 },
+  { "error_feedback", "bool", true, "keep what compression did not send and add it to the next step's gradient" },
   { "ctx", "int", 64, "tokens per sequence", min = 1 },
   { "lr", "number", 1e-3, "peak learning rate", min = 0 },
   { "min_lr", "number", 1e-4, "learning rate at the end of the cosine decay", min = 0 },
@@ -123,6 +128,8 @@ local sharded = fsdp.shard(model, {
   mixed_precision = { compute = o.dtype, reduce = o.reduce }, prefetch = o.prefetch,
   forward_prefetch = o.forward_prefetch, limit = o.limit, offload = o.offload,
   reshard_after_forward = o.reshard_group > 0 and o.reshard_group or nil, compute_copy = o.compute_copy,
+  compress = o.grad_compress ~= "none" and { grads = o.grad_compress, density = o.topk_density,
+    block = o.compress_block, error_feedback = o.error_feedback } or nil,
 })
 -- --init: each rank reads only its own slices of the file, into its shard
 if o.init then fsdp.checkpoint.import(o.init, sharded) end

@@ -276,11 +276,21 @@ fsdp_status fsdp_comm_counts(fsdp_comm *c, fsdp_collective kind, int64_t *calls,
     return FSDP_OK;
 }
 
+fsdp_status fsdp_comm_wire_counts(fsdp_comm *c, fsdp_collective kind, int64_t *bytes) {
+    FSDP_TRY(comm_check(c, "fsdp_comm_wire_counts"));
+    if (kind < 0 || kind >= K_COUNTED)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_wire_counts on comm %s(%d): kind %d, expected 0..%d",
+                              c->name, c->size, kind, K_COUNTED - 1);
+    if (bytes) *bytes = atomic_load(&c->counts->wire[kind]);
+    return FSDP_OK;
+}
+
 fsdp_status fsdp_comm_reset_counts(fsdp_comm *c) {
     FSDP_TRY(comm_check(c, "fsdp_comm_reset_counts"));
     for (int k = 0; k < K_COUNTED; k++) {
         atomic_store(&c->counts->calls[k], 0);
         atomic_store(&c->counts->bytes[k], 0);
+        atomic_store(&c->counts->wire[k], 0);
     }
     return FSDP_OK;
 }
@@ -537,6 +547,82 @@ fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst
 fsdp_status comm_reduce_scatter_add(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
                                     fsdp_reduce_op op, const char *label) {
     return reduce_scatter(work, c, dst, src, op, true, label, "fsdp_reduce_scatter (adding into dst)");
+}
+
+fsdp_status fsdp_reduce_scatter_compressed(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
+                                           fsdp_tensor *residual, fsdp_compress mode, int64_t block, double density,
+                                           fsdp_reduce_op op, const char *label) {
+    static const char *name = "fsdp_reduce_scatter_compressed";
+    FSDP_TRY(prepare(work, c, name));
+    if (!label) label = "";
+    if (mode != FSDP_COMPRESS_INT8 && mode != FSDP_COMPRESS_TOPK)
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): mode %d, expected int8 (1) or topk (2)", name,
+                              label, c->name, c->size, (int)mode);
+    if (mode == FSDP_COMPRESS_INT8 && (block < 1 || (block & (block - 1))))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): block %lld, expected a power of two >= 1",
+                              name, label, c->name, c->size, (long long)block);
+    if (mode == FSDP_COMPRESS_TOPK && !(density > 0 && density <= 1))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): density %g, expected in (0, 1]", name, label,
+                              c->name, c->size, density);
+    FSDP_TRY(check_collective(name, label, c, dst, src, false, SAME_FLOAT_DTYPE, op));
+    char a[200], b[200];
+    int64_t n = tensor_numel(dst);
+    if (dst->dtype != FSDP_F32 || !device_is_host_like(tensor_device(dst)))
+        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "%s '%s' on comm %s(%d): dst %s: compressed reductions take f32 "
+                              "tensors on the host", name, label, c->name, c->size, tensor_desc(dst, a, sizeof a));
+    if (residual) {
+        FSDP_TRY(check_tensor(name, label, "residual", residual, c));
+        if (residual->dtype != FSDP_F32 || tensor_numel(residual) != n * c->size ||
+            tensor_device(residual) != tensor_device(src))
+            return fsdp_set_error(FSDP_ERR_SHAPE, "%s '%s' on comm %s(%d): residual %s, expected f32 like src %s", name,
+                                  label, c->name, c->size, tensor_desc(residual, a, sizeof a),
+                                  tensor_desc(src, b, sizeof b));
+    }
+    void *pd = tensor_data(dst), *ps = tensor_data(src), *pr = residual ? tensor_data(residual) : NULL;
+    if (comm_overlaps(pd, n * 4, ps, n * c->size * 4) || (pr && (comm_overlaps(pr, n * c->size * 4, ps, n * c->size * 4) ||
+                                                                 comm_overlaps(pr, n * c->size * 4, pd, n * 4))))
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s '%s' on comm %s(%d): dst %s, src %s and residual overlap", name,
+                              label, c->name, c->size, tensor_desc(dst, a, sizeof a), tensor_desc(src, b, sizeof b));
+    storage_written(dst->storage);
+    if (residual) storage_written(residual->storage);
+    int64_t part = comm_compress_part_bytes(mode, n, block, density), wire = part * c->size;
+    /* the parts sent and received, as 4-byte words (parts are multiples of 4 bytes) */
+    int64_t words = wire / 4;
+    int dev = tensor_device(src);
+    fsdp_tensor *send = NULL, *recv = NULL;
+    fsdp_status st = tensor_new(&send, FSDP_I32, 1, &words, dev, FSDP_TAG_COMM, false);
+    if (st == FSDP_OK) st = tensor_new(&recv, FSDP_I32, 1, &words, dev, FSDP_TAG_COMM, false);
+    /* a counting communicator leaves tensors of other devices untouched (comm_queue.c's run_work) */
+    bool touch = !(c->be->local && dev != FSDP_DEVICE_CPU);
+    if (st == FSDP_OK && touch)
+        st = comm_compress_pack(tensor_data(send), ps, pr, mode, n, c->size, block, density);
+    else if (st == FSDP_OK && mode == FSDP_COMPRESS_TOPK && device_is_host_like(dev)) {   /* the plan's scratch */
+        void *p = NULL;
+        st = fsdp_alloc(dev, FSDP_TAG_COMM, (size_t)n * 4, &p);
+        if (p) fsdp_free(dev, FSDP_TAG_COMM, p, (size_t)n * 4);
+    }
+    fsdp_work *w = NULL;
+    if (st == FSDP_OK) st = comm_work_new(&w, K_REDUCE_SCATTER, c, label, wire, DT_COMPRESSED + (int)mode, op, name);
+    if (st != FSDP_OK) {
+        tensor_release(send);
+        tensor_release(recv);
+        return st;
+    }
+    tensor_retain(dst);
+    w->t_dst = dst;
+    w->t_src = send;
+    w->t_recv = recv;
+    w->dst = pd;
+    w->src = tensor_data(send);
+    w->n = n;
+    w->dtype = FSDP_F32;
+    w->op = op;
+    w->compress = mode;
+    w->compress_block = block;
+    w->density = density;
+    w->wire_bytes = wire;
+    FSDP_TRY(work_device(w, tensor_device(src), false, name));
+    return comm_issue(work, w, name);
 }
 
 /* The collectives that work on one tensor in place (all-reduce, broadcast);

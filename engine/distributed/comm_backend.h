@@ -87,6 +87,9 @@ typedef struct comm_backend {
     /* buf (n elements) <- elementwise sum or max over ranks, in place
      * (op FSDP_REDUCE_SUM or FSDP_REDUCE_MAX; averages divide after). */
     fsdp_status (*all_reduce)(fsdp_comm *c, void *buf, int64_t n, comm_reduce_type rt, int op);
+    /* dst (size blocks of block_bytes) <- block r of rank r's src, for
+     * every rank r, in rank order (src's block q goes to rank q). */
+    fsdp_status (*all_to_all)(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes);
     /* buf (bytes) <- root's buf. */
     fsdp_status (*broadcast)(fsdp_comm *c, void *buf, int64_t bytes, int root);
     fsdp_status (*barrier)(fsdp_comm *c);

@@ -10,7 +10,9 @@
  *   reduce-scatter  N times this rank's block of src (a sum of N equal
  *                   parts; the average is the block itself);
  *   all-reduce      sum: N times the value; max: the value;
- *   broadcast       unchanged (root held the same).
+ *   broadcast       unchanged (root held the same);
+ *   all-to-all      every block is this rank's own block of src (what each
+ *                   equal rank sends it).
  * So results are well-defined (no uninitialized memory, finite where the
  * input is), and a step on N counting ranks computes what one rank would.
  * Tensors on devices without host-readable memory (a device that only
@@ -39,6 +41,12 @@ static fsdp_status count_reduce_scatter_f32(fsdp_comm *c, float *dst, const floa
         float v = mine[i] * (float)c->size / (float)divide;
         dst[i] = accumulate ? dst[i] + v : v;
     }
+    return FSDP_OK;
+}
+
+static fsdp_status count_all_to_all(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes) {
+    const char *mine = (const char *)src + (int64_t)c->rank * block_bytes;
+    for (int r = 0; r < c->size; r++) memcpy((char *)dst + (int64_t)r * block_bytes, mine, (size_t)block_bytes);
     return FSDP_OK;
 }
 
@@ -96,6 +104,7 @@ const comm_backend comm_count_backend = {
     .name = "count",
     .all_gather = count_all_gather,
     .reduce_scatter_f32 = count_reduce_scatter_f32,
+    .all_to_all = count_all_to_all,
     .all_reduce = count_all_reduce,
     .broadcast = count_broadcast,
     .barrier = count_barrier,

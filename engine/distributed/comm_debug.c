@@ -46,6 +46,8 @@ const char *comm_op_name(int op) {
 }
 
 static const char *fp_dtype_name(int dt) {
+    if (dt == DT_COMPRESSED + FSDP_COMPRESS_INT8) return "f32 as int8 blocks";
+    if (dt == DT_COMPRESSED + FSDP_COMPRESS_TOPK) return "f32 as top-k";
     return dt == DT_F64 ? "f64" : dt == DT_NONE ? "" : fsdp_dtype_name(dt);
 }
 

@@ -20,6 +20,8 @@ typedef enum {
 extern const char *const comm_kind_names[];
 
 enum { DT_NONE = -1, DT_F64 = 100 };   /* fingerprint dtypes beyond fsdp_dtype */
+/* a compressed reduce-scatter's fingerprint dtype: DT_COMPRESSED + its fsdp_compress mode */
+enum { DT_COMPRESSED = 110 };
 
 #define LABEL_KEEP 48
 #define COMM_NAME 96
@@ -61,6 +63,7 @@ void comm_fp_describe(const fingerprint *f, bool with_seq, char *buf, size_t siz
 typedef struct comm_counts {
     atomic_int refs;
     atomic_llong calls[K_COUNTED], bytes[K_COUNTED];
+    atomic_llong wire[K_COUNTED];   /* bytes as they moved (compressed ones smaller) */
 } comm_counts;
 
 struct fsdp_comm {
@@ -112,6 +115,11 @@ struct fsdp_work {
     int64_t n;                    /* elements: per-rank block (gather, scatter) or total */
     int dtype, op, root, color, key;
     bool accumulate;              /* reduce-scatter: dst += the result (comm_reduce_scatter_add) */
+    int compress;                 /* reduce-scatter: fsdp_compress mode (comm_compress.c) */
+    int64_t compress_block;       /* int8: elements per scale */
+    double density;               /* topk: the fraction of each part sent */
+    fsdp_tensor *t_recv;          /* compressed: the parts received (src holds the parts sent, packed at issue) */
+    int64_t wire_bytes;           /* bytes on the wire (all ranks' parts); 0: the logical bytes */
     double *doubles;
     fsdp_comm *split_out;
     /* completion */
@@ -189,6 +197,19 @@ void comm_history(char *buf, size_t size);
 void comm_set_service(void (*fn)(void));
 /* What the comm thread runs now (busy) or ran last, for the watchdog. */
 void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size);
+
+/* ---- compressed reduce-scatter (comm_compress.c) ---- */
+
+/* One rank's part of n elements on the wire (fsdp_compress_part_bytes). */
+int64_t comm_compress_part_bytes(int mode, int64_t n, int64_t block, double density);
+/* At issue, on the caller's thread (so that a plan sees the same memory as
+ * a run): every rank's part of src (size * n f32), plus the residual res
+ * when not NULL (which keeps what was not sent), compressed into send. */
+fsdp_status comm_compress_pack(void *send, const float *src, float *res, int mode, int64_t n, int size, int64_t block,
+                               double density);
+/* Comm thread: moves the packed parts and adds this rank's (touch: the
+ * tensors' memory is the host's; else nothing moves). */
+fsdp_status comm_compress_run(fsdp_work *w, bool touch);
 
 /* ---- agreement (comm_debug.c) ---- */
 

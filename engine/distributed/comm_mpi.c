@@ -95,6 +95,16 @@ static fsdp_status mpi_all_gather(fsdp_comm *c, void *dst, const void *src, int6
     return wait_one(&req);
 }
 
+/* Part bytes are multiples of 4 (comm_compress.c): beyond 2 GiB per part,
+ * count 4-byte words. */
+static fsdp_status mpi_all_to_all(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes) {
+    MPI_Datatype t = block_bytes <= INT_MAX ? MPI_BYTE : MPI_UINT32_T;
+    int count = (int)(block_bytes <= INT_MAX ? block_bytes : block_bytes / 4);
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_CHECK(MPI_Ialltoall(src, count, t, dst, count, t, c->mpi, &req));
+    return wait_one(&req);
+}
+
 /* Reduce-scatter by pairwise exchange: rank r receives block r's terms
  * from every other rank and adds the P terms in rank order 0, 1, ..., P-1,
  * so every element's sum is rounded the same way whichever block holds it:
@@ -496,6 +506,7 @@ const comm_backend comm_mpi_backend = {
     .name = "mpi",
     .all_gather = mpi_all_gather,
     .reduce_scatter_f32 = mpi_reduce_scatter_f32,
+    .all_to_all = mpi_all_to_all,
     .all_reduce = mpi_all_reduce,
     .broadcast = mpi_broadcast,
     .barrier = mpi_barrier,

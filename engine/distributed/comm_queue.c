@@ -647,7 +647,7 @@ static void run_work(fsdp_work *w) {
     /* A counting communicator leaves tensors of other devices untouched:
      * their memory may not be readable from the host. */
     bool touch = !(c && c->be->local && w->device != FSDP_DEVICE_CPU);
-    if (!touch && c->be == &comm_count_backend && device_is_host_like(w->device)) {
+    if (!touch && !w->compress && c->be == &comm_count_backend && device_is_host_like(w->device)) {
         st = count_scratch(w);
         if (st != FSDP_OK) {
             comm_work_take_error(w, st);
@@ -657,7 +657,7 @@ static void run_work(fsdp_work *w) {
     size_t esz = fsdp_dtype_size(w->dtype);
     switch (w->kind) {
     case K_ALL_GATHER: if (touch) st = run_all_gather(w); break;
-    case K_REDUCE_SCATTER: if (touch) st = run_reduce_scatter(w); break;
+    case K_REDUCE_SCATTER: st = w->compress ? comm_compress_run(w, touch) : touch ? run_reduce_scatter(w) : st; break;
     case K_ALL_REDUCE: if (touch) st = run_all_reduce(w); break;
     case K_BROADCAST: if (touch) st = c->be->broadcast(c, w->dst, w->n * (int64_t)esz, w->root); break;
     case K_BARRIER: st = c->be->barrier(c); break;

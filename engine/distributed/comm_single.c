@@ -24,6 +24,12 @@ static fsdp_status single_reduce_scatter_f32(fsdp_comm *c, float *dst, const flo
     return FSDP_OK;
 }
 
+static fsdp_status single_all_to_all(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes) {
+    (void)c;
+    memmove(dst, src, (size_t)block_bytes);
+    return FSDP_OK;
+}
+
 static fsdp_status single_all_reduce(fsdp_comm *c, void *buf, int64_t n, comm_reduce_type rt, int op) {
     (void)c, (void)buf, (void)n, (void)rt, (void)op;
     return FSDP_OK;
@@ -59,6 +65,7 @@ const comm_backend comm_single_backend = {
     .name = "single",
     .all_gather = single_all_gather,
     .reduce_scatter_f32 = single_reduce_scatter_f32,
+    .all_to_all = single_all_to_all,
     .all_reduce = single_all_reduce,
     .broadcast = single_broadcast,
     .barrier = single_barrier,

@@ -25,6 +25,7 @@ static struct timespec abs_time(double t) {
 
 static pthread_mutex_t stats_mu = PTHREAD_MUTEX_INITIALIZER;
 static int64_t g_gathered, g_reduced;
+static int64_t g_wire_gathered, g_wire_reduced;   /* as they moved: compressed ones smaller */
 static double g_wait_s;
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds) {
@@ -36,9 +37,18 @@ fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, dou
     return FSDP_OK;
 }
 
+fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes) {
+    pthread_mutex_lock(&stats_mu);
+    if (wire_gathered_bytes) *wire_gathered_bytes = g_wire_gathered;
+    if (wire_reduced_bytes) *wire_reduced_bytes = g_wire_reduced;
+    pthread_mutex_unlock(&stats_mu);
+    return FSDP_OK;
+}
+
 fsdp_status fsdp_comm_reset_stats(void) {
     pthread_mutex_lock(&stats_mu);
     g_gathered = g_reduced = 0;
+    g_wire_gathered = g_wire_reduced = 0;
     g_wait_s = 0;
     pthread_mutex_unlock(&stats_mu);
     return FSDP_OK;
@@ -51,15 +61,21 @@ void comm_count_traffic(fsdp_work *w, fsdp_comm *c) {
     if (w->kind == K_ALL_GATHER) gathered = bytes * w->comm_size;
     if (w->kind == K_REDUCE_SCATTER) reduced = bytes * w->comm_size;
     if (w->kind == K_ALL_REDUCE) reduced = bytes;
+    int64_t wire = w->wire_bytes ? w->wire_bytes : gathered + reduced;
     if (gathered || reduced) {
         pthread_mutex_lock(&stats_mu);
         g_gathered += gathered;
         g_reduced += reduced;
+        g_wire_gathered += gathered ? wire : 0;
+        g_wire_reduced += reduced ? wire : 0;
         pthread_mutex_unlock(&stats_mu);
     }
     if (c && c->counts && w->kind < K_COUNTED) {
+        /* a compressed reduction's fingerprint holds its wire bytes */
+        long long logical = w->wire_bytes ? (long long)(bytes * w->comm_size) : (long long)w->fp.bytes;
         atomic_fetch_add(&c->counts->calls[w->kind], 1);
-        atomic_fetch_add(&c->counts->bytes[w->kind], (long long)w->fp.bytes);
+        atomic_fetch_add(&c->counts->bytes[w->kind], logical);
+        atomic_fetch_add(&c->counts->wire[w->kind], w->wire_bytes ? (long long)w->wire_bytes : logical);
     }
 }
 
@@ -70,6 +86,7 @@ void comm_work_unref(fsdp_work *w) {
     tensor_release(w->t_dst);
     tensor_release(w->t_src);
     tensor_release(w->t_scratch);
+    tensor_release(w->t_recv);
     free(w->doubles);
     if (w->gw) comm_device_backend()->work_free(w->gw);
     pthread_mutex_destroy(&w->mu);
@@ -107,9 +124,10 @@ fsdp_status comm_work_new(fsdp_work **out, work_kind kind, fsdp_comm *c, const c
  * compute stream is ordered after a CUDA collective). */
 void comm_work_drop_tensors(fsdp_work *w) {
     pthread_mutex_lock(&w->mu);
-    fsdp_tensor *a = w->t_dst, *b = w->t_src, *c = w->t_scratch;
-    w->t_dst = w->t_src = w->t_scratch = NULL;
+    fsdp_tensor *a = w->t_dst, *b = w->t_src, *c = w->t_scratch, *r = w->t_recv;
+    w->t_dst = w->t_src = w->t_scratch = w->t_recv = NULL;
     pthread_mutex_unlock(&w->mu);
+    tensor_release(r);
     tensor_release(a);
     tensor_release(b);
     tensor_release(c);

@@ -208,6 +208,7 @@ void sched_unit_clear(unit *u) {
     tensor_release(u->flat_grad);
     tensor_release(u->secondary);
     tensor_release(u->copy);
+    tensor_release(u->residual);
     free(u->numels);
     free(u->offsets);
     free(u->prefetch_list[0]);

@@ -311,15 +311,18 @@ static fsdp_status unit_backward_done(void *p) {
     } else if (s->sync && u->flat_grad) {
         fsdp_tensor *src = u->flat_grad, *dst;
         tensor_retain(src);
+        /* compressed: from f32 values, whatever the reduce dtype (the wire format replaces it) */
+        bool compressed = sched_compresses(s, u);
+        int want = compressed ? FSDP_F32 : s->reduce_dtype;
         /* a group of one: fsdp_copy below converts as it copies */
-        if (s->reduce_dtype != s->compute_dtype && !s->local_one) {
+        if (want != s->compute_dtype && !s->local_one) {
             fsdp_tensor *c;
             fsdp_status r = tensor_as_f32(&c, u->flat_grad);
             tensor_release(src);
             if (r != FSDP_OK) return r;
             src = c;
-            if (s->reduce_dtype != FSDP_F32) {
-                r = tensor_from_f32(&c, src, s->reduce_dtype);
+            if (want != FSDP_F32) {
+                r = tensor_from_f32(&c, src, want);
                 tensor_release(src);
                 if (r != FSDP_OK) return r;
                 src = c;
@@ -332,7 +335,12 @@ static fsdp_status unit_backward_done(void *p) {
             return r;
         }
         fsdp_work *w = NULL;
-        if (reduces_into_grad(s, u)) {
+        if (compressed) {
+            r = sched_reduce_compressed(s, u, src, &dst, &w);
+            tensor_release(src);
+            if (r != FSDP_OK) return r;
+            s->pend[s->n_pend++] = (pending){m->unit, w, dst, NULL};
+        } else if (reduces_into_grad(s, u)) {
             /* the reduce-scatter adds its average into the gradient shard as it sums the terms */
             unit_grad_written(u);
             r = comm_reduce_scatter_add(&w, s->shard_comm, u->grad, src, FSDP_REDUCE_AVG, u->name);

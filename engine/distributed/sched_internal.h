@@ -57,6 +57,8 @@ typedef struct unit {
     bool full_is_copy;             /* a shard group of one: full's data is the copy's, nothing allocated */
     uint64_t full_version;         /* full's storage version when it became the copy */
     staged stage;                  /* offload: the pinned block the gather in flight was copied from */
+    fsdp_tensor *residual;         /* (padded) f32, tag grad: what compressed reductions did not send (error
+                                      feedback, sched_compress.c), or NULL */
 } unit;
 
 /* The schedule wrote zeros into u's gradient shard. */
@@ -121,6 +123,10 @@ struct fsdp_sched {
                                       (fsdp_sched_set_direct) */
     int copy_mode;                 /* masters' compute copies: FSDP_COPY_AUTO, _ON or _OFF
                                       (fsdp_sched_set_compute_copy) */
+    int compress;                  /* fsdp_compress mode of the gradient reduce-scatters (fsdp_sched_set_compress) */
+    int64_t compress_block;
+    double compress_density;
+    bool error_feedback;
     unit *units;
     int n_units, cap_units;
     int *order;                    /* units in the order of their last post_forward */
@@ -149,6 +155,11 @@ fsdp_status sched_ensure_grad(fsdp_sched *s, unit *u);
 fsdp_status sched_add_unit(fsdp_sched *s, const char *name, int n_params, const int64_t *numels, int keep,
                            int64_t row, int *index);
 void sched_unit_clear(unit *u);
+
+/* Whether unit u's reduction is compressed; then issues it (sched_compress.c):
+ * src (f32, padded) -> a new f32 shard *dst, work *w. */
+bool sched_compresses(const fsdp_sched *s, const unit *u);
+fsdp_status sched_reduce_compressed(fsdp_sched *s, unit *u, fsdp_tensor *src, fsdp_tensor **dst, fsdp_work **w);
 
 /* sched.c's pieces that sched_control.c (unshard on request, resharding,
  * FSDP2 controls, settings) builds on */

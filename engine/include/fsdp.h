@@ -507,6 +507,29 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
 fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
                                 const char *label);
 fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp_reduce_op op, const char *label);
+/* Compressed gradient reduction (ZeRO++ qgZ, top-k with error feedback). */
+typedef enum fsdp_compress {
+    FSDP_COMPRESS_NONE = 0,
+    FSDP_COMPRESS_INT8 = 1,   /* int8 values, one f32 absmax scale per block of `block` elements */
+    FSDP_COMPRESS_TOPK = 2    /* the ceil(density * n) entries of largest magnitude: int32 index, f32 value */
+} fsdp_compress;
+/* fsdp_reduce_scatter whose contributions travel compressed: each rank
+ * compresses its src's block for every rank once (int8: blocks restart at
+ * each rank's block; topk: per rank's block), sends each to its owner (an
+ * all-to-all: nothing is compressed twice), and the owner decompresses the
+ * size parts and adds them in f32 in rank order, then divides for an
+ * average: dst <- that sum (or average). residual (f32, size * n elements,
+ * or NULL: no error feedback): src + residual is what is compressed, and
+ * residual <- (src + residual) - what was sent. f32 tensors on the host,
+ * dst, src and residual not overlapping; block a power of two >= 1; density
+ * in (0, 1]. The fingerprint's bytes are the wire bytes, so ranks that
+ * compress differently fail the agreement. */
+fsdp_status fsdp_reduce_scatter_compressed(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
+                                           fsdp_tensor *residual, fsdp_compress mode, int64_t block, double density,
+                                           fsdp_reduce_op op, const char *label);
+/* The bytes one rank's part of n elements takes on the wire (the scales,
+ * then the int8 values padded to 4 bytes; or k index-value pairs). */
+fsdp_status fsdp_compress_part_bytes(fsdp_compress mode, int64_t n, int64_t block, double density, int64_t *bytes);
 fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
 fsdp_status fsdp_barrier(fsdp_comm *c);
 /* n doubles combined across ranks in place (sum, avg or max), synchronously. */
@@ -518,6 +541,11 @@ fsdp_status fsdp_work_free(fsdp_work *w);
  * bytes reduced (sent into reduce-scatter and all-reduce), and seconds the
  * caller spent blocked in fsdp_work_wait. */
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+/* The same traffic as it moves on the wire: equal to fsdp_comm_stats's
+ * figures except for compressed collectives (their compressed bytes). */
+fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes);
+/* fsdp_comm_counts's bytes of one kind as they moved on the wire. */
+fsdp_status fsdp_comm_wire_counts(fsdp_comm *c, fsdp_collective kind, int64_t *bytes);
 /* With a reason: every fsdp_work_wait of this process, now or later, fails
  * at once with that reason instead of waiting (the REPL, when a peer rank
  * failed a chunk this rank still runs). A collective given up this way may
@@ -606,6 +634,20 @@ typedef enum fsdp_copy_mode {
     FSDP_COPY_AUTO = 2
 } fsdp_copy_mode;
 fsdp_status fsdp_sched_set_compute_copy(fsdp_sched *s, fsdp_copy_mode mode);
+/* Compressed gradient reduction (fsdp_reduce_scatter_compressed) of every
+ * unit's reduce-scatter; error_feedback 1 keeps a residual per unit (f32,
+ * the padded unit, tag grad) of what this rank did not send, added before
+ * the next compression. A shard group of one reduces nothing: no effect.
+ * Not with direct mode, offloaded shards or shards off the host. Only
+ * before the first unit is added. */
+fsdp_status fsdp_sched_set_compress(fsdp_sched *s, fsdp_compress mode, int64_t block, double density,
+                                    int error_feedback);
+/* A unit's error-feedback residual: *residual a new reference (NULL when
+ * none was made yet: the first compressed reduction makes it, zeroed).
+ * fsdp_sched_set_residual makes it if needed and copies values (f32,
+ * padded elements) into it; NULL values: zeros. */
+fsdp_status fsdp_unit_residual(fsdp_sched *s, int unit, fsdp_tensor **residual);
+fsdp_status fsdp_unit_set_residual(fsdp_sched *s, int unit, fsdp_tensor *values);
 /* A unit's compute copy as it is now: *copy a new reference (NULL when the
  * unit keeps none, or none was made yet: the first gather makes it), and
  * *current 1 when it holds the master's present values (else the next

@@ -299,6 +299,18 @@ fsdp_status fsdp_all_gather(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fs
 fsdp_status fsdp_reduce_scatter(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src, fsdp_reduce_op op,
                                 const char *label);
 fsdp_status fsdp_all_reduce(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, fsdp_reduce_op op, const char *label);
+
+typedef enum fsdp_compress {
+    FSDP_COMPRESS_NONE = 0,
+    FSDP_COMPRESS_INT8 = 1,
+    FSDP_COMPRESS_TOPK = 2
+} fsdp_compress;
+
+fsdp_status fsdp_reduce_scatter_compressed(fsdp_work **work, fsdp_comm *c, fsdp_tensor *dst, fsdp_tensor *src,
+                                           fsdp_tensor *residual, fsdp_compress mode, int64_t block, double density,
+                                           fsdp_reduce_op op, const char *label);
+
+fsdp_status fsdp_compress_part_bytes(fsdp_compress mode, int64_t n, int64_t block, double density, int64_t *bytes);
 fsdp_status fsdp_broadcast(fsdp_work **work, fsdp_comm *c, fsdp_tensor *t, int root, const char *label);
 fsdp_status fsdp_barrier(fsdp_comm *c);
 
@@ -308,6 +320,10 @@ fsdp_status fsdp_work_test(fsdp_work *w, int *done);
 fsdp_status fsdp_work_free(fsdp_work *w);
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+
+fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes);
+
+fsdp_status fsdp_comm_wire_counts(fsdp_comm *c, fsdp_collective kind, int64_t *bytes);
 
 fsdp_status fsdp_comm_abandon(const char *reason, int64_t *abandoned);
 
@@ -334,6 +350,12 @@ typedef enum fsdp_copy_mode {
     FSDP_COPY_AUTO = 2
 } fsdp_copy_mode;
 fsdp_status fsdp_sched_set_compute_copy(fsdp_sched *s, fsdp_copy_mode mode);
+
+fsdp_status fsdp_sched_set_compress(fsdp_sched *s, fsdp_compress mode, int64_t block, double density,
+                                    int error_feedback);
+
+fsdp_status fsdp_unit_residual(fsdp_sched *s, int unit, fsdp_tensor **residual);
+fsdp_status fsdp_unit_set_residual(fsdp_sched *s, int unit, fsdp_tensor *values);
 
 fsdp_status fsdp_unit_compute_copy(fsdp_sched *s, int unit, fsdp_tensor **copy, int *current);
 

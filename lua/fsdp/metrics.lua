@@ -82,7 +82,9 @@ local dbl = ffi.new("double[1]")
 
 local function comm_stats()
   if C.fsdp_comm_stats(i64, i64 + 1, dbl) ~= 0 then raise() end
-  return tonumber(i64[0]), tonumber(i64[1]), tonumber(dbl[0])
+  local g, r = tonumber(i64[0]), tonumber(i64[1])
+  if C.fsdp_comm_wire_stats(i64, i64 + 1) ~= 0 then raise() end   -- what moved (compressed: fewer bytes)
+  return g, r, tonumber(dbl[0]), tonumber(i64[0]), tonumber(i64[1])
 end
 
 --- metrics.new(opts) -> a recorder; see the top of this file.
@@ -111,14 +113,14 @@ function M.new(opts)
   local box = ffi.new("fsdp_comm *[1]")
   if C.fsdp_comm_world(box) ~= 0 then raise() end
   self.comm = box[0]
-  self.vals = ffi.new("double[?]", 5 + #M.TAGS)
+  self.vals = ffi.new("double[?]", 7 + #M.TAGS)
   return self
 end
 
 --- m:begin_step(): the step's clock, traffic and memory peaks start here.
 function Metrics:begin_step()
   memory.reset_peak()
-  self.g0, self.r0, self.w0 = comm_stats()
+  self.g0, self.r0, self.w0, self.wg0, self.wr0 = comm_stats()
   self.t0 = require("fsdp.timer").now()
 end
 
@@ -127,16 +129,18 @@ end
 function Metrics:end_step(fig)
   if not self.t0 then error("fsdp.metrics: end_step without begin_step", 2) end
   local dt = require("fsdp.timer").now() - self.t0
-  local g, r, w = comm_stats()
+  local g, r, w, wg, wr = comm_stats()
   local v = self.vals
   v[0], v[1], v[2], v[3] = dt, g - self.g0, r - self.r0, w - self.w0
   for i, tag in ipairs(M.TAGS) do v[3 + i] = memory.stats(tag).peak end
   v[4 + #M.TAGS] = memory.stats().peak
-  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 5 + #M.TAGS, 2) ~= 0 then raise() end
+  v[5 + #M.TAGS], v[6 + #M.TAGS] = wg - self.wg0, wr - self.wr0
+  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 7 + #M.TAGS, 2) ~= 0 then raise() end
   local rec = {}
   for k, x in pairs(fig or {}) do rec[k] = x end
   rec.step_ms = v[0] * 1e3
   rec.gathered_bytes, rec.reduced_bytes, rec.comm_wait_ms = v[1], v[2], v[3] * 1e3
+  rec.wire_gathered_bytes, rec.wire_reduced_bytes = v[5 + #M.TAGS], v[6 + #M.TAGS]
   rec.peak_bytes = {}
   for i, tag in ipairs(M.TAGS) do rec.peak_bytes[tag] = v[3 + i] end
   rec.peak_bytes.total = v[4 + #M.TAGS]

@@ -8,6 +8,7 @@
 --     offload = false,                           -- true: shards, gradients, optimizer state on the CPU
 --     reshard_after_forward = true,              -- G: keep 1/G for the backward, regathered in groups of G (hpZ)
 --     compute_copy = nil,                        -- bf16 copies of the masters, written by AdamW (see below)
+--     compress = { grads = "int8", block = 256 },  -- or "topk" + density: compressed reduction (fsdp.compress)
 --   })
 --   local logits, loss = model(x, y)             -- the model is used as before
 --   loss:backward()                              -- gathers, reduce-scatters as it goes
@@ -328,7 +329,7 @@ local wrap_t = core.wrap
 
 -- The options fsdp.shard takes (a typo is an error naming the closest one).
 M.option_names = { "policy", "strategy", "group_size", "mixed_precision", "prefetch", "forward_prefetch", "limit",
-  "seed", "offload", "reshard_after_forward", "compute_copy" }
+  "seed", "offload", "reshard_after_forward", "compute_copy", "compress" }
 local mixed_precision_names = { "compute", "reduce", "param" }
 
 --- fsdp.shard(model, opts) -> Sharded (see the top of this file).
@@ -366,6 +367,7 @@ function M.shard(model, opts)
   if opts.compute_copy ~= nil and type(opts.compute_copy) ~= "boolean" then
     error("fsdp.shard: compute_copy must be true, false or nil (automatic), got " .. tostring(opts.compute_copy), 2)
   end
+  local compress = require("fsdp.compress").parse(opts.compress, strategy, opts.offload == true, 2)
   local groups = M.assign_units(model, opts.policy)
   local shard_comm, replica_comm, world = make_comms(strategy, opts.group_size)
   local rank = comm_info(world)
@@ -385,7 +387,7 @@ function M.shard(model, opts)
       os.getenv("FSDP_FORCE_COLLECTIVES") ~= "1"   -- the engine's switch to exercise the communicator on one rank
   local self = setmetatable({
     model = model, strategy = strategy, compute = compute, reduce = reduce,
-    offload = offload, direct = direct,
+    offload = offload, direct = direct, compress = compress,
     -- the engine's FSDP_COPY_*: automatic unless asked (f32 compute has no copy to keep)
     copy_mode = compute == "f32" and 2 or opts.compute_copy == nil and 2 or opts.compute_copy and 1 or 0,
     shard_comm = shard_comm, replica_comm = replica_comm,
@@ -418,6 +420,7 @@ function Sharded:_build(groups)
   if self.offload and C.fsdp_sched_set_shard_device(sched, core.device_id("cpu")) ~= 0 then raise() end
   if self.direct and C.fsdp_sched_set_direct(sched, 1) ~= 0 then raise() end
   if C.fsdp_sched_set_compute_copy(sched, self.copy_mode) ~= 0 then raise() end
+  require("fsdp.compress").apply(sched, self.compress, self.direct)
   if self.reshard_comm and C.fsdp_sched_set_reshard_group(sched, self.reshard_comm) ~= 0 then raise() end
   local built = { sched = sched, units = {}, grads = {}, segments = {}, parts_of = {}, groups = groups }
   local keep_all = self.strategy == "shard_grad_op"
@@ -740,6 +743,8 @@ function Sharded:step_stats()
   if C.fsdp_comm_stats(stat_i64, stat_i64 + 1, stat_dbl) ~= 0 then raise() end
   local s = { gathered_bytes = tonumber(stat_i64[0]), reduced_bytes = tonumber(stat_i64[1]),
     wait_seconds = stat_dbl[0] }
+  if C.fsdp_comm_wire_stats(stat_i64, stat_i64 + 1) ~= 0 then raise() end
+  s.wire_gathered_bytes, s.wire_reduced_bytes = tonumber(stat_i64[0]), tonumber(stat_i64[1])
   C.fsdp_comm_reset_stats()
   return s
 end
@@ -763,8 +768,10 @@ function Sharded:global_stats()
   local names = { "param", "grad", "optimizer", "activation", "comm", "other" }
   local vals = { s.gathered_bytes, s.reduced_bytes, s.wait_seconds }
   for i, n in ipairs(names) do vals[3 + i] = mem[n].peak end
+  vals[#vals + 1], vals[#vals + 2] = s.wire_gathered_bytes, s.wire_reduced_bytes
   vals = self.group:max(vals)
-  local g = { gathered_bytes = vals[1], reduced_bytes = vals[2], wait_seconds = vals[3], peak = {} }
+  local g = { gathered_bytes = vals[1], reduced_bytes = vals[2], wait_seconds = vals[3], peak = {},
+    wire_gathered_bytes = vals[#vals - 1], wire_reduced_bytes = vals[#vals] }
   for i, n in ipairs(names) do g.peak[n] = vals[3 + i] end
   return g
 end

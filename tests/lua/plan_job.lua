@@ -3,7 +3,7 @@
 -- (under mpirun) it prints each allocator tag's peak and held bytes per
 -- rank; under `fsdp-lua --plan --world=N --rank=r` the planner runs it on
 -- the counting device instead and prints its plan.
---   mpirun -np 2 fsdp-lua tests/lua/plan_job.lua [--strategy=] [--compute=] [--recompute]
+--   mpirun -np 2 fsdp-lua tests/lua/plan_job.lua [--strategy=] [--compute=] [--recompute] [--compress=int8|topk]
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
@@ -26,7 +26,8 @@ dryrun.deterministic(function()
   local model = nn.GPT(cfg)
   if o.recompute then nn.recompute(model, "Block") end
   local sharded = fsdp.shard(model, { policy = fsdp.policy.per_block(), strategy = o.strategy or "full_shard",
-    group_size = o.group_size, mixed_precision = { compute = o.compute or "f32" }, seed = 5 })
+    group_size = o.group_size, mixed_precision = { compute = o.compute or "f32" }, seed = 5,
+    compress = o.compress and { grads = o.compress, density = 0.05, block = 64 } or nil })
   local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 1e-3 })
   for step = 1, 2 do
     local x, y = t.token_batch(step * 31 + rank * 7 + 1, 2, 32, cfg.vocab_size)

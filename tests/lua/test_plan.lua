@@ -256,7 +256,7 @@ else
     io.stderr:write("FSDP_TEST_MPIRUN is not set: skipping the comparison with real runs\n")
   else
     for _, case in ipairs({ { 1, "" }, { 2, "" }, { 4, "" }, { 4, "--strategy=hybrid_shard --group-size=2" },
-      { 2, "--compute=bf16 --recompute" } }) do
+      { 2, "--compute=bf16 --recompute" }, { 2, "--compress=int8" }, { 3, "--compress=topk --compute=bf16" } }) do
       local N, args = case[1], case[2]
       local real_cmd = string.format("FSDP_COMM_SYNC=1 %s %d %s tests/lua/plan_job.lua %s", mpirun, N, launcher, args)
       local real = run(real_cmd)

@@ -235,6 +235,7 @@ function Manager:load(parts)
   self.last_saved = self.dir
   self.log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", self.dir,
     info.world_size, info.step, info.data.index, info.data.epoch)
+  if info.residuals then self.log("%s", info.residuals) end
   return info.step + 1
 end
 

@@ -283,7 +283,9 @@ function M.load(dir, state, opts)
     return idx, v, o
   end)
   commit(d, index, vals, ostate, state.optim, opts)
-  return result(index)
+  local info = result(index)
+  info.residuals = require("fsdp.checkpoint.residuals").restore(dir, index, d, together)
+  return info
 end
 
 M.commit = commit

@@ -8,6 +8,7 @@ local json = require "fsdp.json"
 local fio = require "fsdp.io"
 local common = require "fsdp.checkpoint.common"
 local format = require "fsdp.checkpoint.format"
+local residuals = require "fsdp.checkpoint.residuals"
 
 local raise = require("fsdp.core").raise
 local fmt, sort = string.format, table.sort
@@ -77,6 +78,10 @@ local function finish_out(o)
   if not ok then error(err, 0) end
   return o.hasher:file_hex(o.pos)
 end
+
+-- (the compression residuals' files use the same blob writer)
+M.blob_writer = { new = function(path) return new_out(path) end, put = function(o, p, n) return put(o, p, n) end,
+  finish = function(o) return finish_out(o) end }
 
 -- This rank's file: parameter slices, then optimizer state slices. Returns
 -- the record for index.json.
@@ -279,8 +284,14 @@ function M.save(dir, state, opts)
       return write_shard(d, opt, tmp, opts)
     end)
     local records = gather_strings(comm, json.encode(rec))
+    local rrec = together(comm, function() return residuals.write(d, tmp, M.blob_writer) or {} end)
+    local rrecords = gather_strings(comm, json.encode(rrec))
     together(comm, function()
-      if rank == 0 then publish(dir, tmp, build_index(d, state, opt, records), what) end
+      if rank == 0 then
+        local index = build_index(d, state, opt, records)
+        index.compress = residuals.index_entry(d, rrecords)
+        publish(dir, tmp, index, what)
+      end
     end)
   end)
   if not ok then
