@@ -113,7 +113,17 @@ local prompt_ids = o.prompt and require("fsdp.tokenizer").encode_for(cfg.vocab_s
 -- data held out from training: --val-data, or else the last tenth of a
 -- text file, a folder's val_* shards, or a glob's last shard.
 local train, val = data.splits { data = o.data, val_data = o.val_data, batch = o.batch, ctx = o.ctx, seed = o.seed,
-  what = "gpt2.lua" }
+  what = "gpt2.lua", flags = { data = "--data", val_data = "--val-data" } }
+for _, d in ipairs { { train, "data" }, { val, "val-data" } } do   -- token ids the model has no row for
+  local top = d[1]:max_token()
+  local flag = d[2] == "data" and "--data" or (o.val_data and "--val-data" or "--data")
+  options.check("gpt2.lua", {
+    { top < cfg.vocab_size, "%s=%s holds token ids up to %d, beyond the %s model's vocabulary of %d%s", flag,
+      flag == "--data" and o.data or o.val_data, top, o.preset, cfg.vocab_size,
+      (top < 50257 and cfg.vocab_size < 50257) and ": these look like GPT-2 token ids (vocabulary 50257): use "
+        .. "--preset=small" or "" },
+  })
+end
 
 -- The model: declared here, sharded by fsdp.shard (on one rank its
 -- parameters are views of the master copy; nothing is gathered).

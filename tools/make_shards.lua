@@ -3,6 +3,7 @@
 --   fsdp-lua tools/make_shards.lua --input=data/corpus.txt --out=shards \
 --            [--tokenizer=bytes|gpt2] [--tokenizer-dir=DIR] \
 --            [--val-fraction=0.1] [--shard-tokens=100000000]
+--   fsdp-lua tools/make_shards.lua --help      # the options
 --
 -- --tokenizer=bytes (the default): tokens are the file's bytes, 0..255
 -- (vocabulary 256: any text or binary file works; UTF-8 characters become
@@ -18,37 +19,27 @@
 -- so training on the shards and on the text file directly see the same tokens.
 
 local data = require "fsdp.data"
+local options = require "fsdp.options"
 
-local function usage(msg)
-  if msg then io.stderr:write("make_shards: ", msg, "\n") end
-  io.stderr:write("usage: fsdp-lua tools/make_shards.lua --input=FILE --out=DIR [--tokenizer=bytes|gpt2]",
-                  " [--tokenizer-dir=DIR] [--val-fraction=0.1] [--shard-tokens=100000000]\n")
-  os.exit(msg and 2 or 0)
-end
-
-local opts = { ["val-fraction"] = "0.1", ["shard-tokens"] = "100000000", tokenizer = "bytes" }
-local known = { input = true, out = true, ["val-fraction"] = true, ["shard-tokens"] = true,
-                tokenizer = true, ["tokenizer-dir"] = true }
-for _, a in ipairs(arg or {}) do
-  if a == "--help" or a == "-h" then usage() end
-  local k, v = a:match("^%-%-([%w%-]+)=(.*)$")
-  if not k or not known[k] then
-    usage("unknown argument '" .. a .. "'")
-  end
-  opts[k] = v
-end
-if not opts.input then usage("--input=FILE is required") end
-if not opts.out then usage("--out=DIR is required") end
-if opts.tokenizer ~= "bytes" and opts.tokenizer ~= "gpt2" then
-  usage("--tokenizer must be bytes or gpt2, got '" .. opts.tokenizer .. "'")
-end
-if opts["tokenizer-dir"] and opts.tokenizer ~= "gpt2" then usage("--tokenizer-dir needs --tokenizer=gpt2") end
-local frac = tonumber(opts["val-fraction"])
-if not frac or frac < 0 or frac >= 1 then usage("--val-fraction must be a number in [0, 1)") end
-local per = tonumber(opts["shard-tokens"])
-if not per or per < 1 or per ~= math.floor(per) or per > 2147483647 then
-  usage("--shard-tokens must be a positive integer below 2^31")
-end
+-- the same option handling as a recipe's: --help lists these, a mistake is one line
+local o = options.parse(..., {
+  { "input", "file", nil, "the text file to cut into token shards (required)" },
+  { "out", "string", nil, "the folder the shards go to, made when missing (required)" },
+  { "tokenizer", { "bytes", "gpt2" }, "bytes", "bytes: the file's bytes (vocabulary 256); gpt2: GPT-2's BPE "
+    .. "(vocabulary 50257, for --preset=small)" },
+  { "tokenizer_dir", "string", nil, "--tokenizer=gpt2: the folder of encoder.json and vocab.bpe (default data/gpt2)" },
+  { "val_fraction", "number", 0.1, "the last fraction of the tokens that goes to the val_* shards", min = 0 },
+  { "shard_tokens", "int", 100000000, "tokens per shard at most", min = 1, max = 2147483647 },
+}, "make_shards.lua")
+options.check("make_shards.lua", {
+  { o.input ~= nil, "--input=FILE is required (the text to cut into shards; --help lists the options)" },
+  { o.out ~= nil, "--out=DIR is required (the folder for the shards; --help lists the options)" },
+  { o.val_fraction < 1, "--val-fraction must be below 1, got %s", o.val_fraction },
+  { not o.tokenizer_dir or o.tokenizer == "gpt2", "--tokenizer-dir needs --tokenizer=gpt2" },
+})
+local function usage(msg) options.fail("make_shards.lua: %s", msg) end
+local opts = { input = o.input, out = o.out, tokenizer = o.tokenizer, ["tokenizer-dir"] = o.tokenizer_dir }
+local frac, per = o.val_fraction, o.shard_tokens
 
 local f, err = io.open(opts.input, "rb")
 if not f then usage("cannot open input: " .. tostring(err)) end

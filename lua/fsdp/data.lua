@@ -394,6 +394,27 @@ function Loader:next()
   return to_tensor(self, self.xbuf), to_tensor(self, self.ybuf)
 end
 
+--- loader:max_token(limit) -> the largest token id among the first limit
+-- (default 2^20) tokens of the data, in file order: a cheap look at which
+-- vocabulary it was made for, before a model is built for it.
+function Loader:max_token(limit)
+  if self.synthetic then return self.vocab - 1 end   -- its ids span the vocabulary it stands for
+  limit = limit or 2 ^ 20
+  local top = -1
+  for _, seg in ipairs(self.segments) do
+    if limit <= 0 then break end
+    local n = math.min(limit, seg.ntok)
+    limit = limit - n
+    local p, anchor = self.read(seg, 0, n)
+    for i = 0, n - 1 do
+      local v = p[i]
+      if v > top then top = v end
+    end
+    self._anchor = anchor
+  end
+  return tonumber(top)
+end
+
 --- loader:state() -> { epoch, index, seed, windows }: where the next batch
 -- comes from; plain numbers, fit for a JSON checkpoint.
 function Loader:state()
@@ -572,8 +593,13 @@ function M.open(path, split, spec)
     raise(fmt("%s: split must be nil, 'train' or 'val', got '%s'", what, tostring(split)))
   end
   local opts = {}
-  for k, v in pairs(spec) do if k ~= "what" then opts[k] = v end end
+  for k, v in pairs(spec) do if k ~= "what" and k ~= "flag" then opts[k] = v end end
   if synthetic_on then return synthetic_loader(path, split, opts) end
+  if spec.flag then   -- the option the path came from, named first: "gpt2.lua: --data=nope.txt: ..."
+    what = fmt("%s: %s=%s", what, spec.flag, path)
+    local why = not is_dir(path) and not path:match("[%*%?%[]") and require("fsdp.options").file_problem(path)
+    if why then usage_error("%s: %s", what, why) end
+  end
   if is_dir(path) then
     local want = (split and split .. "_" or "") .. "*.bin"
     opts.pattern = M.glob(path:gsub("/+$", "") .. "/" .. want)
@@ -595,17 +621,25 @@ function M.open(path, split, spec)
 end
 
 --- data.splits{ data = PATH, val_data = PATH or nil, batch, ctx, seed = 0,
---   shuffle = true, rank, world, what, ... } -> train, val: the loaders of a
+--   shuffle = true, rank, world, what, flags, ... } -> train, val: the loaders of a
 -- training run. Training reads data; evaluation reads val_data when given
 -- (and training then all of data), else the part of data held out from
 -- training (data.open's "val" split, training its "train" split), whose
 -- order is drawn from seed + 1. rank and world default
 -- to this process's place in the job (fsdp.distributed). Both paths are
 -- checked before the first batch is read, the training path first.
+-- flags = { data = "--data", val_data = "--val-data" } names the options
+-- the paths came from in the messages of a missing file or shard.
 function M.splits(opts)
   if type(opts) ~= "table" then raise("data.splits: expected an options table") end
-  local spec = {}
-  for k, v in pairs(opts) do if k ~= "data" and k ~= "val_data" then spec[k] = v end end
+  local spec, flags = {}, opts.flags or {}
+  for k, v in pairs(opts) do if k ~= "data" and k ~= "val_data" and k ~= "flags" then spec[k] = v end end
+  local function open(path, split, flag)
+    spec.flag = flag
+    local loader = M.open(path, split, spec)
+    spec.flag = nil
+    return loader
+  end
   local dist = require "fsdp.distributed"
   if spec.rank == nil then spec.rank = dist.rank() end
   if spec.world == nil then spec.world = dist.world() end
@@ -613,11 +647,11 @@ function M.splits(opts)
   spec.seed = spec.seed or 0
   spec.what = spec.what or "data.splits"
   if opts.val_data then
-    return M.open(opts.data, nil, spec), M.open(opts.val_data, nil, spec)
+    return open(opts.data, nil, flags.data), open(opts.val_data, nil, flags.val_data)
   end
-  local train = M.open(opts.data, "train", spec)
+  local train = open(opts.data, "train", flags.data)
   spec.seed = spec.seed + 1
-  return train, M.open(opts.data, "val", spec)
+  return train, open(opts.data, "val", flags.data)
 end
 
 --- data.split_range(n, val_fraction, split) -> first, last (1-based, inclusive):

@@ -88,6 +88,7 @@ function M.check_keys(opts, names, where, level)
 end
 
 local function flag(name) return "--" .. name:gsub("_", "-") end
+local launcher_flags   -- below
 
 local function describe_type(ty)
   if type(ty) == "table" then return "one of " .. table.concat(ty, ", ") end
@@ -183,6 +184,25 @@ local function agree_on_files(problem, recipe)
   M.fail("%s", msg)
 end
 
+-- The launcher's own options (--trace, --plan, -i, ...), read from its
+-- --help text so that a new one is known here too: given after the recipe
+-- they reach the recipe, which says where they belong.
+local launcher_set
+function launcher_flags()
+  if launcher_set then return launcher_set end
+  launcher_set = {}
+  local ok, cli = pcall(require, "fsdp.cli")
+  local text = ok and cli.usage or ""
+  local body = text:match("\noptions:\n(.-)\n\n") or ""
+  for line in body:gmatch("[^\n]+") do
+    local name = line:match("^  (%-%-?[%w][%w%-]*)")
+    if name then launcher_set[name] = true end
+    for name in line:gmatch(", (%-%-[%w][%w%-]*)") do launcher_set[name] = true end
+  end
+  launcher_set["--help"], launcher_set["-h"] = nil, nil   -- the recipe's own --help
+  return launcher_set
+end
+
 --- Options with defaults filled in; raises a usage error on unknown names,
 -- bad values, values out of range and unreadable files.
 -- --help prints the usage and exits.
@@ -205,7 +225,16 @@ function M.parse(given, schema, recipe)
   for _, k in ipairs(keys) do
     local v = given[k]
     if type(k) == "number" then
+      if launcher_flags()[tostring(v)] then
+        M.fail("%s: %s is an fsdp-lua option: put it before the recipe (fsdp-lua %s ... %s)", recipe, tostring(v),
+          tostring(v), recipe)
+      end
       M.fail("%s: unexpected argument '%s' (options are --name=value)", recipe, tostring(v))
+    end
+    if not known[k] and launcher_flags()[flag(k)] then
+      local as_given = flag(k) .. (v == true and "" or "=" .. tostring(v))
+      M.fail("%s: %s is an fsdp-lua option: put it before the recipe (fsdp-lua %s %s ...)", recipe, flag(k), as_given,
+        recipe)
     end
     if not known[k] then
       local near = M.closest(k, names)

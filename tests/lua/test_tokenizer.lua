@@ -162,7 +162,7 @@ do
                                     launcher, tool, input, out))
   local log2 = p2:read("*a")
   p2:close()
-  t.ok(log2:find("--tokenizer must be bytes or gpt2", 1, true) and log2:find("rc=2", 1, true), "make_shards: bad tokenizer")
+  t.ok(log2:find("--tokenizer expects one of bytes, gpt2, got 'gpt5'", 1, true) and log2:find("rc=2", 1, true), "make_shards: bad tokenizer")
 end
 
 os.execute("rm -rf '" .. tmp .. "'")

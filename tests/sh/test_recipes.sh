@@ -57,7 +57,8 @@ fails "too few tokens" "short_000.bin" -- --data="$TMP/short_*.bin"
 fails "context too long" "--ctx=100 is longer than the tiny model's context of 64" -- --ctx=100
 # token ids beyond the vocabulary: GPT-2-sized ids into the byte-level tiny model
 "$L" -e "local d = require 'fsdp.data'; local t = {}; for i = 1, 4000 do t[i] = 300 + i % 1000 end; d.write_shard('$TMP/big_000.bin', t, #t)" >/dev/null 2>&1
-fails "token id beyond the vocabulary" "fsdp_embedding" "expected 0 <= id < 256" -- --data="$TMP/big_*.bin" --steps=1
+fails "token id beyond the vocabulary" "holds token ids up to 1299, beyond the tiny model's vocabulary of 256" \
+  "use --preset=small" -- --data="$TMP/big_*.bin" --steps=1
 # a one-line message: the first line names the problem (no traceback needed to see it)
 out=$("$L" recipes/gpt2.lua --steps=ten 2>&1 | head -1)
 has "first line" "$out" "--steps expects an integer"
@@ -81,7 +82,7 @@ one_line "lr >= 0" "--lr must be at least 0, got -1" recipes/gpt2.lua --lr=-1
 one_line "threads <= 256" "--threads must be at most 256, got 1000" recipes/gpt2.lua --threads=1000
 one_line "data is a folder without shards" "no token shards" recipes/gpt2.lua --data="$TMP"
 mkdir -p "$TMP/dir.txt"
-one_line "val data missing" "$TMP/none.txt': No such file" recipes/gpt2.lua --val-data="$TMP/none.txt"
+one_line "val data missing" "--val-data=$TMP/none.txt: No such file" recipes/gpt2.lua --val-data="$TMP/none.txt"
 one_line "init missing" "--init=$TMP/none.safetensors: No such file" recipes/gpt2.lua --init="$TMP/none.safetensors"
 one_line "init is a directory" "--init=$TMP/dir.txt: Is a directory" recipes/gpt2.lua --init="$TMP/dir.txt"
 if [ "$(id -u)" -ne 0 ]; then   # root reads every file

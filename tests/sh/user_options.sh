@@ -77,5 +77,31 @@ usage "top-p 0" "--top-p must be above 0" recipes/gpt2.lua --top-p=0
 usage "top-p 2" "--top-p must be at most 1, got 2" recipes/gpt2.lua --top-p=2
 usage "empty prompt" "--prompt is empty" recipes/gpt2.lua --prompt=
 
+# launcher options after the recipe say where they go
+usage "--trace after the recipe" "--trace is an fsdp-lua option: put it before the recipe (fsdp-lua --trace=t.json" \
+  recipes/gpt2.lua --trace=t.json
+usage "--plan after the recipe" "--plan is an fsdp-lua option: put it before the recipe" recipes/gpt2.lua --plan
+usage "-i after the recipe" "-i is an fsdp-lua option: put it before the recipe" recipes/gpt2.lua -i
+# GPT-2 token shards with the byte-level preset: said before a model is built
+mkdir -p "$TMP/g"
+"$L" -e "local d = require 'fsdp.data'; local t = { 50256 }; for i = 2, 3000 do t[i] = (i * 7919) % 50257 end
+  d.write_shard('$TMP/g/train_000000.bin', t, #t); d.write_shard('$TMP/g/val_000000.bin', t, #t)"
+usage "GPT-2 shards, tiny preset" "--data=$TMP/g holds token ids up to 50256, beyond the tiny model's vocabulary of 256: \
+these look like GPT-2 token ids (vocabulary 50257): use --preset=small" recipes/gpt2.lua --data="$TMP/g"
+out=$("$L" recipes/gpt2.lua --data="$TMP/g" --preset=small --steps=1 --batch=1 --ctx=8 --eval-every=0 --sample=0 2>&1)
+[ $? -eq 0 ] && ok || bad "the same shards train the small preset" "$out"
+# the data options are named
+usage "missing --data" "gpt2.lua: --data=$TMP/nope.txt: No such file or directory" recipes/gpt2.lua --data="$TMP/nope.txt"
+usage "missing --val-data" "gpt2.lua: --val-data=$TMP/nope.bin: No such file or directory" recipes/gpt2.lua \
+  --val-data="$TMP/nope.bin"
+# make_shards.lua takes options as a recipe does
+out=$("$L" tools/make_shards.lua --help 2>&1); rc=$?
+[ $rc -eq 0 ] && ok || bad "make_shards --help exits $rc" "$out"
+for o in --input --out --tokenizer --tokenizer-dir --val-fraction --shard-tokens; do has "make_shards --help" "$out" "  $o "; done
+usage "make_shards typo" "make_shards.lua: unknown option --shard-token (did you mean --shard-tokens?" \
+  tools/make_shards.lua --shard-token=5
+usage "make_shards val fraction" "--val-fraction must be below 1, got 1" tools/make_shards.lua --input=data/corpus.txt \
+  --out="$TMP/s" --val-fraction=1
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]
