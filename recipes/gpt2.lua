@@ -150,7 +150,8 @@ local lr_at = optim.schedule.cosine(o.lr, o.warmup, o.steps, o.min_lr)
 -- parameters, optimizer, step, both loaders' positions and the dropout RNG.
 local first_step = run:load { model = sharded, optim = opt, data = train, val = val,
   schedule = { kind = "cosine", lr = o.lr, warmup = o.warmup, total = o.steps, min_lr = o.min_lr },
-  extra = { preset = o.preset, model = o.model, seed = o.seed } }
+  extra = { preset = o.preset, model = o.model, seed = o.seed },
+  steps = not (o.eval_only or o.generate_only) and o.steps or nil }   -- says when it leaves nothing to train
 
 local function evaluate(step)
   local el = require("fsdp.evaluate").loss(model, val, o.eval_steps)
@@ -220,11 +221,15 @@ for step = first_step, o.steps do
   run:maybe_save(step)
 end
 meter:close()
-local summary = meter:summary()
-log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (max over ranks)", o.steps,
-  summary.mean_step_ms, summary.peak_bytes / 2 ^ 20)
+if run.nothing_to_train then   -- (run:load said so) the checkpoint's figures, as asked
+  if o.eval_every > 0 then evaluate(first_step - 1) end
+else
+  local summary = meter:summary()
+  log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (max over ranks)", o.steps,
+    summary.mean_step_ms, summary.peak_bytes / 2 ^ 20)
+end
 
-print_samples("after step " .. o.steps)
+print_samples("after step " .. math.max(o.steps, first_step - 1))
 if o.export then   -- HF names; streamed unit by unit, never the whole model on one rank
   fsdp.checkpoint.export(o.export, sharded, { hf = true })
   log("wrote %s", o.export)

@@ -65,6 +65,15 @@ a=$(steps_of "$whole"); b=$(steps_of "$resumed")
 --- resumed:
 $b"
 
+# the resumed run went on from step 3: the first run's step 6 moved aside, its own in place
+ls "$TMP"/ck/abandoned/*/step_00000006/index.json >/dev/null 2>&1 && [ -f "$TMP/ck/step_00000006/index.json" ] && ok ||
+  bad "the rolled-back run moved the abandoned step 6 aside" "$resumed"
+# resumed at its last step: nothing to train, but the evaluation asked for
+out=$("${mpirun[@]}" 2 "$L" "${args[@]}" --resume --steps=3 --eval-every=5 --eval-steps=1 2>&1); rc=$?
+[ $rc -eq 0 ] && grep -q "the checkpoint is at step 6, the run ends at step 3: nothing to train" <<<"$out" &&
+  grep -qE '^step +6 \| eval loss' <<<"$out" && ! grep -q '^done:' <<<"$out" && ok ||
+  bad "--steps below the checkpoint's step: nothing to train, one evaluation" "$out"
+
 # a learning rate that blows the model up: the run stops at the step whose loss
 # is not finite, exit status 3, one line; the checkpoint before it is kept
 out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --steps=4 --lr=1e30 --warmup=0 --eval-every=0 --sample=0 \

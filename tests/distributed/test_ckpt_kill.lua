@@ -68,6 +68,28 @@ elseif phase == "check" then
   t.eq(ck.read_index(root .. "/step_00000040").step, 41, "saving over an existing checkpoint replaces it")
   t.ok(not exists(root .. "/step_00000040.old/index.json"), "and removes the old one")
   t.eq(ck.latest(dir .. "/nothing_here"), nil, "latest() of an empty root is nil")
+elseif phase == "kill_publish" then
+  -- (FSDP_TEST_KILL_DURING_SAVE=publish) a save over the existing step 40:
+  -- rank 0 dies after moving step_00000040 aside, before the new one is in place
+  ck.load(root .. "/step_00000040", { model = sh, optim = opt })
+  common.dump_slices(sh, opt, string.format("%s/ref40_%d.safetensors", dir, rank))
+  ck.save(root .. "/step_00000040", { model = sh, optim = opt, step = 42, data = loader:state() })
+  t.ok(false, "the save should have been killed (is FSDP_TEST_KILL_DURING_SAVE=publish set?)")
+elseif phase == "recover" then
+  t.ok(not exists(root .. "/step_00000040/index.json"), "the kill left no step_00000040")
+  t.ok(exists(root .. "/step_00000040.old/index.json") and exists(root .. "/step_00000040.tmp/index.json"),
+    "but the old copy and the complete new one beside it")
+  t.eq(ck.latest(root), root .. "/step_00000030", "latest() alone sees only step 30")
+  local lines = {}
+  local run = ck.manager { save_dir = root, resume = true, log = function(...) lines[#lines + 1] = string.format(...) end }
+  t.eq(run.dir, root .. "/step_00000040", "a resume repairs it: step_00000040 is there again")
+  t.ok(lines[1] and lines[1]:find("published only in part", 1, true), "and says so: " .. tostring(lines[1]))
+  t.eq(ck.read_index(run.dir).step, 42, "it is the new save (its index was complete)")
+  t.ok(not exists(root .. "/step_00000040.old/index.json"), "the old copy is gone once the new one is in place")
+  local ref = common.assemble(common.glob(dir .. "/ref40_*.safetensors"))
+  ck.load(run.dir, { model = sh, optim = opt })
+  local bad, first = common.compare_slices(sh, opt, ref, { "exp_avg", "exp_avg_sq" })
+  t.ok(bad == 0, "and holds the values saved" .. (first and (": " .. first) or ""))
 else
   error("unknown --phase " .. tostring(phase))
 end

@@ -44,9 +44,12 @@
 -- against its checksum. An edit of the index or of a shard file is an error
 -- naming the file and the parameter.
 --
--- A save writes into dir .. ".tmp"; after every rank has written and synced
--- its file, rank 0 writes index.json and renames the directory into place,
--- so a run killed during a save leaves the previous checkpoint intact. A
+-- A save writes into dir .. ".tmp" (marked by rank 0 with a token every
+-- writer must find there: one filesystem for all); after every rank has
+-- written, synced and read back its file, and rank 0 has found each of them
+-- there with its size, rank 0 writes index.json and renames the directory
+-- into place, so a run killed during a save leaves the previous checkpoint
+-- intact (a kill between the renames over an existing step: dirs.recover). A
 -- load reads and verifies everything into temporary tensors on every rank,
 -- agrees across ranks that all went well, and only then touches the model
 -- and the optimizer: a bad checkpoint raises the same error on every rank
@@ -64,12 +67,12 @@ local format = require "fsdp.checkpoint.format"
 local write = require "fsdp.checkpoint.write"
 local read = require "fsdp.checkpoint.read"
 local export = require "fsdp.checkpoint.export"
+local dirs = require "fsdp.checkpoint.dirs"
 
 local raise = require("fsdp.core").raise
 local json = require "fsdp.json"
-local fmt, sort = string.format, table.sort
+local fmt = string.format
 local together, describe, is_uint = common.together, common.describe, common.is_uint
-local remove_tree = write.remove_tree
 
 local M = {}
 
@@ -83,25 +86,7 @@ M.describe = format.describe
 M.export = export.export
 M.import = export.import
 
--- The names in root, or none when root is not a directory.
-local function list_dir(path)
-  if not fio.is_dir(path) then return {} end
-  return fio.list_dir(path)
-end
-
 -- ---- checkpoint directories: latest, save_step, retention ----
-
-local function step_dirs(root)
-  local list = {}
-  for _, name in ipairs(list_dir(root)) do
-    local n = name:match("^step_(%d+)$")
-    if n and fio.is_file(root .. "/" .. name .. "/index.json") then
-      list[#list + 1] = { step = tonumber(n), dir = root .. "/" .. name }
-    end
-  end
-  sort(list, function(a, b) return a.step < b.step end)
-  return list
-end
 
 --- fsdp.checkpoint.exists(dir) -> true when dir is a complete checkpoint
 -- (its index.json is there: written last).
@@ -110,47 +95,57 @@ function M.exists(dir)
   return fio.is_file((dir:gsub("/+$", "")) .. "/index.json")
 end
 
---- fsdp.checkpoint.latest(root) -> dir, step of the newest complete
--- checkpoint (root/step_NNNNNNNN with an index.json), or nil.
+--- fsdp.checkpoint.verify(dir) -> index, or nil and the reason: the index
+-- (checksum, structure) and every file it names there with its size (a
+-- load also checks every byte it reads against its checksum).
+function M.verify(dir)
+  if type(dir) ~= "string" then raise("fsdp.checkpoint.verify: dir must be a string") end
+  return dirs.verify((dir:gsub("/+$", "")))
+end
+
+--- fsdp.checkpoint.latest(root) -> dir, step of the newest checkpoint
+-- (root/step_NNNNNNNN) that verifies, or nil; third, the newer ones that
+-- do not: { {dir =, reason =} }.
 function M.latest(root)
   if type(root) ~= "string" then raise("fsdp.checkpoint.latest: root must be a string") end
-  root = root:gsub("/+$", "")
-  local list = step_dirs(root)
-  local last = list[#list]
-  if last then return last.dir, last.step end
-  return nil
+  local dir, step, _, skipped = dirs.newest((root:gsub("/+$", "")))
+  return dir, step, skipped
 end
 
 --- fsdp.checkpoint.step_dir(root, step) -> root/step_00000010.
 function M.step_dir(root, step)
-  return fmt("%s/step_%08d", (root:gsub("/+$", "")), step)
+  return dirs.step_dir((root:gsub("/+$", "")), step)
 end
 
---- fsdp.checkpoint.save_step(root, step, state, {keep = K}) -> dir. Saves
--- into root/step_NNNNNNNN (state.step defaults to step), then keeps only
--- the newest K complete checkpoints (all when keep is nil or 0) and removes
--- leftovers of interrupted saves.
+--- fsdp.checkpoint.save_step(root, step, state, {keep = K, run = line,
+-- log = fn}) -> dir. Saves into root/step_NNNNNNNN (state.step defaults to
+-- step). Before, a publish a kill interrupted is repaired and, with a run's
+-- line (opts.run, as fsdp.checkpoint.manager keeps it; stored in the
+-- index), the checkpoints of other lines move to root/abandoned/<id>/.
+-- After, only the newest K checkpoints that verify (of the line) are kept
+-- (all when keep is nil or 0). log gets the lines saying what moved.
 function M.save_step(root, step, state, opts)
   if type(root) ~= "string" or root == "" then raise("fsdp.checkpoint.save_step: root must be a non-empty string") end
   if not is_uint(step) then raise("fsdp.checkpoint.save_step: step must be a non-negative integer") end
-  local keep = opts and opts.keep
+  local keep, line, log = opts and opts.keep, opts and opts.run, opts and opts.log
   if keep ~= nil and not is_uint(keep) then raise("fsdp.checkpoint.save_step: keep must be a non-negative integer") end
   root = root:gsub("/+$", "")
   local st = {}
   for k, v in pairs(state) do st[k] = v end
   if st.step == nil then st.step = step end
+  if line then st.run = line end
   local dir = M.step_dir(root, step)
-  M.save(dir, st, opts)
   local d = describe(state.model, "fsdp.checkpoint.save_step")
   together(d.comm, function()
     if d.rank ~= 0 then return end
-    for _, name in ipairs(list_dir(root)) do
-      if name:match("^step_%d+%.tmp$") or name:match("^step_%d+%.old$") then remove_tree(root .. "/" .. name) end
-    end
-    if keep and keep > 0 then
-      local list = step_dirs(root)
-      for i = 1, #list - keep do remove_tree(list[i].dir) end
-    end
+    dirs.recover(root, log)
+    if line then dirs.move_aside(root, line, log) end
+  end)
+  M.save(dir, st, opts)
+  together(d.comm, function()
+    if d.rank ~= 0 then return end
+    dirs.recover(root)   -- the debris of earlier interrupted saves
+    if keep and keep > 0 then dirs.retain(root, keep, line) end
   end)
   return dir
 end
@@ -168,15 +163,55 @@ local function with(t, k, v)
   return c
 end
 
+-- A new run's id (only rank 0's is ever stored): time and random bytes.
+local function new_run_id()
+  local f = io.open("/dev/urandom", "rb")
+  local bytes = f and f:read(6) or tostring(os.clock())
+  if f then f:close() end
+  return fmt("%s-%s", os.date("!%Y%m%dT%H%M%S"), fio.hash_string(bytes .. tostring(os.time())):sub(1, 8))
+end
+
+-- Rank 0's choice of the checkpoint to resume from, after repairing a
+-- publish that a kill interrupted: { dir =, notes = { lines }, err = }.
+local function choose_resume(from, explicit, what)
+  local notes = {}
+  local function note(...) notes[#notes + 1] = fmt(...) end
+  local arg = explicit and ("--resume=" .. from) or "--resume"
+  -- a checkpoint folder itself (its index, or shard files without one): that one or nothing
+  if M.exists(from) or (fio.is_dir(from) and fio.is_file(from .. "/rank_00000.bin")) then
+    local index, why = dirs.verify(from)
+    if not index then return { err = fmt("%s: %s: %s is not a complete checkpoint: %s", what, arg, from, why) } end
+    return { dir = from, notes = notes }
+  end
+  dirs.recover(from, note)
+  local dir, _, _, skipped = dirs.newest(from)
+  for _, sk in ipairs(skipped) do
+    note("%s: skipping %s: %s", arg, sk.dir, sk.reason)
+  end
+  if dir and #skipped > 0 then note("%s: going on from %s, the newest checkpoint that verifies", arg, dir) end
+  if not dir and explicit then
+    return { err = fmt("%s: %s: no checkpoint there (none in it, nor under it%s)", what, arg,
+      #skipped > 0 and fmt("; %d that do not verify", #skipped) or "") }
+  end
+  return { dir = dir, notes = notes }
+end
+
 --- fsdp.checkpoint.manager{ save_dir = DIR, save_every = N (0: never),
 --   keep = K (0 or nil: all), resume = nil | true | PATH, what = "recipe",
 --   log = fn } -> the checkpoints of one training run, named as a recipe's
 -- options (--save-dir, --save-every, --keep, --resume) name them. Make it
 -- before anything is built: it finds where to resume from, and a mistake
--- is a usage error (one line) before any work is done.
---   resume == true: the newest complete checkpoint in save_dir; none yet is
---   a fresh start.  resume == PATH: that checkpoint, or the newest under
---   PATH; none is a usage error.
+-- is a usage error (one line) before any work is done. Collective when
+-- resume is given (rank 0 chooses).
+--   resume == true: the newest checkpoint in save_dir that verifies (newer
+--   ones that do not are named and skipped; a publish a kill interrupted is
+--   repaired first); none yet is a fresh start.  resume == PATH: that
+--   checkpoint, refused unless it verifies, or the newest under PATH as
+--   above; none is a usage error.
+-- The run saves on its own line (DESIGN.md, decision 16): its first save
+-- moves checkpoints of other runs, or of the future a rolled-back run
+-- abandoned, to save_dir/abandoned/<run id>/, and retention counts only
+-- the line's checkpoints that verify.
 -- m.dir is the checkpoint to resume from (nil: a fresh start). log (default
 -- fsdp.distributed.print0) gets the lines that say what happened.
 function M.manager(opts)
@@ -189,24 +224,34 @@ function M.manager(opts)
   if resume ~= nil and resume ~= false and resume ~= true and type(resume) ~= "string" then
     raise(what .. ": resume must be nil, true or a path, got " .. type(resume))
   end
-  local self = setmetatable({ save_dir = save_dir, save_every = every, keep = keep, what = what,
-    log = opts.log or require("fsdp.distributed").print0 }, Manager)
+  local dist = require "fsdp.distributed"
+  local self = setmetatable({ save_dir = save_dir:gsub("/+$", ""), save_every = every, keep = keep, what = what,
+    log = opts.log or dist.print0, id = new_run_id() }, Manager)
+  self.line = { id = self.id, forked = json.array({}) }
   if resume then
     self.resume_from = resume == true and save_dir or resume
-    self.dir = M.exists(self.resume_from) and self.resume_from or M.latest(self.resume_from)
-    if not self.dir and resume ~= true then
-      require("fsdp.options").fail("%s: --resume=%s: no checkpoint there (none in it, nor under it)", what, resume)
+    local from = self.resume_from:gsub("/+$", "")
+    local pick
+    if dist.rank() == 0 then
+      local ok, p = pcall(choose_resume, from, resume ~= true, what)
+      pick = ok and p or { err = fmt("%s: --resume: %s", what, tostring(p)) }
     end
+    pick = dist.broadcast(pick)
+    for _, line in ipairs(pick.notes or {}) do self.log("%s", line) end
+    if pick.err then require("fsdp.options").fail("%s", pick.err) end
+    self.dir = pick.dir
   end
   return self
 end
 
 --- m:load{ model = sharded, optim = opt, data = loader, val = loader,
---   schedule = {...}, extra = {...} } -> the first step to run: 1 on a
--- fresh start, else the saved step + 1, with the model, the optimizer, both
--- loaders' positions and the dropout RNG as they were saved. Collective.
--- The parts are kept for maybe_save: schedule and extra (plain tables)
--- are saved with every checkpoint, the schedule with its step.
+--   schedule = {...}, extra = {...}, steps = N } -> the first step to
+-- run: 1 on a fresh start, else the saved step + 1, with the model, the
+-- optimizer, both loaders' positions and the dropout RNG as they were
+-- saved. Collective. The parts are kept for maybe_save: schedule and extra
+-- (plain tables) are saved with every checkpoint, the schedule with its
+-- step. steps (the run's last step, optional): a checkpoint at or past it
+-- is said to leave nothing to train (m.nothing_to_train is then true).
 function Manager:load(parts)
   if type(parts) ~= "table" or parts.model == nil or parts.data == nil then
     raise(self.what .. ": load needs { model =, data = (the training loader), optim =, val = }")
@@ -233,24 +278,34 @@ function Manager:load(parts)
   if parts.val and info.extra and info.extra.val then parts.val:set_state(info.extra.val) end
   if info.rng then nn.set_rng_state(info.rng) end
   self.last_saved = self.dir
+  self.line = dirs.child_line(index, self.id)   -- this run goes on from that checkpoint's line
   self.log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", self.dir,
     info.world_size, info.step, info.data.index, info.data.epoch)
   if info.residuals then self.log("%s", info.residuals) end
+  if parts.steps and info.step >= parts.steps then
+    self.nothing_to_train = true
+    self.log("%s: the checkpoint is at step %d, the run ends at step %d: nothing to train", self.what, info.step,
+      parts.steps)
+  end
   return info.step + 1
 end
 
 --- m:maybe_save(step) -> the checkpoint's folder when save_every divides
--- step (save_dir/step_NNNNNNNN, keeping the newest keep), else nil.
--- Collective: every rank calls it after every step.
+-- step (save_dir/step_NNNNNNNN, keeping the newest keep of the run's line),
+-- else nil. Collective: every rank calls it after every step.
 function Manager:maybe_save(step)
   if self.save_every == 0 or step % self.save_every ~= 0 then return nil end
   local p = self.parts
   if not p then raise(self.what .. ": maybe_save before load (load gives the parts to save)") end
+  if not self.id_agreed then   -- rank 0's id, everywhere (the ranks made their own)
+    self.id = require("fsdp.distributed").broadcast(self.id)
+    self.line.id, self.id_agreed = self.id, true
+  end
   local dir = M.save_step(self.save_dir, step, {
     model = p.model, optim = p.optim, step = step, data = p.data:state(), rng = require("fsdp.nn").rng_state(),
     schedule = p.schedule and with(p.schedule, "step", step),
     extra = with(p.extra, "val", p.val and p.val:state()),
-  }, { keep = self.keep > 0 and self.keep or nil })
+  }, { keep = self.keep > 0 and self.keep or nil, run = self.line, log = self.log })
   self.last_saved = dir
   self.log("step %5d | saved %s", step, dir)
   return dir

@@ -41,6 +41,7 @@ local function new_out(path)
 end
 
 local kill_hook = os.getenv("FSDP_TEST_KILL_DURING_SAVE") == "1"
+local kill_publish = os.getenv("FSDP_TEST_KILL_DURING_SAVE") == "publish"
 
 -- Writes n bytes at ptr as one blob; returns its offset in the file and
 -- the checksum of the blob (its padded extent).
@@ -153,6 +154,7 @@ local function build_index(d, state, opt, texts)
     world_size = d.world, num_files = d.nfiles, strategy = d.strategy, group_size = d.group_size,
     model = { type = d.model.__name, num_params = #d.params },
     step = state.step, schedule = state.schedule, data = state.data, rng = state.rng, extra = state.extra,
+    run = state.run,
     checksum = { algorithm = format.CHECKSUM },
     files = json.array({}), params = json.array({}),
   }
@@ -246,10 +248,88 @@ local function publish(dir, tmp, index, what)
     remove_tree(old)
     local okr, e = pcall(fio.rename, dir, old)
     if not okr then error(fmt("%s: cannot move the old '%s' aside: %s", what, dir, tostring(e)), 0) end
+    if kill_publish then   -- test hook: die between the renames (tests/distributed/test_ckpt_kill.lua)
+      io.stderr:write("checkpoint test hook: rank 0 killed between the renames of a save\n")
+      os.exit(9)
+    end
   end
   local okr, e = pcall(fio.rename, tmp, dir)
   if not okr then error(fmt("%s: %s", what, tostring(e)), 0) end
   if is_dir(old) then remove_tree(old) end
+end
+
+-- ---- every file where the index says: one folder all writers share ----
+
+-- Rank 0 marks the folder it creates with a token that every writer must
+-- read back there before it writes: a writer on another filesystem (a
+-- node-local disk) finds no folder, or a leftover of an earlier save.
+local TOKEN_FILE = ".save_token"
+local NODE_LOCAL = "every rank that writes must see the folder rank 0 publishes (one filesystem shared by the "
+  .. "nodes); checkpoints on node-local disks are refused (docs/reliability.md)"
+
+local function new_token(dir)
+  local f = io.open("/dev/urandom", "rb")
+  local bytes = f and f:read(8) or ""
+  if f then f:close() end
+  return fio.hash_string(bytes .. dir .. tostring(os.time()) .. tostring(os.clock()))
+end
+
+local function check_same_folder(tmp, token, rank, what)
+  local path = tmp .. "/" .. TOKEN_FILE
+  local ok, seen = pcall(fio.read_file, path)
+  if not ok then
+    error(fmt("%s: rank %d does not see %s, which rank 0 created: %s", what, rank, tmp, NODE_LOCAL), 0)
+  end
+  if seen ~= token then
+    error(fmt("%s: rank %d sees another %s than rank 0 (a leftover of an earlier save on a disk rank 0 does not "
+      .. "share): %s", what, rank, tmp, NODE_LOCAL), 0)
+  end
+end
+
+-- The writer reads its file back (size and every blob's checksum) before
+-- it says it is done: what the index will promise is what is there.
+local function read_back(tmp, rec, what)
+  local path = tmp .. "/" .. rec.file
+  local blobs = {}
+  for _, e in ipairs(rec.params) do blobs[#blobs + 1] = { off = e[4], n = format.padded(4 * e[3]), sum = e[5] } end
+  for _, e in ipairs(rec.optim) do blobs[#blobs + 1] = { off = e[5], n = format.padded(4 * e[4]), sum = e[7] } end
+  sort(blobs, function(a, b) return a.off < b.off end)
+  local f = fio.open(path, "r")
+  local ok, err = pcall(function()
+    local size = f:size()
+    if size ~= rec.bytes then error(fmt("%s has %d bytes after writing %d", path, size, rec.bytes), 0) end
+    local stage_n = 4 * 1048576
+    local stage = ffi.new("uint8_t[?]", stage_n)
+    local h, sums = fio.hasher(), {}
+    for i, b in ipairs(blobs) do
+      h:reset()
+      local at = 0
+      while at < b.n do
+        local len = math.min(stage_n, b.n - at)
+        if f:pread(stage, len, b.off + at) ~= len then error(fmt("%s: short read at byte %d", path, b.off + at), 0) end
+        h:update(stage, len)
+        at = at + len
+      end
+      sums[i] = h:hex()
+      if sums[i] ~= b.sum then error(fmt("%s: bytes [%d, %d) read back differently from what was written", path,
+        b.off, b.off + b.n), 0) end
+    end
+    if format.file_checksum(sums, rec.bytes) ~= rec.checksum then
+      error(fmt("%s: its checksum reads back differently from what was written", path), 0)
+    end
+  end)
+  f:close()
+  if not ok then error(fmt("%s: %s", what, tostring(err)), 0) end
+end
+
+-- Rank 0, before the index: each writer's file is in its folder, whole.
+local function confirm_visible(tmp, rec, what)
+  if not rec.file then return end
+  local kind, bytes = fio.stat(tmp .. "/" .. rec.file)
+  if kind ~= "file" or bytes ~= rec.bytes then
+    error(fmt("%s: rank %d's file %s is %s in %s where rank 0 publishes (%d bytes written): %s", what, rec.rank,
+      rec.file, kind ~= "file" and "missing" or fmt("%d bytes", bytes), tmp, rec.bytes, NODE_LOCAL), 0)
+  end
 end
 
 --- fsdp.checkpoint.save(dir, state, opts) -> dir. Collective: every rank
@@ -265,33 +345,42 @@ function M.save(dir, state, opts)
   local comm, rank = d.comm, d.rank
   local opt = state.optim
   local tmp = dir .. ".tmp"
+  local token = rank == 0 and new_token(dir) or ""
   -- fail early and alike on every rank when the state cannot be stored
   together(comm, function()
     if opt then optim_kind(opt, what) end
     check_finite(d, opt, what)
-    for _, k in ipairs({ "step", "schedule", "data", "rng", "extra" }) do
+    for _, k in ipairs({ "step", "schedule", "data", "rng", "extra", "run" }) do
       local okk, e = pcall(json.encode, state[k])
       if not okk then error(fmt("%s: state.%s cannot be stored as JSON: %s", what, k, e), 0) end
     end
     if rank == 0 then
-      remove_tree(tmp)
+      remove_tree(tmp)   -- (a leftover of a killed save)
       fio.mkdirs(tmp)
+      fio.write_atomic(tmp .. "/" .. TOKEN_FILE, token)
     end
   end)
+  token = require("fsdp.distributed")._borrow(comm):broadcast(token)
   local ok, err = pcall(function()
     local rec = together(comm, function()
       if not d.writer then return {} end
-      return write_shard(d, opt, tmp, opts)
+      check_same_folder(tmp, token, rank, what)
+      local r = write_shard(d, opt, tmp, opts)
+      read_back(tmp, r, what)
+      r.rank = rank
+      return r
     end)
     local records = gather_strings(comm, json.encode(rec))
     local rrec = together(comm, function() return residuals.write(d, tmp, M.blob_writer) or {} end)
     local rrecords = gather_strings(comm, json.encode(rrec))
     together(comm, function()
-      if rank == 0 then
-        local index = build_index(d, state, opt, records)
-        index.compress = residuals.index_entry(d, rrecords)
-        publish(dir, tmp, index, what)
-      end
+      if rank ~= 0 then return end
+      for _, text in ipairs(records) do confirm_visible(tmp, json.decode(text), what) end
+      for _, text in ipairs(rrecords) do confirm_visible(tmp, json.decode(text), what) end
+      fio.remove_tree(tmp .. "/" .. TOKEN_FILE)
+      local index = build_index(d, state, opt, records)
+      index.compress = residuals.index_entry(d, rrecords)
+      publish(dir, tmp, index, what)
     end)
   end)
   if not ok then
