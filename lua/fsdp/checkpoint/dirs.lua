@@ -156,8 +156,8 @@ function M.move_aside(root, line, log)
     steps[#steps + 1] = tostring(m.e.step)
   end
   if log then
-    log("%s: moved %d checkpoint(s) of another run or an abandoned future (step %s) to %s; this run's line goes on "
-      .. "in %s", root, #moved, table.concat(steps, ", "), into, root)
+    log("%s: moved %d checkpoint(s) of another run or an abandoned future (step%s %s) to %s; this run's line goes "
+      .. "on in %s", root, #moved, #steps > 1 and "s" or "", table.concat(steps, ", "), into, root)
   end
   return #moved
 end

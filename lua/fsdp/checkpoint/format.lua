@@ -267,6 +267,7 @@ function M.describe(dir)
   if index.data ~= nil then add("  data %s", show(index.data)) end
   if index.rng ~= nil then add("  rng %s", show(index.rng)) end
   if index.extra ~= nil then add("  extra %s", show(index.extra)) end
+  if type(index.run) == "table" then add("  run %s (went on from %s)", show(index.run.id), show(index.run.forked)) end
   local o = index.optimizer
   if o then
     add("  optimizer %s: step count %s, states %s, %d parameters with state", o.type, show(o.step_count),
