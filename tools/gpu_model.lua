@@ -134,6 +134,9 @@ end
 -- the command line arrives parsed (fsdp-lua's recipe arguments): the
 -- recipe's path first, our --entries and --help, the rest is the recipe's
 local args = ... or {}
+-- The planner's time model (fsdp.plan_time) prices its timeline with this
+-- same roofline: given { roofline = true }, the file returns it and runs nothing.
+if args.roofline then return { device = H200, price = price, model_flops = model_flops } end
 if args.help or args.h then usage() return end
 local show_entries = args.entries == true
 local script = args[1] or "recipes/gpt2.lua"

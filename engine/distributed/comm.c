@@ -229,6 +229,29 @@ fsdp_status fsdp_comm_split(fsdp_comm **out, fsdp_comm *parent, int color, int k
     return split(out, parent, color, key, -1, -1, 0, "fsdp_comm_split");
 }
 
+/* A counting child's world ranks, as an MPI split knows them: the ranks of
+ * its color ordered by (key, rank), through the parent's own members (the
+ * planner's time model tells a node's links from the others by them). */
+static void count_members(fsdp_comm *child, const fsdp_comm *parent, const int *colors, const int *keys, int n) {
+    int color = colors[parent->rank], k = 0;
+    if (color < 0 || child->size < 1 || child->members) return;
+    child->members = malloc((size_t)child->size * sizeof(int));
+    if (!child->members) return;   /* (only the time model's levels are lost) */
+    for (int r = 0; r < n && k < child->size; r++) {
+        if (colors[r] != color) continue;
+        int j = k++;
+        while (j > 0) {   /* insertion by (key, rank): ranks arrive in order */
+            int q = child->members[j - 1];
+            if (keys[q] <= keys[r]) break;
+            child->members[j] = q;
+            j--;
+        }
+        child->members[j] = r;
+    }
+    for (int j = 0; j < k; j++)
+        if (parent->members) child->members[j] = parent->members[child->members[j]];
+}
+
 fsdp_status fsdp_comm_split_all(fsdp_comm **out, fsdp_comm *parent, const int *colors, const int *keys, int n) {
     static const char *name = "fsdp_comm_split_all";
     if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "%s: out is NULL", name);
@@ -249,14 +272,21 @@ fsdp_status fsdp_comm_split_all(fsdp_comm **out, fsdp_comm *parent, const int *c
         if (keys[r] < key || (keys[r] == key && r < me)) rank++;
     }
     if (color < 0) rank = size = -1;
-    return split(out, parent, color, key, rank, size, h, name);
+    fsdp_status st = split(out, parent, color, key, rank, size, h, name);
+    if (st == FSDP_OK && *out && parent->be == &comm_count_backend) count_members(*out, parent, colors, keys, n);
+    return st;
 }
 
 fsdp_status comm_dup(fsdp_comm **out, fsdp_comm *parent) {
     if (!out) return fsdp_set_error(FSDP_ERR_INVALID, "comm_dup: out is NULL");
     *out = NULL;
     FSDP_TRY(comm_check(parent, "comm_dup"));
-    return split(out, parent, 0, parent->rank, parent->rank, parent->size, 0, "comm_dup");
+    fsdp_status st = split(out, parent, 0, parent->rank, parent->rank, parent->size, 0, "comm_dup");
+    if (st == FSDP_OK && *out && parent->be == &comm_count_backend && parent->members && !(*out)->members) {
+        (*out)->members = malloc((size_t)parent->size * sizeof(int));
+        if ((*out)->members) memcpy((*out)->members, parent->members, (size_t)parent->size * sizeof(int));
+    }
+    return st;
 }
 
 fsdp_status fsdp_comm_info(fsdp_comm *c, int *rank, int *size) {

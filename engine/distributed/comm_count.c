@@ -22,6 +22,7 @@
  * counting communicator splits only through fsdp_comm_split_all (every
  * rank's color and key given) or as a copy of itself. */
 #include "comm_impl.h"
+#include <stdlib.h>
 #include <string.h>
 
 static fsdp_status count_all_gather(fsdp_comm *c, void *dst, const void *src, int64_t block_bytes, size_t elem) {
@@ -96,7 +97,8 @@ static fsdp_status count_split(fsdp_comm *parent, int color, int key, fsdp_comm 
 }
 
 static fsdp_status count_destroy(fsdp_comm *c) {
-    (void)c;
+    free(c->members);   /* (fsdp_comm_split_all's, for the planner) */
+    c->members = NULL;
     return FSDP_OK;
 }
 

@@ -6,6 +6,7 @@
 
 #include "comm_backend.h"
 #include "comm_internal.h"
+#include "timeline.h"
 #include <pthread.h>
 #include <stdint.h>
 
@@ -182,6 +183,9 @@ int comm_last_error_len(const char **e);
 /* Queues w (its sequence number taken in queue order) and either hands it
  * to the caller (out) or waits for it (out NULL). On failure w is gone. */
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname);
+/* Whether this thread is in comm_issue's own wait (a counting collective
+ * completing at issue), which is none of the caller's. */
+bool comm_waiting_at_issue(void);
 /* Queues w only when its communicator's next sequence number is seq
  * (*issued), without waiting; the caller's reference is dropped either way. */
 fsdp_status comm_issue_if_next(fsdp_work *w, uint64_t seq, bool *issued, const char *opname);

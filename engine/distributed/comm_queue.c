@@ -829,6 +829,26 @@ void comm_queue_pending(int64_t *n, uint64_t *comm_id, uint64_t *seq, bool *movi
     pthread_mutex_unlock(&q_mu);
 }
 
+/* The planner's record of a collective queued (timeline.h). */
+static void timeline_issued(const fsdp_work *w) {
+    const fsdp_comm *c = w->comm;
+    if (!w->counted || !c) return;
+    int first = c->members ? c->members[0] : 0, stride = 1;
+    if (c->members && c->size > 1) {
+        stride = c->members[1] - c->members[0];
+        for (int r = 2; r < c->size && stride > 0; r++)
+            if (c->members[r] - c->members[r - 1] != stride) stride = -1;
+        if (stride <= 0) stride = -1;
+    }
+    timeline_issue(c->id, c->size, first, stride, w->kind, w->fp.seq, (int64_t)w->fp.bytes, w->fp.dtype,
+                   w->fp.label_hash);
+}
+
+/* Set while comm_issue completes a counting collective at once: that wait
+ * is not one of the caller's (timeline.h). */
+static _Thread_local bool t_issue_wait;
+bool comm_waiting_at_issue(void) { return t_issue_wait; }
+
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
     group_mark(w, out != NULL);
     fsdp_status est = enqueue(w, NULL, NULL, opname);
@@ -836,6 +856,7 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
         comm_work_unref(w);
         return est;
     }
+    if (fsdp_timeline_on) timeline_issued(w);
     if (out) {
         *out = w;
         /* A counting communicator's collectives complete before they
@@ -843,7 +864,11 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
          * timing); with FSDP_COMM_SYNC=1 every collective does, so that a
          * real run holds its buffers exactly as long as a plan says. The
          * caller's wait then returns at once, with the work's status. */
-        if (comm_cfg()->sync || (w->comm && w->comm->be == &comm_count_backend)) (void)fsdp_work_wait(w);
+        if (comm_cfg()->sync || (w->comm && w->comm->be == &comm_count_backend)) {
+            t_issue_wait = true;
+            (void)fsdp_work_wait(w);
+            t_issue_wait = false;
+        }
         return FSDP_OK;
     }
     fsdp_status st = fsdp_work_wait(w);

@@ -289,6 +289,7 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
     w->observed = true;
     fsdp_status st = w->status;
     pthread_mutex_unlock(&w->mu);
+    if (fsdp_timeline_on && w->counted && !comm_waiting_at_issue()) timeline_wait(w->fp.comm_id, w->fp.seq);
     if (fsdp_trace_on)
         trace_event_add(TRACE_COMPUTE, "wait", w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, t0 * 1e6,
                         trace_now());

@@ -259,6 +259,28 @@ fsdp_status fsdp_meta_entry_count(int *n);
  * out may be NULL. */
 fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
+/* ---- the planner's timeline ----
+ * While recording, this process's counting-device kernel calls and its
+ * collectives' issues and waits are kept in the order they happen, for
+ * fsdp.plan's time model. Each event is FSDP_TIMELINE_FIELDS int64 values:
+ *   kernel: kind, entry (fsdp_meta_entry's numbering), bytes read, bytes
+ *           written, FLOPs, launches, host syncs, 0
+ *   issue:  kind, collective (fsdp_collective), communicator id (48 bits),
+ *           sequence number, bytes as counted, shape (its size << 32 | the
+ *           world rank of its first member << 16 | the stride between its
+ *           members, 0xffff when uneven), dtype, its label's hash (48 bits)
+ *   wait:   kind, 0, communicator id, sequence number, 0, 0, 0, 0 */
+enum { FSDP_TIMELINE_FIELDS = 8 };
+typedef enum fsdp_timeline_kind {
+    FSDP_TIMELINE_KERNEL = 1,
+    FSDP_TIMELINE_ISSUE = 2,
+    FSDP_TIMELINE_WAIT = 3
+} fsdp_timeline_kind;
+fsdp_status fsdp_timeline_record(int on);    /* on: clears the record and starts; 0: stops */
+fsdp_status fsdp_timeline_length(int64_t *n);
+/* Events first .. first + count - 1 into out (count * FSDP_TIMELINE_FIELDS). */
+fsdp_status fsdp_timeline_read(int64_t first, int64_t count, int64_t *out);
+
 /* ---- tensors ---- */
 fsdp_status fsdp_tensor_empty(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
 fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);

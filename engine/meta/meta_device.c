@@ -31,6 +31,7 @@
 #include <sys/mman.h>
 
 #include "meta_cost_shapes.h"   /* the cost table's shape helpers */
+#include "timeline.h"
 
 /* ---- the cost table ----
  * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
@@ -385,6 +386,7 @@ static void record(int e, int64_t rd, int64_t wr, int64_t flops, int64_t launche
     c->launches += launches;
     c->syncs += syncs;
     pthread_mutex_unlock(&counts_mu);
+    timeline_kernel(e, rd, wr, flops, launches, syncs);
 }
 
 /* Of the bytes entry e's last call read, those a stated L2 rule serves from

@@ -168,6 +168,17 @@ fsdp_status fsdp_meta_entry_count(int *n);
 
 fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *present, int64_t *counters);
 
+enum { FSDP_TIMELINE_FIELDS = 8 };
+typedef enum fsdp_timeline_kind {
+    FSDP_TIMELINE_KERNEL = 1,
+    FSDP_TIMELINE_ISSUE = 2,
+    FSDP_TIMELINE_WAIT = 3
+} fsdp_timeline_kind;
+fsdp_status fsdp_timeline_record(int on);
+fsdp_status fsdp_timeline_length(int64_t *n);
+
+fsdp_status fsdp_timeline_read(int64_t first, int64_t count, int64_t *out);
+
 fsdp_status fsdp_tensor_empty(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
 fsdp_status fsdp_tensor_zeros(fsdp_tensor **out, fsdp_dtype dtype, int ndim, const int64_t *shape, fsdp_device device, fsdp_tag tag);
 

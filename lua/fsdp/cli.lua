@@ -32,6 +32,19 @@ options:
   --device=D     the device --plan plans for, cpu or cuda: the kernel set
                  the op layer sees (default: this machine's default device;
                  cuda needs a build with the CUDA table, not a GPU)
+  --link=RATE[,LATENCY]  --plan: the link between nodes (100Gbit,20us;
+                 with --ranks-per-node=K, K ranks a node) for the
+                 predicted step
+  --memory=SIZE  --plan: whether a rank fits SIZE (80GiB), and if not,
+                 which settings would make it fit
+  --tune         --plan: search strategy, prefetch, limit, recompute, head
+                 chunk, hpZ group and reduce dtype; the five fastest that
+                 fit --memory, and the best's command line
+  --all-ranks    --plan: play every rank and compare their collectives and
+                 peaks (non-zero exit when they differ)
+  --plan-json=FILE  --plan: the prediction and verdict as JSON
+  --calibrate    measure this machine's kernels (under mpirun: one host's
+                 collectives) for --plan's time model, into a cache file
   --trace=FILE   write a timeline of the run to FILE (Chrome/Perfetto trace
                  JSON: ops, collectives, waits and steps, one process per
                  rank; FSDP_TRACE=FILE does the same)
@@ -154,6 +167,9 @@ function M.main(argv)
   argv = argv or {}
   local actions, interactive, show_version, script = {}, false, false, nil
   local plan, plan_world, plan_rank, plan_device = false, nil, nil, nil
+  local plan_extra, calibrate = {}, false   -- (fsdp.plan_cli's options)
+  local plan_cli_opts = { link = "value", ranks_per_node = "value", plan_json = "value", memory = "value",
+    tune = "flag", all_ranks = "flag" }   -- (read by fsdp.plan_cli)
   local i = 1
   while i <= #argv do
     local a = argv[i]
@@ -187,6 +203,17 @@ function M.main(argv)
         return fail("--device expects cpu or cuda (got '" .. plan_device .. "')")
       end
       i = i + 1
+    elseif a == "--calibrate" then
+      calibrate, i = true, i + 1
+    elseif a:match("^%-%-[%a-]+") and plan_cli_opts[a:match("^%-%-([%a-]+)"):gsub("-", "_")] then
+      local name, v = a:match("^%-%-([%a-]+)=?(.*)$")
+      local key = name:gsub("-", "_")
+      if plan_cli_opts[key] == "value" and not a:find("=", 1, true) then
+        return fail("--" .. name .. " needs a value, as --" .. name .. "=... (see --help)")
+      end
+      plan_extra[key] = plan_cli_opts[key] == "flag" or v
+      plan_extra.given = (plan_extra.given or "") .. " " .. a
+      i = i + 1
     elseif a == "-h" or a == "--help" then
       io.stdout:write(M.usage)
       return 0
@@ -206,11 +233,18 @@ function M.main(argv)
   if plan_rank and not plan then return fail("--rank=R only applies with --plan (see --help)") end
   if plan_device and not plan then return fail("--device=D only applies with --plan (see --help)") end
   if plan and not script then return fail("--plan needs a recipe that calls fsdp.shard (see --help)") end
+  if next(plan_extra) and not plan then
+    return fail((plan_extra.given:match("^ (%S+)")) .. " only applies with --plan (see --help)")
+  end
 
   local fsdp = require "fsdp"
   _G.fsdp = fsdp   -- for -e code and the REPL; recipes require it themselves
   guard_exit()
   if show_version then print(version_line(fsdp)) end
+  if calibrate then
+    require("fsdp.calibrate").run()
+    return 0
+  end
 
   for _, act in ipairs(actions) do
     if act[1] == "-l" then
@@ -242,7 +276,10 @@ function M.main(argv)
       local n = plan_world or fsdp.distributed.world()
       local r = plan_rank or 0
       if r >= n then return fail(string.format("--rank=%d is not a rank of --world=%d (0..%d)", r, n, n - 1)) end
-      local planner = require "fsdp.plan"
+      local planner, plan_cli = require "fsdp.plan", require "fsdp.plan_cli"
+      local popts, why = plan_cli.check(plan_extra, n)
+      if not popts then return fail(why) end
+      popts.world, popts.device, popts.link_text = n, plan_device, plan_extra.link
       local p
       -- without --rank: memory as the largest rank holds it, as --metrics reports a real run
       local code = run_recipe(function(a)
@@ -250,7 +287,7 @@ function M.main(argv)
       end, args)
       if code then return code end
       io.stdout:write(planner.format(p), "\n")
-      return 0
+      return plan_cli.report(chunk, args, popts, p, script)
     end
     local code = run_recipe(chunk, args)
     if code then return code end

@@ -124,7 +124,8 @@ end
 --- Runs fn(...) on the meta device until `steps` optimizer steps are done
 -- (or fn returns). Returns { steps = { [k] = { kernels, traffic, memory } },
 -- memory = { [tag] = { peak, current, reserved } }, host = the same for the
--- CPU allocator, sharded = every fsdp.shard result, steps_run, mimic }.
+-- CPU allocator, sharded = every fsdp.shard result, steps_run, mimic };
+-- each step also holds its timeline (fsdp.plan_time.read_timeline).
 function M.run(fn, opts, ...)
   opts = opts or {}
   local steps, mimic = check_opts(opts)
@@ -159,10 +160,14 @@ function M.run(fn, opts, ...)
   local in_backward = { flops = 0, launches = 0, bytes = 0 }   -- this step's backward walks
   local t0 = traffic_now(world_group.comm)
   meta.reset()
+  C.fsdp_timeline_record(1)   -- each step's kernel calls, issues and waits in order (fsdp.plan_time)
   local function close_step()
     local k = result.steps_run + 1
     local t1 = traffic_now(world_group.comm)
+    local timeline = require("fsdp.plan_time").read_timeline()
+    C.fsdp_timeline_record(1)   -- (cleared: the next step's)
     result.steps[k] = {
+      timeline = timeline,
       kernels = meta.counts(),
       traffic = traffic_between(t0, t1),
       memory = memory_since(base, memory_now("meta")),
@@ -211,6 +216,7 @@ function M.run(fn, opts, ...)
   for i = #optim.after_step, 1, -1 do
     if optim.after_step[i] == hook then table.remove(optim.after_step, i) end
   end
+  C.fsdp_timeline_record(0)
   shard_mod.shard = real_shard
   autograd.backward = real_backward
   data.synthetic(was_synthetic)

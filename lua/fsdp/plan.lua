@@ -59,6 +59,11 @@ local function from_result(r, world, rank)
     for k in pairs(p.kernels) do p.kernels[k] = p.kernels[k] + e[k] end
   end
   p.kernel_list = last.kernels
+  p.timeline = last.timeline
+  p.l2 = {}   -- per entry, the share of its bytes read an L2 rule serves (the GPU roofline's)
+  for _, e in ipairs(last.kernels) do
+    if (e.bytes_l2 or 0) > 0 and e.bytes_read > 0 then p.l2[e.name] = e.bytes_l2 / e.bytes_read end
+  end
   p.backward = last.backward or { flops = 0, launches = 0, bytes = 0 }
   local m = p.memory
   p.peak = m.param.peak + m.grad.peak + m.optimizer.peak

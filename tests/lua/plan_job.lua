@@ -4,6 +4,7 @@
 -- rank; under `fsdp-lua --plan --world=N --rank=r` the planner runs it on
 -- the counting device instead and prints its plan.
 --   mpirun -np 2 fsdp-lua tests/lua/plan_job.lua [--strategy=] [--compute=] [--recompute] [--compress=int8|topk]
+--                                             [--diverge-rank=R]
 package.path = "tests/lua/?.lua;" .. package.path
 local t = require "testlib"
 local fsdp = require "fsdp"
@@ -32,6 +33,9 @@ dryrun.deterministic(function()
   for step = 1, 2 do
     local x, y = t.token_batch(step * 31 + rank * 7 + 1, 2, 32, cfg.vocab_size)
     local _, loss = model(x, y)
+    -- (--diverge-rank=R: that rank alone sums a number over the ranks, as a
+    -- recipe that branches on its rank would; --plan --all-ranks names it)
+    if o.diverge_rank == rank then dist.sum(1) end
     loss:backward()
     sharded:clip_grad_norm(1.0)
     opt:step()
