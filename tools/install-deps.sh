@@ -10,7 +10,8 @@ packages=(
   libdnnl-dev                             # oneDNN: bf16 (and large f32) CPU matmuls
   libopenmpi-dev openmpi-bin              # multi-rank runs
   libreadline-dev                         # REPL line editing
-  util-linux                              # `script`, for the REPL pseudo-terminal test
+  util-linux                              # `script` (the REPL pseudo-terminal test), `unshare`
+  iproute2                                # ip, tc: tools/netcluster's namespaces and shaped links
   gnuplot-nox                             # tools/plot
   python3 python3-torch python3-numpy     # reference scripts and golden fixtures
 )
