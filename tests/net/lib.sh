@@ -26,7 +26,7 @@ trap 'rm -rf "$TMP"; "$NC" clean' EXIT
 left_of() {
   local p=$1
   { ip netns list | awk '{print $1}' | grep "^netcl-$p-"
-    ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | grep -E "^nc(b$p|${p}h[0-9]+)$"
+    ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | grep -E "^nc(b${p}[dc]|${p}[dc][0-9]+)$"
     ls -d /etc/netns/netcl-"$p"-* /tmp/netcl-"$p" 2>/dev/null; } | tr '\n' ' '
 }
 

@@ -66,7 +66,7 @@ out=$("$NC" run --nodes=2 --rate=100mbit -- sh -c 'exit 5' 2>"$TMP/err"); rc=$?
 err=$(grep '^netcluster:' "$TMP/err")
 [ $rc -ne 0 ] && [ "$(wc -l <<<"$err")" -eq 1 ] && grep -q "the command failed (exit $rc)" <<<"$err" && ok ||
   bad "a failing command: non-zero, one line (got $rc)" "$(cat "$TMP/err")"
-[ -z "$(ip netns list | grep '^netcl-')" ] && [ -z "$(tc qdisc show | grep -E 'dev nc[0-9]+h')" ] && ok ||
+[ -z "$(ip netns list | grep '^netcl-')" ] && [ -z "$(tc qdisc show | grep -E 'dev nc[0-9]+[dc]')" ] && ok ||
   bad "a failing command leaves no namespace or qdisc" "$(ip netns list; tc qdisc show)"
 
 # which of these processes still run after up to 3 s (dead ones may wait a
