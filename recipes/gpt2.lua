@@ -187,9 +187,14 @@ end
 -- NaN or infinity in the loss, gradient norm or parameters: stop, or drop the update (--nan)
 local guard = require("fsdp.guard").new { model = sharded, mode = o.nan, what = "gpt2.lua", checkpoints = run }
 
+local flops_per_token = metrics.gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx)
 local meter = metrics.new { path = o.metrics, tokens_per_step = o.batch * o.ctx,   -- per step, max over ranks
-  flops_per_token = metrics.gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx) }
-if meter.peak_flops then log("MFU against %.1f TFLOP/s (%s)", meter.peak_flops / 1e12, meter.peak_source) end
+  flops_per_token = flops_per_token, flops_formula = metrics.FLOPS_FORMULA, total_steps = o.steps,
+  config = o, run_id = run.id }
+if meter.peak_flops then
+  log("MFU against %.3g TFLOP/s (%s), %s = %.2f MFLOP per token", meter.peak_flops / 1e12, meter.peak_source,
+    metrics.FLOPS_FORMULA, flops_per_token / 1e6)
+end
 for step = first_step, o.steps do
   meter:begin_step()
   local lr = lr_at(step)
@@ -224,11 +229,13 @@ meter:close()
 if run.nothing_to_train then   -- (run:load said so) the checkpoint's figures, as asked
   if o.eval_every > 0 then evaluate(first_step - 1) end
 else
-  local summary = meter:summary()
-  log("done: %d steps, %.1f ms/step on average, peak engine memory %.1f MiB (max over ranks)", o.steps,
-    summary.mean_step_ms, summary.peak_bytes / 2 ^ 20)
+  local s = meter:summary()
+  log("done: %d step%s this run (%d..%d of %d), %.1f ms/step on average over %d%s%s, peak engine memory %.1f MiB "
+    .. "(max over ranks)", s.steps, s.steps == 1 and "" or "s", s.first_step or first_step, s.last_step or o.steps,
+    o.steps, s.mean_step_ms, s.timed_steps, s.warmup_steps > 0 and string.format(" (the first %d left out as "
+    .. "warm-up)", s.warmup_steps) or "", s.mfu and string.format(", MFU %.2f%%", s.mfu) or "",
+    s.peak_bytes / 2 ^ 20)
 end
-
 print_samples("after step " .. math.max(o.steps, first_step - 1))
 if o.export then   -- HF names; streamed unit by unit, never the whole model on one rank
   fsdp.checkpoint.export(o.export, sharded, { hf = true })

@@ -27,7 +27,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 # matmul share (%) of the steps: matmul ms (averaged over ranks) / sum of step ms
-matmul_share() { awk -F'|' '/^step +[0-9]+ \|/ { sub(/ ms\/step/, "", $5); steps += $5 }
+matmul_share() { awk -F'|' '/^step +[0-9]+(\/[0-9]+)? \|/ { sub(/ ms\/step/, "", $5); steps += $5 }
   /^matmul total:/ { split($0, w, " "); mm += w[3]; nr++ }
   END { if (nr == 0 || steps == 0) print "nan"; else printf "%.0f", 100 * mm / nr / steps }'; }
 pct() { if [[ $1 == - || $1 == nan ]]; then echo "-"; else echo "$1%"; fi; }

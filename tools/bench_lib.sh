@@ -11,7 +11,7 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
 # the median of the numbers on stdin, one a line ("nan" when none)
 median_of() { sort -n | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else print a[int((NR + 1) / 2)] }'; }
 # median ms/step over steps 2.. of a recipe log (the first step warms up)
-median_ms() { grep -E '^step +[0-9]+ \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' | median_of; }
+median_ms() { grep -E '^step +[0-9]+(/[0-9]+)? \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' | median_of; }
 # CPU seconds of the whole run (user + system, every process and thread) from /usr/bin/time -v
 cpu_s() { awk -F': ' '/User time|System time/ { s += $2 } END { printf "%.1f", s }'; }
 # peak resident set in MB from /usr/bin/time -v

@@ -18,7 +18,7 @@ out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --steps=12 --warmup=2 --lr=3e-3 --l
   --eval-steps=1 --sample=8 2>&1); rc=$?
 [ $rc -eq 0 ] && ok || bad "2-rank run exits $rc" "$out"
 grep -qF "2 rank(s), full_shard, wrap block" <<<"$out" && ok || bad "the header names 2 ranks" "$out"
-losses=$(grep -E '^step +[0-9]+ \| loss [0-9.]+ \|' <<<"$out" | sed -E 's/^step +([0-9]+) \| loss ([0-9.]+) .*/\1 \2/')
+losses=$(grep -E '^step +[0-9]+/[0-9]+ \| loss [0-9.]+ \|' <<<"$out" | sed -E 's/^step +([0-9]+)\/[0-9]+ \| loss ([0-9.]+) .*/\1 \2/')
 n=$(wc -l <<<"$losses")
 [ "$n" -eq 4 ] && ok || bad "4 loss lines (steps 1, 4, 8, 12), got $n" "$out"
 first=$(awk '$1 == 1 { print $2 }' <<<"$losses")
@@ -51,7 +51,7 @@ out=$("${mpirun[@]}" 2 "$L" recipes/gpt2.lua --model=llama --wrap=size --wrap-si
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 args=(recipes/gpt2.lua --steps=6 --log-every=1 --eval-every=0 --sample=0 --save-every=3 --save-dir="$TMP/ck")
-steps_of() { grep -E '^step +[4-6] \| loss' <<<"$1" | sed -E 's/^(step +[0-9]+ \| loss [0-9.]+) .*/\1/'; }
+steps_of() { grep -E '^step +[4-6]/[0-9]+ \| loss' <<<"$1" | sed -E 's/^(step +[0-9]+\/[0-9]+ \| loss [0-9.]+) .*/\1/'; }
 whole=$("${mpirun[@]}" 2 "$L" "${args[@]}" 2>&1); rc=$?
 [ $rc -eq 0 ] && [ -d "$TMP/ck/step_00000003" ] && [ -d "$TMP/ck/step_00000006" ] && ok ||
   bad "a 2-rank run saves at steps 3 and 6" "$whole"
@@ -59,7 +59,7 @@ resumed=$("${mpirun[@]}" 2 "$L" "${args[@]}" --resume="$TMP/ck/step_00000003" 2>
 [ $rc -eq 0 ] && ok || bad "the resumed run exits $rc" "$resumed"
 [ "$(grep -c "^resumed from $TMP/ck/step_00000003 (saved by 2 rank(s)): step 3" <<<"$resumed")" -eq 1 ] && ok ||
   bad "one line says where it resumed from" "$resumed"
-grep -qE '^step +[1-3] \| loss' <<<"$resumed" && bad "the resumed run starts at step 4" "$resumed" || ok
+grep -qE '^step +[1-3]/[0-9]+ \| loss' <<<"$resumed" && bad "the resumed run starts at step 4" "$resumed" || ok
 a=$(steps_of "$whole"); b=$(steps_of "$resumed")
 [ "$(wc -l <<<"$a")" -eq 3 ] && [ "$a" = "$b" ] && ok || bad "steps 4-6 resumed equal steps 4-6 run through" "$a
 --- resumed:

@@ -171,6 +171,34 @@ do
   m:close()
 end
 
+-- a resumed run (steps 21..25 of 30): the summary counts its 5 steps, and its
+-- mean leaves out the first 2 (warm-up)
+do
+  local m = metrics.new { peak_flops = 1e12, warmup_steps = 2, total_steps = 30, tokens_per_step = 100,
+    flops_per_token = 1e6 }
+  local times = {}
+  for i = 21, 25 do
+    m:begin_step()
+    local a = fsdp.randn(32 * (i - 19), 64, { seed = i })
+    a:matmul(a:t()):free(); a:free()
+    times[#times + 1] = m:end_step { step = i }.step_ms
+  end
+  local s = m:summary()
+  t.eq(s.steps, 5, "resumed: the steps this run did")
+  t.eq(s.first_step, 21, "resumed: its first step")
+  t.eq(s.last_step, 25, "resumed: its last step")
+  t.eq(s.warmup_steps, 2, "resumed: warm-up steps left out")
+  t.eq(s.timed_steps, 3, "resumed: steps in the mean")
+  t.near(s.mean_step_ms, (times[3] + times[4] + times[5]) / 3, 1e-12, "resumed: the mean after warm-up")
+  t.near(s.mfu, 100 * 100 / (s.mean_step_ms / 1e3) * 1e6 / 1e12, 1e-9, "summary MFU: a percentage of the peak")
+  m:close()
+  t.eq(metrics.median { 5, 1, 3 }, 3, "median, odd")
+  t.eq(metrics.median { 4, 1, 3, 10 }, 3.5, "median, even")
+  t.eq(metrics.duration(42.4), "42s", "duration: seconds")
+  t.eq(metrics.duration(725), "12m05s", "duration: minutes")
+  t.eq(metrics.duration(3 * 3600 + 7 * 60), "3h07m", "duration: hours")
+end
+
 -- ======================= a sharded run: evaluate, checkpoint manager =======================
 
 local cfg = { vocab_size = 256, n_layer = 2, n_head = 3, n_embd = 12, block_size = 9, dropout = 0.1 }

@@ -15,7 +15,7 @@ args=(recipes/gpt2.lua --preset=small --batch=4 --ctx=64 --steps="$steps" --eval
 median() { sort -n | awk '{ a[NR] = $1 } END { print (NR ? a[int((NR + 1) / 2)] : "nan") }'; }
 run() {   # launcher -> median ms/step of steps 2..
   env OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1 "${mpi[@]}" "$1" "${args[@]}" 2>&1 |
-    grep -E '^step +[0-9]+ \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' | median
+    grep -E '^step +[0-9]+(/[0-9]+)? \|' | awk -F'|' 'NR > 1 { sub(/ ms\/step/, "", $5); print $5 + 0 }' | median
 }
 a=() b=()
 for i in $(seq "$pairs"); do

@@ -20,7 +20,9 @@ local sharded = fsdp.shard(model, shard_opts)
 local opt = optim.AdamW(sharded:param_groups(0.1), { lr = 1e-3 })
 local n_params = model:num_parameters()
 local fpt = metrics.gpt_flops_per_token(n_params, cfg.n_layer, cfg.n_embd, T)
-local m = metrics.new { path = out, tokens_per_step = B * T * world, flops_per_token = fpt }
+local t_start = os.time()
+local m = metrics.new { path = out, tokens_per_step = B * T * world, flops_per_token = fpt, total_steps = STEPS + 6,
+  config = { steps = STEPS, lr = 1e-3, name = "metrics_job" }, run_id = "run-1" }
 t.ok(m.peak_flops > 1e8, "a peak is measured or stated: " .. m.peak_source)
 local recs = {}
 for step = 1, STEPS do
@@ -43,7 +45,19 @@ for step, r in ipairs(recs) do
   if world > 1 then t.ok(r.gathered_bytes > 0, what .. "something was gathered") end
   t.ok(r.step_ms > 0 and r.comm_wait_ms >= 0 and r.comm_wait_ms <= r.step_ms, what .. "step and wait times")
   t.near(r.tokens_per_s, B * T * world / (r.step_ms / 1e3), 1e-9, what .. "tokens/s")
-  t.near(r.mfu, r.tokens_per_s * fpt / m.peak_flops, 1e-9, what .. "MFU")
+  t.near(r.mfu, 100 * r.tokens_per_s * fpt / m.peak_flops, 1e-9, what .. "MFU, a percentage")
+  t.eq(r.total_steps, STEPS + 6, what .. "the run's last step")
+  local so_far = {}
+  for i = 1, step do so_far[i] = recs[i].step_ms end
+  table.sort(so_far)
+  local med = #so_far % 2 == 1 and so_far[(#so_far + 1) / 2] or (so_far[#so_far / 2] + so_far[#so_far / 2 + 1]) / 2
+  t.near(r.eta_s, med / 1e3 * (STEPS + 6 - step), 1e-9, what .. "the ETA: the median step time x steps left")
+  local line = m:format(r)
+  t.ok(line:find(string.format("^step +%d/%d |", step, STEPS + 6)) ~= nil, what .. "the line says step N/total: "
+    .. line)
+  t.ok(line:find(string.format("MFU %.2f%%", r.mfu), 1, true) ~= nil, what .. "the line's MFU is the record's: "
+    .. line)
+  t.ok(line:find(" | ETA %d+[smh]") ~= nil, what .. "the line's ETA: " .. line)
   t.ok(r.peak_bytes.param > 0 and r.peak_bytes.optimizer > 0 and r.peak_bytes.activation > 0, what .. "peaks")
   t.ok(m:format(r):find("MFU", 1, true) ~= nil, what .. "log line")
   t.eq(fsdp.distributed.broadcast(r.step_ms, 0), r.step_ms, what .. "every rank logs the same (max over ranks)")
@@ -58,9 +72,25 @@ t.raises(function() metrics.new {}:end_step {} end, "end_step without begin_step
 if rank == 0 then
   local lines = {}
   for l in io.lines(out) do lines[#lines + 1] = json.decode(l) end
-  t.eq(#lines, STEPS + 1, "one line per step, and the eval line")
-  t.eq(lines[2].step, 2, "steps in order")
-  t.eq(lines[2].gathered_bytes, recs[2].gathered_bytes, "the file holds the records")
-  t.eq(lines[STEPS + 1].eval_loss, 4.2, "eval record")
+  t.eq(#lines, 1 + STEPS + 1, "the config line, one line per step, and the eval line")
+  local c = lines[1]
+  t.eq(c.type, "config", "the first line is the config")
+  t.eq(c.run_id, "run-1", "config: the run id")
+  t.eq(c.ranks, world, "config: the ranks")
+  t.eq(c.options.steps, STEPS, "config: the options")
+  t.eq(c.options.name, "metrics_job", "config: the options' strings")
+  t.ok(type(c.host) == "string" and c.host ~= "", "config: the host")
+  t.ok(c.start_time:match("^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%dZ$") ~= nil, "config: the start time " .. c.start_time)
+  t.eq(c.version, fsdp.version(), "config: the version")
+  t.eq(lines[3].type, "step", "step records")
+  t.eq(lines[3].step, 2, "steps in order")
+  t.eq(lines[3].gathered_bytes, recs[2].gathered_bytes, "the file holds the records")
+  t.near(lines[3].mfu, recs[2].mfu, 1e-9, "the file's MFU is the log's (a percentage)")
+  t.eq(lines[STEPS + 2].eval_loss, 4.2, "eval record")
+  t.eq(lines[STEPS + 2].type, "eval", "eval record type")
+  for i, l in ipairs(lines) do
+    t.ok(type(l.time) == "number" and l.time >= t_start - 1 and l.time <= os.time() + 1,
+      "line " .. i .. " has a Unix timestamp: " .. tostring(l.time))
+  end
 end
 t.done()

@@ -31,6 +31,13 @@ if command -v gnuplot >/dev/null; then
     bad "tools/plot wrote a PNG" "$out"
   fi
   grep -q "4 steps, 1 evaluations" <<<"$out" && ok || bad "tools/plot read the steps and the evaluation" "$out"
+  # several runs, one labelled line each; comm busy/exposed drawn when present
+  sed 's/"comm_wait_ms":/"comm_busy_ms":1.5,"comm_exposed_ms":0.5,"comm_wait_ms":/' "$TMP/one.jsonl" > "$TMP/busy.jsonl"
+  grep -q comm_exposed_ms "$TMP/busy.jsonl" && ok || bad "the busy/exposed fixture" "$(head -3 "$TMP/busy.jsonl")"
+  out=$(tools/plot "$TMP/one.jsonl" "$TMP/two.jsonl" "$TMP/busy.jsonl" "$TMP/cmp.png" 2>&1) && ok ||
+    bad "tools/plot several files" "$out"
+  grep -q "3 runs: 12 steps, 3 evaluations" <<<"$out" && [ -s "$TMP/cmp.png" ] && ok ||
+    bad "tools/plot read the three runs" "$out"
   printf '{"step": 1, "eval_loss": 3}\n' > "$TMP/none.jsonl"
   out=$(tools/plot "$TMP/none.jsonl" "$TMP/none.png" 2>&1); rc=$?
   [ $rc -ne 0 ] && grep -q "no training steps" <<<"$out" && ok || bad "tools/plot refuses a file without steps" "$out"
@@ -40,6 +47,19 @@ if command -v gnuplot >/dev/null; then
 else
   bad "gnuplot is needed for tools/plot (tools/install-deps.sh installs gnuplot-nox)"
 fi
+
+# MFU's peak: the CPU's measured once and cached, FSDP_PEAK_TFLOPS per device
+peak='local m = require("fsdp.metrics").new {}; print(m.peak_flops, m.peak_source)'
+out1=$(XDG_CACHE_HOME="$TMP/cache" FSDP_PEAK_TFLOPS= "$L" -e "$peak" 2>&1)
+out2=$(XDG_CACHE_HOME="$TMP/cache" FSDP_PEAK_TFLOPS= "$L" -e "$peak" 2>&1)
+grep -q "measured now, cached in $TMP/cache/fsdp-lua/cpu_peak.json" <<<"$out1" && ok || bad "the first run measures" "$out1"
+grep -q "measured once, cached in" <<<"$out2" && ok || bad "the second run reads the cache" "$out2"
+[ "${out1%%[[:space:]]*}" = "${out2%%[[:space:]]*}" ] && ok || bad "the same peak in both runs" "$out1 / $out2"
+out=$(FSDP_PEAK_TFLOPS=2.5 "$L" -e "$peak" 2>&1)
+grep -qE "^2500000000000[[:space:]]+FSDP_PEAK_TFLOPS=2.5 per device x 1" <<<"$out" && ok || bad "FSDP_PEAK_TFLOPS" "$out"
+out=$(FSDP_PEAK_TFLOPS=fast "$L" -e "$peak" 2>&1); rc=$?
+[ $rc -ne 0 ] && grep -q "FSDP_PEAK_TFLOPS must be a positive number of TFLOP/s per device, as 989 (got 'fast')" \
+  <<<"$out" && ok || bad "a bad FSDP_PEAK_TFLOPS is refused" "$out"
 
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

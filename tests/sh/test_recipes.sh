@@ -30,8 +30,8 @@ fails() {
 # a short run trains: the last logged loss is below the first
 out=$("$L" recipes/gpt2.lua --steps=40 --log-every=10 --eval-every=20 --sample=8 2>&1); rc=$?
 [ $rc -eq 0 ] && ok || bad "gpt2 tiny run exit $rc" "$out"
-first=$(grep -E '^step +1 \|' <<<"$out" | sed -E 's/.*loss ([0-9.]+).*/\1/')
-last=$(grep -E '^step +40 \|' <<<"$out" | sed -E 's/.*loss ([0-9.]+).*/\1/')
+first=$(grep -E '^step +1/40 \|' <<<"$out" | sed -E 's/.*loss ([0-9.]+).*/\1/')
+last=$(grep -E '^step +40/40 \|' <<<"$out" | sed -E 's/.*loss ([0-9.]+).*/\1/')
 if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.0) }'; then ok; else bad "loss falls ($first -> $last)" "$out"; fi
 has "eval line" "$out" "eval loss"
 has "sample line" "$out" "continuation |"
