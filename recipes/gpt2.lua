@@ -127,6 +127,8 @@ end
 
 -- The model: declared here, sharded by fsdp.shard (on one rank its
 -- parameters are views of the master copy; nothing is gathered).
+-- the resolved options (--config=FILE, then the command line), once they all passed their checks
+log("%s", options.describe(o))
 local model = (o.model == "llama" and nn.Llama or nn.GPT)(cfg)
 if o.recompute then nn.recompute(model, "Block") end
 local policies = { block = fsdp.policy.per_block(), size = fsdp.policy.by_size(o.wrap_size), none = fsdp.policy.none() }
@@ -151,7 +153,8 @@ local lr_at = optim.schedule.cosine(o.lr, o.warmup, o.steps, o.min_lr)
 local first_step = run:load { model = sharded, optim = opt, data = train, val = val,
   schedule = { kind = "cosine", lr = o.lr, warmup = o.warmup, total = o.steps, min_lr = o.min_lr },
   extra = { preset = o.preset, model = o.model, seed = o.seed },
-  steps = not (o.eval_only or o.generate_only) and o.steps or nil }   -- says when it leaves nothing to train
+  steps = not (o.eval_only or o.generate_only) and o.steps or nil,
+  config = options.plain(o) }   -- says when it leaves nothing to train
 
 local function evaluate(step)
   local el = require("fsdp.evaluate").loss(model, val, o.eval_steps)
@@ -190,7 +193,7 @@ local guard = require("fsdp.guard").new { model = sharded, mode = o.nan, what = 
 local flops_per_token = metrics.gpt_flops_per_token(model:num_parameters(), cfg.n_layer, cfg.n_embd, o.ctx)
 local meter = metrics.new { path = o.metrics, tokens_per_step = o.batch * o.ctx,   -- per step, max over ranks
   flops_per_token = flops_per_token, flops_formula = metrics.FLOPS_FORMULA, total_steps = o.steps,
-  config = o, run_id = run.id }
+  config = options.plain(o), run_id = run.id }
 if meter.peak_flops then
   log("MFU against %.3g TFLOP/s (%s), %s = %.2f MFLOP per token", meter.peak_flops / 1e12, meter.peak_source,
     metrics.FLOPS_FORMULA, flops_per_token / 1e6)

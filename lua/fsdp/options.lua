@@ -10,6 +10,14 @@
 --   }, "gpt2.lua")
 --   if o.model == "llama" and o.export then options.fail("gpt2.lua: --export needs --model=gpt") end
 --
+-- Every recipe also takes --config=FILE: a Lua file returning a table of
+-- option values, { steps = 200, lr = 3e-4, strategy = "full_shard" } (names
+-- with _ or -), run with no globals at all (no io, os, require); options on
+-- the command line override it, and unknown names are refused as on the
+-- command line. options.sources(o) says where each value came from,
+-- options.describe(o) prints the resolved options as a compact block, and
+-- options.plain(o) is a JSON-able copy (for --metrics and checkpoints).
+--
 -- These mistakes raise a usage error (options.fail): the command line
 -- prints its message as one line, on rank 0 only, and exits with status 2,
 -- without a traceback. Every rank raises it, since every rank parses the
@@ -203,12 +211,162 @@ function launcher_flags()
   return launcher_set
 end
 
+-- ---- --config=FILE ----
+
+-- Where each resolved table's values came from, and its schema order.
+local resolved_info = setmetatable({}, { __mode = "k" })
+
+-- The config file's table: run in an empty environment, with an
+-- instruction budget (a loop that never ends is an error, not a hang).
+local function read_config(path, recipe)
+  local where = string.format("%s: --config=%s", recipe, path)
+  if type(path) ~= "string" then M.fail("%s: --config expects a file, as --config=run.lua", recipe) end
+  local f, err = io.open(path, "rb")
+  if not f then M.fail("%s: %s", where, (tostring(err):gsub("^.-: ", ""))) end
+  local text = f:read("*a") or ""
+  f:close()
+  if text:byte(1) == 27 then M.fail("%s: a Lua source file is expected, not bytecode", where) end
+  local chunk, perr = loadstring(text, "=" .. path)
+  if not chunk then M.fail("%s: %s", where, tostring(perr)) end
+  setfenv(chunk, setmetatable({}, { __index = function(_, k)
+    error(string.format("'%s' is not available in a config file (it holds option values only)", tostring(k)), 2)
+  end }))
+  if jit then jit.off(chunk, true) end   -- count hooks reach interpreted code only
+  debug.sethook(function() error("the file runs too long (a config holds option values)", 2) end, "", 1e7)
+  local ok, t = pcall(chunk)
+  debug.sethook()
+  if not ok then M.fail("%s: %s", where, tostring(t)) end
+  if type(t) ~= "table" then
+    M.fail("%s: the file must return a table of option values, as return { steps = 100 } (it returned %s)", where,
+      type(t))
+  end
+  local out = {}
+  for k, v in pairs(t) do
+    if type(k) ~= "string" then
+      M.fail("%s: option names are strings, as { steps = 100 } (got the key %s)", where, tostring(k))
+    end
+    local vt = type(v)
+    if vt ~= "string" and vt ~= "number" and vt ~= "boolean" then
+      M.fail("%s: %s is a %s; option values are numbers, strings or booleans", where, k, vt)
+    end
+    out[(k:gsub("-", "_"))] = v
+  end
+  return out
+end
+
+--- options.sources(o) -> { name = "default" | "config" | "command line" }
+-- for a table options.parse returned (nil for another table).
+function M.sources(o)
+  local info = resolved_info[o]
+  return info and info.sources
+end
+
+--- options.plain(o) -> the options as a plain table (JSON-able): names to
+-- values, without nil ones.
+function M.plain(o)
+  local out = {}
+  for k, v in pairs(o) do
+    if type(k) == "string" and (type(v) == "string" or type(v) == "number" or type(v) == "boolean") then out[k] = v end
+  end
+  return out
+end
+
+local function show(v)
+  if type(v) == "string" then
+    if v == "" or v:find("[%s\"']") then return string.format("%q", v) end
+    return v
+  end
+  if type(v) == "number" and v ~= math.floor(v) then return string.format("%.6g", v) end
+  return tostring(v)
+end
+M.show = show
+
+--- options.describe(o[, width]) -> the resolved options as lines of at most
+-- width (100) columns: "name=value ..." in schema order, then which the
+-- config file and the command line set.
+function M.describe(o, width)
+  width = width or 100
+  local info = resolved_info[o]
+  local names = info and info.names or {}
+  if not info then
+    for k in pairs(o) do names[#names + 1] = k end
+    table.sort(names)
+  end
+  local lines, line = {}, "options:"
+  for _, n in ipairs(names) do
+    if o[n] ~= nil then
+      local item = n:gsub("_", "-") .. "=" .. show(o[n])
+      if #line + 1 + #item > width and line ~= "  " then
+        lines[#lines + 1] = line
+        line = "  " .. item
+      else
+        line = line .. (line == "  " and "" or " ") .. item
+      end
+    end
+  end
+  lines[#lines + 1] = line
+  if info then
+    local by = { config = {}, ["command line"] = {} }
+    for _, n in ipairs(names) do
+      local src = info.sources[n]
+      if by[src] then by[src][#by[src] + 1] = n:gsub("_", "-") end
+    end
+    local set = {}
+    if info.config_path then
+      set[#set + 1] = string.format("%s sets %s", info.config_path, #by.config > 0 and table.concat(by.config, ", ")
+        or "nothing the command line did not")
+    end
+    if #by["command line"] > 0 then set[#set + 1] = "the command line sets " .. table.concat(by["command line"], ", ") end
+    if #set > 0 then
+      local text, cur = "(" .. table.concat(set, "; ") .. "; the rest are defaults)", " "
+      for word in text:gmatch("%S+") do
+        if #cur + 1 + #word > width and cur ~= " " then lines[#lines + 1], cur = cur, " " end
+        cur = cur .. " " .. word
+      end
+      lines[#lines + 1] = cur
+    end
+  end
+  return table.concat(lines, "\n")
+end
+
+--- options.differences(now, saved) -> a list of "--name=now (saved: x)"
+-- for each option whose value differs between two plain tables, ignoring
+-- the names in skip (a set); empty when they agree.
+function M.differences(now, saved, skip)
+  skip = skip or {}
+  local names, seen = {}, {}
+  for _, t in ipairs { now, saved } do
+    for k in pairs(t) do
+      if type(k) == "string" and not seen[k] and not skip[k] then names[#names + 1], seen[k] = k, true end
+    end
+  end
+  table.sort(names)
+  local out = {}
+  for _, k in ipairs(names) do
+    local a, b = now[k], saved[k]
+    if a ~= b then
+      out[#out + 1] = string.format("%s=%s (the checkpoint's: %s)", flag(k), a == nil and "unset" or show(a),
+        b == nil and "unset" or show(b))
+    end
+  end
+  return out
+end
+
 --- Options with defaults filled in; raises a usage error on unknown names,
 -- bad values, values out of range and unreadable files.
 -- --help prints the usage and exits.
 function M.parse(given, schema, recipe)
   given = given or {}
   recipe = recipe or "recipe"
+  local has_config = false
+  for _, s in ipairs(schema) do if s[1] == "config" then has_config = true end end
+  if not has_config then   -- every recipe takes --config=FILE
+    local copy = {}
+    for i, s in ipairs(schema) do copy[i] = s end
+    copy[#copy + 1] = { "config", "file", nil, "a Lua file returning a table of option values (the command line "
+      .. "overrides them)" }
+    schema = copy
+  end
   if given.help then
     if require("fsdp.distributed").rank() == 0 then print(M.usage(schema, recipe)) end
     os.exit(0)
@@ -218,6 +376,32 @@ function M.parse(given, schema, recipe)
     known[s[1]] = s
     out[s[1]] = s[3]
     names[#names + 1] = s[1]
+  end
+  local sources = {}
+  for _, n in ipairs(names) do sources[n] = "default" end
+  for k in pairs(given) do if type(k) == "string" then sources[k] = "command line" end end
+  local from_config = {}
+  if given.config ~= nil and given.config ~= false then
+    local cfg = read_config(given.config, recipe)
+    local cfg_names = {}
+    for k in pairs(cfg) do cfg_names[#cfg_names + 1] = k end
+    table.sort(cfg_names)
+    for _, k in ipairs(cfg_names) do
+      if k == "config" or k == "help" then
+        M.fail("%s: --config=%s: %s cannot be set in a config file", recipe, given.config, flag(k))
+      end
+      if not known[k] then
+        local near = M.closest(k, names)
+        M.fail("%s: --config=%s: unknown option '%s' (%s)", recipe, given.config, k,
+          near and ("did you mean '" .. near .. "'?") or "see --help")
+      end
+    end
+    local merged = {}
+    for k, v in pairs(given) do merged[k] = v end
+    for _, k in ipairs(cfg_names) do
+      if merged[k] == nil then merged[k], sources[k], from_config[k] = cfg[k], "config", true end
+    end
+    given = merged
   end
   local keys = {}
   for k in pairs(given) do keys[#keys + 1] = k end
@@ -248,12 +432,13 @@ function M.parse(given, schema, recipe)
   for _, s in ipairs(schema) do
     local k, v = s[1], given[s[1]]
     if v ~= nil then
-      v = convert(k, s[2], v, recipe)
+      local who = from_config[k] and string.format("%s: --config=%s", recipe, given.config) or recipe
+      v = convert(k, s[2], v, who)
       if type(v) == "number" and s.min and v < s.min then
-        M.fail("%s: %s must be at least %s, got %s", recipe, flag(k), tostring(s.min), tostring(v))
+        M.fail("%s: %s must be at least %s, got %s", who, flag(k), tostring(s.min), tostring(v))
       end
       if type(v) == "number" and s.max and v > s.max then
-        M.fail("%s: %s must be at most %s, got %s", recipe, flag(k), tostring(s.max), tostring(v))
+        M.fail("%s: %s must be at most %s, got %s", who, flag(k), tostring(s.max), tostring(v))
       end
       out[k] = v
     end
@@ -263,6 +448,7 @@ function M.parse(given, schema, recipe)
     end
   end
   agree_on_files(problem, recipe)
+  resolved_info[out] = { sources = sources, names = names, config_path = from_config and given.config or nil }
   return out
 end
 

@@ -123,7 +123,7 @@ pid=$!
 read -r first_line < "$TMP/pipe"
 if kill -0 $pid 2>/dev/null; then ok; else bad "the first line came only at the end"; fi
 kill $pid 2>/dev/null; wait $pid 2>/dev/null
-case "$first_line" in "gpt tiny:"*) ok ;; *) bad "first line: $first_line" ;; esac
+case "$first_line" in "options: preset=tiny "*) ok ;; *) bad "first line: $first_line" ;; esac
 
 # recipes use the Lua API only: no binding, no core module, no FFI
 api_leaks() { grep -nE 'fsdp\.C\b|fsdp\.core|require *\(? *"ffi"|require *\(? *.ffi.|\bffi\.' "$@"; }

@@ -245,13 +245,17 @@ function M.manager(opts)
 end
 
 --- m:load{ model = sharded, optim = opt, data = loader, val = loader,
---   schedule = {...}, extra = {...}, steps = N } -> the first step to
+--   schedule = {...}, extra = {...}, steps = N, config = {...} } -> the first step to
 -- run: 1 on a fresh start, else the saved step + 1, with the model, the
 -- optimizer, both loaders' positions and the dropout RNG as they were
 -- saved. Collective. The parts are kept for maybe_save: schedule and extra
 -- (plain tables) are saved with every checkpoint, the schedule with its
 -- step. steps (the run's last step, optional): a checkpoint at or past it
 -- is said to leave nothing to train (m.nothing_to_train is then true).
+-- config (the run's resolved options, a plain table; options.plain) is
+-- saved as extra.config, and a resume whose options differ from the
+-- checkpoint's logs each that differs (resume and config aside, and the
+-- names in the set config_ignore) and goes on.
 function Manager:load(parts)
   if type(parts) ~= "table" or parts.model == nil or parts.data == nil then
     raise(self.what .. ": load needs { model =, data = (the training loader), optim =, val = }")
@@ -282,6 +286,17 @@ function Manager:load(parts)
   self.log("resumed from %s (saved by %d rank(s)): step %d, next data window %d of epoch %d", self.dir,
     info.world_size, info.step, info.data.index, info.data.epoch)
   if info.residuals then self.log("%s", info.residuals) end
+  -- the run's options against those the checkpoint was saved with (it goes on either way)
+  local saved = info.extra and info.extra.config
+  if type(parts.config) == "table" and type(saved) == "table" then
+    local skip = { resume = true, config = true }
+    for k in pairs(parts.config_ignore or {}) do skip[k] = true end
+    local diff = require("fsdp.options").differences(parts.config, saved, skip)
+    if #diff > 0 then
+      self.log("--resume: %d setting%s differ%s from the checkpoint's: %s", #diff, #diff == 1 and "" or "s",
+        #diff == 1 and "s" or "", table.concat(diff, ", "))
+    end
+  end
   if parts.steps and info.step >= parts.steps then
     self.nothing_to_train = true
     self.log("%s: the checkpoint is at step %d, the run ends at step %d: nothing to train", self.what, info.step,
@@ -304,7 +319,7 @@ function Manager:maybe_save(step)
   local dir = M.save_step(self.save_dir, step, {
     model = p.model, optim = p.optim, step = step, data = p.data:state(), rng = require("fsdp.nn").rng_state(),
     schedule = p.schedule and with(p.schedule, "step", step),
-    extra = with(p.extra, "val", p.val and p.val:state()),
+    extra = with(with(p.extra, "val", p.val and p.val:state()), "config", p.config),
   }, { keep = self.keep > 0 and self.keep or nil, run = self.line, log = self.log })
   self.last_saved = dir
   self.log("step %5d | saved %s", step, dir)
