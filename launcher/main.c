@@ -70,6 +70,22 @@ static void set_path(lua_State *L) {
     lua_pop(L, 3);
 }
 
+#ifndef FSDP_GIT_COMMIT
+#define FSDP_GIT_COMMIT ""
+#endif
+
+/* package.loaded["fsdp.build"] = { commit = "<the source's git commit at
+ * configure time, "" outside a checkout>" } (fsdp.metrics records it). */
+static void set_build_info(lua_State *L) {
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "loaded");
+    lua_createtable(L, 0, 1);
+    lua_pushstring(L, FSDP_GIT_COMMIT);
+    lua_setfield(L, -2, "commit");
+    lua_setfield(L, -2, "fsdp.build");
+    lua_pop(L, 2);
+}
+
 /* Index of the script in argv, as cli.lua will find it: after the options,
  * -e and -l taking a value; argc when there is none. */
 static int script_index(int argc, char **argv) {
@@ -117,6 +133,7 @@ int main(int argc, char **argv) {
     luaL_openlibs(L);
     repl_keys_set_lua(L);
     set_path(L);
+    set_build_info(L);
 
     /* arg as luajit builds it: arg[0] the script, arg[-1]... the interpreter
      * and options, arg[1]... the script's arguments. */

@@ -82,6 +82,8 @@ if rank == 0 then
   t.ok(type(c.host) == "string" and c.host ~= "", "config: the host")
   t.ok(c.start_time:match("^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%dZ$") ~= nil, "config: the start time " .. c.start_time)
   t.eq(c.version, fsdp.version(), "config: the version")
+  t.ok(c.commit == nil or c.commit:match("^%x+$") ~= nil, "config: the commit, when built from a checkout: "
+    .. tostring(c.commit))
   t.eq(lines[3].type, "step", "step records")
   t.eq(lines[3].step, 2, "steps in order")
   t.eq(lines[3].gathered_bytes, recs[2].gathered_bytes, "the file holds the records")
