@@ -129,12 +129,19 @@ end
 -- parameters are views of the master copy; nothing is gathered).
 -- the resolved options (--config=FILE, then the command line), once they all passed their checks
 log("%s", options.describe(o))
+-- A large model takes seconds to build, shard, evaluate and sample: each says so as it starts
+-- (and draws a bar on a terminal), rather than leaving the log silent.
+local progress, timer = require "fsdp.progress", require "fsdp.timer"
+local large = 12 * cfg.n_layer * cfg.n_embd ^ 2 + cfg.vocab_size * cfg.n_embd >= 10e6
+local t_build = timer.now()
+if large then log("building the %s %s model ...", o.model, o.preset) end
 local model = (o.model == "llama" and nn.Llama or nn.GPT)(cfg)
 if o.recompute then nn.recompute(model, "Block") end
 local policies = { block = fsdp.policy.per_block(), size = fsdp.policy.by_size(o.wrap_size), none = fsdp.policy.none() }
 log("%s %s: %.2fM parameters, %d layers, width %d, vocab %d (padded %d), batch %d x %d, %s, %d rank(s), %s, wrap %s",
   o.model, o.preset, model:num_parameters() / 1e6, cfg.n_layer, cfg.n_embd, cfg.vocab_size, model.padded_vocab,
   o.batch, o.ctx, o.dtype, world, o.strategy, o.wrap)
+if large then log("sharding it over %d rank(s) (%s, wrap %s) ...", world, o.strategy, o.wrap) end
 local sharded = fsdp.shard(model, {
   policy = policies[o.wrap], strategy = o.strategy, group_size = o.group_size, seed = o.seed,
   mixed_precision = { compute = o.dtype, reduce = o.reduce }, prefetch = o.prefetch,
@@ -146,6 +153,7 @@ local sharded = fsdp.shard(model, {
 -- --init: each rank reads only its own slices of the file, into its shard
 if o.init then fsdp.checkpoint.import(o.init, sharded) end
 local opt = optim.AdamW(sharded:param_groups(o.wd), { lr = o.lr, betas = { 0.9, 0.95 }, eps = 1e-8 })
+if large then log("built and sharded in %.1f s", timer.now() - t_build) end
 local lr_at = optim.schedule.cosine(o.lr, o.warmup, o.steps, o.min_lr)
 
 -- Checkpoints: each rank writes its shard (any rank count can load them):
@@ -157,7 +165,9 @@ local first_step = run:load { model = sharded, optim = opt, data = train, val = 
   config = options.plain(o) }   -- says when it leaves nothing to train
 
 local function evaluate(step)
-  local el = require("fsdp.evaluate").loss(model, val, o.eval_steps)
+  if large then log("step %5d | evaluating on %d batch%s ...", step, o.eval_steps, o.eval_steps == 1 and "" or "es") end
+  local bar = dist.rank() == 0 and progress.bar("eval", { unit = "batches" }) or nil
+  local el = require("fsdp.evaluate").loss(model, val, o.eval_steps, bar)
   log("step %5d | eval loss %.4f", step, el)
   return el
 end
@@ -176,6 +186,9 @@ local function print_samples(when)
   local rows = {}
   for i = 1, o.num_samples do rows[i] = prompt end
   local how = { temperature = o.temperature, top_k = o.top_k, top_p = o.top_p, seed = o.sample_seed or o.seed }
+  if large then log("sampling %d x %d tokens ...", #rows, o.sample) end
+  local bar = dist.rank() == 0 and progress.bar("sample", { unit = "tokens" }) or nil
+  if bar then how.on_token = function(i, n) bar(i, n) end end
   rows = model:generate(rows, o.sample, how)
   for i, r in ipairs(rows) do
     log("%s", sample.text(r, #prompt, cfg.vocab_size, string.format("sample %d/%d %s (%s, seed %d):", i, #rows, when,

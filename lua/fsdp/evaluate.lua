@@ -7,15 +7,16 @@ local fsdp = require "fsdp"
 
 local M = {}
 
---- evaluate.loss(model, loader, n) -> the mean of n batches' losses,
+--- evaluate.loss(model, loader, n[, on_batch]) -> the mean of n batches' losses,
 -- averaged over ranks (each rank's loader gives its rows of a global
 -- batch). model(x, y, { logits = false }) returns logits or nil, loss, as
 -- the nn language models do: only the loss is needed, so the GPT's head
 -- computes it in one fused op that hands out no logits (the same loss as
 -- with them); a model that ignores the option returns its logits, which are
 -- freed. The model runs in eval mode (no dropout) without gradients, and is
--- back in the mode it was in afterwards. Collective: every rank calls it.
-function M.loss(model, loader, n)
+-- back in the mode it was in afterwards. on_batch(i, n) is called after
+-- each batch (progress). Collective: every rank calls it.
+function M.loss(model, loader, n, on_batch)
   if type(n) ~= "number" or n < 1 or n ~= math.floor(n) then
     error("evaluate.loss: n (batches) must be a positive integer, got " .. tostring(n), 2)
   end
@@ -23,7 +24,7 @@ function M.loss(model, loader, n)
   model:eval()
   local total = 0
   local ok, err = pcall(fsdp.no_grad, function()
-    for _ = 1, n do
+    for i = 1, n do
       local x, y = loader:next()
       local logits, loss = model(x, y, { logits = false })
       total = total + loss:item()
@@ -33,6 +34,7 @@ function M.loss(model, loader, n)
       if logits ~= nil then logits:free() end
       loss:free()
       fsdp.collect()   -- the forward's intermediates go back now, not when Lua's collector runs
+      if on_batch then on_batch(i, n) end
     end
   end)
   model:train(was_training ~= false)

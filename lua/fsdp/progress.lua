@@ -17,9 +17,37 @@
 local ffi = require "ffi"
 local timer = require "fsdp.timer"
 
-pcall(ffi.cdef, "int isatty(int fd);")
-
 local M = {}
+
+pcall(ffi.cdef, "int isatty(int fd);")
+pcall(ffi.cdef, "struct fsdp_winsize { unsigned short row, col, xpixel, ypixel; }; int ioctl(int fd, unsigned long req, ...);")
+
+-- What the bars left on stderr's current line (columns), whichever bar drew
+-- it: a bar that starts where another stopped early covers that one too.
+local on_line = 0
+
+-- stderr's terminal width, or nil when it is not a terminal (or unknown).
+local function columns()
+  if ffi.C.isatty(2) ~= 1 then return nil end
+  local ok, ws = pcall(ffi.new, "struct fsdp_winsize")
+  if not ok then return nil end
+  local TIOCGWINSZ = 0x5413   -- Linux
+  if ffi.C.ioctl(2, TIOCGWINSZ, ws) ~= 0 or ws.col == 0 then return nil end
+  return ws.col
+end
+
+--- progress.redraw(text[, final]) -> the bytes that replace stderr's current
+-- line with text: a carriage return, the text (cut to the terminal's width,
+-- so that it never wraps), spaces over whatever longer text a bar left there
+-- and, on a terminal, an erase to the end of the line; final ends the line.
+function M.redraw(text, final)
+  local cols = columns()
+  if cols and #text > cols - 1 then text = text:sub(1, cols - 1) end
+  local out = "\r" .. text .. string.rep(" ", on_line - #text) .. (cols and "\27[K" or "") .. (final and "\n" or "")
+  on_line = final and 0 or math.max(#text, 0)
+  return out
+end
+
 
 M.WIDTH = 30          -- bar cells
 M.INTERVAL = 0.1      -- seconds between redraws
@@ -67,11 +95,14 @@ end
 function M.bar(label, opts)
   if not M.enabled() then return nil end
   local unit = opts and opts.unit
-  local t0, last, finished, drawn, width = timer.now(), -math.huge, false, false, 0
+  local t0, last, finished, drawn = timer.now(), -math.huge, false, false
   return function(done, total)
     if finished then return end
     if done == nil then
-      if drawn then io.stderr:write("\n") end
+      if drawn then
+        io.stderr:write("\n")
+        on_line = 0
+      end
       finished = true
       return
     end
@@ -80,9 +111,7 @@ function M.bar(label, opts)
     if not over and now - last < M.INTERVAL then return end
     last = now
     local text = M.line(label, done, total, now - t0, unit)
-    -- spaces over what a longer previous line left (a rate that got shorter)
-    io.stderr:write("\r", text, string.rep(" ", width - #text), over and "\n" or "")
-    width = #text
+    io.stderr:write(M.redraw(text, over))   -- covers a longer line before it (a rate that got shorter)
     io.stderr:flush()
     drawn, finished = true, over
   end

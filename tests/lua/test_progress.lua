@@ -73,5 +73,79 @@ do
   t.ok(#lines[2] >= #lines[1], string.format("the second covers the first (%d >= %d columns)", #lines[2], #lines[1]))
   t.ok(lines[2]:find("901.0 MiB / 1.00 GiB", 1, true) ~= nil, "the second is the new figure: " .. lines[2])
 end
+-- what a terminal shows: \r to the line's start, characters overwrite,
+-- ESC[K erases to the end, \n a new line
+local function screen(bytes)
+  local lines, cur, col = {}, {}, 1
+  local i = 1
+  while i <= #bytes do
+    local c = bytes:sub(i, i)
+    if c == "\r" then col = 1
+    elseif c == "\n" then lines[#lines + 1], cur, col = table.concat(cur):gsub(" +$", ""), {}, 1
+    elseif bytes:sub(i, i + 2) == "\27[K" then
+      for j = col, #cur do cur[j] = nil end
+      i = i + 2
+    else cur[col], col = c, col + 1 end
+    i = i + 1
+  end
+  if #cur > 0 then lines[#lines + 1] = table.concat(cur):gsub(" +$", "") end
+  return lines
+end
+-- two bars on one line: the first stopped without ending its line (a save
+-- cut short), the second's shorter text leaves none of the first behind
+do
+  local saved_err, saved_enabled, saved_interval = io.stderr, progress.enabled, progress.INTERVAL
+  local written = {}
+  io.stderr = { write = function(self, ...) for _, x in ipairs({ ... }) do written[#written + 1] = x end end,
+                flush = function() end }
+  progress.enabled, progress.INTERVAL = function() return true end, 0
+  local timer = require "fsdp.timer"
+  local saved_now, clock = timer.now, 0
+  timer.now = function() return clock end
+  local a = progress.bar("save")
+  clock = 1
+  a(1600 * 2 ^ 20, 4 * 2 ^ 30)   -- 1.56 GiB/s, never finished
+  local b = progress.bar("save")
+  clock = 2
+  b(512, 2 ^ 30)                  -- 512 B/s: shorter
+  local mid = screen(table.concat(written))
+  clock = 3
+  b(2 ^ 30, 2 ^ 30)
+  io.stderr, progress.enabled, progress.INTERVAL, timer.now = saved_err, saved_enabled, saved_interval, saved_now
+  local shown = screen(table.concat(written))
+  t.eq(#shown, 1, "one line on the screen")
+  t.eq(mid[1], progress.line("save", 512, 2 ^ 30, 1), "the shorter redraw alone, nothing of the first left")
+  t.eq(shown[1], progress.line("save", 2 ^ 30, 2 ^ 30, 2), "the last text alone at the end")
+  t.ok(not shown[1]:find("/s/s", 1, true), "no '/s/s': " .. tostring(shown[1]))
+  -- a redraw on a terminal also erases to the end of the line (ESC[K), tested by its bytes
+  t.eq(screen("\rabcdef\rxy\27[K\n")[1], "xy", "the screen model erases with ESC[K")
+end
+-- no silent phases: GPT-2 124M says when it builds, shards, evaluates and
+-- samples (stdout), and draws the evaluation's and the sampling's bars (stderr)
+do
+  local cmd = string.format("OPENBLAS_NUM_THREADS=1 FSDP_PROGRESS=1 '%s' recipes/gpt2.lua --preset=small --steps=1 "
+    .. "--batch=1 --ctx=8 --sample=2 --eval-every=1 --eval-steps=2 --log-every=1", launcher)
+  local p = io.popen(cmd .. " 2>" .. tmp .. ".err")
+  local out = p:read("*a")
+  p:close()
+  local f = io.open(tmp .. ".err")
+  local err = f and f:read("*a") or ""
+  if f then f:close() end
+  os.remove(tmp .. ".err")
+  local order = { "\nbuilding the gpt small model ...\n", "\nsharding it over 1 rank(s) (full_shard, wrap block) ...\n",
+    "\nbuilt and sharded in ", "\nstep     1 | evaluating on 2 batches ...\n", "\nstep     1 | eval loss ",
+    "\nsampling 1 x 2 tokens ...\n", "\nsample 1/1 after step 1" }
+  local at = 1
+  for _, want in ipairs(order) do
+    local i = out:find(want, at, true)
+    t.ok(i ~= nil, "status line, in order: " .. want:gsub("\n", "") .. (i and "" or ("\n" .. out)))
+    at = i or at
+  end
+  t.ok(err:find("\reval [", 1, true) and err:find("100% 2 / 2 batches", 1, true), "the evaluation's bar: " .. err)
+  t.ok(err:find("\rsample [", 1, true) and err:find("100% 2 / 2 tokens", 1, true), "the sampling's bar: " .. err)
+  for _, line in ipairs(screen(err)) do
+    t.ok(not line:find("/s.*/s"), "each bar's last state alone on its line: " .. line)
+  end
+end
 os.execute("rm -rf '" .. tmp .. "'")
 t.done()
