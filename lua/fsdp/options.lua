@@ -382,7 +382,10 @@ function M.parse(given, schema, recipe)
   for k in pairs(given) do if type(k) == "string" then sources[k] = "command line" end end
   local from_config = {}
   if given.config ~= nil and given.config ~= false then
-    local cfg = read_config(given.config, recipe)
+    -- every rank reads the file; when one cannot, all fail with the lowest such rank's message
+    local ok, cfg = pcall(read_config, given.config, recipe)
+    if not ok and not M.is_usage_error(cfg) then error(cfg, 0) end
+    agree_on_files(not ok and cfg.message or nil, recipe)
     local cfg_names = {}
     for k in pairs(cfg) do cfg_names[#cfg_names + 1] = k end
     table.sort(cfg_names)
