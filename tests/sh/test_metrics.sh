@@ -48,10 +48,10 @@ else
   bad "gnuplot is needed for tools/plot (tools/install-deps.sh installs gnuplot-nox)"
 fi
 
-# MFU's peak: the CPU's measured once and cached, FSDP_PEAK_TFLOPS per device
+# MFU's peak: the CPU's measured once and cached, FSDP_PEAK_TFLOPS per device (the CPU kept as the device on a GPU)
 peak='local m = require("fsdp.metrics").new {}; print(m.peak_flops, m.peak_source)'
-out1=$(XDG_CACHE_HOME="$TMP/cache" FSDP_PEAK_TFLOPS= "$L" -e "$peak" 2>&1)
-out2=$(XDG_CACHE_HOME="$TMP/cache" FSDP_PEAK_TFLOPS= "$L" -e "$peak" 2>&1)
+out1=$(XDG_CACHE_HOME="$TMP/cache" FSDP_PEAK_TFLOPS= FSDP_DEVICE=cpu "$L" -e "$peak" 2>&1)
+out2=$(XDG_CACHE_HOME="$TMP/cache" FSDP_PEAK_TFLOPS= FSDP_DEVICE=cpu "$L" -e "$peak" 2>&1)
 grep -q "measured now, cached in $TMP/cache/fsdp-lua/cpu_peak.json" <<<"$out1" && ok || bad "the first run measures" "$out1"
 grep -q "measured once, cached in" <<<"$out2" && ok || bad "the second run reads the cache" "$out2"
 [ "${out1%%[[:space:]]*}" = "${out2%%[[:space:]]*}" ] && ok || bad "the same peak in both runs" "$out1 / $out2"
