@@ -112,5 +112,16 @@ out = sh(string.format("'%s' recipes/gpt2.lua --config=%s/nope.lua", launcher, t
 t.ok(out:find("gpt2.lua: --config=" .. tmp .. "/nope.lua: No such file", 1, true) ~= nil, "the recipe: a missing file: "
   .. out)
 
+-- two ranks: the same one line, once, and exit status 2 (no rank left waiting)
+local mpirun = os.getenv("FSDP_TEST_MPIRUN")
+if mpirun and mpirun ~= "" then
+  local bad = write("typo.lua", "return { stpes = 3 }")
+  local text = sh(string.format("%s 2 '%s' recipes/gpt2.lua --config=%s 2>&1; echo \"rc=$?\"", mpirun, launcher, bad))
+  local lines = {}
+  for l in text:gmatch("[^\n]+") do if l:find("gpt2.lua:", 1, true) then lines[#lines + 1] = l end end
+  t.eq(#lines, 1, "2 ranks: one message: " .. text)
+  t.ok(text:find("unknown option 'stpes' (did you mean 'steps'?)", 1, true) ~= nil and text:find("rc=2", 1, true) ~= nil,
+       "2 ranks: the message and exit status 2: " .. text)
+end
 os.execute("rm -rf '" .. tmp .. "'")
 t.done()
