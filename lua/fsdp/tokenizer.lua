@@ -188,6 +188,7 @@ local function default_dir()
 end
 M.default_dir = default_dir
 
+local SHORT_PIECE = 48  -- bytes; longer pieces take the heap merge loop
 local PAIR = 65536     -- pair key: left id * PAIR + right id (ids < 65536)
 
 --- tokenizer.gpt2([dir | { encoder = PATH, vocab = PATH }]) -> tokenizer.
@@ -265,11 +266,13 @@ function M.gpt2(where)
   self.num_merges = r
   self._rank, self._merged, self._byte_id = rank, merged, byte_id
   self._cache, self._cached = {}, 0
+  self._short_piece = SHORT_PIECE   -- tests set 1 to put every piece through the heap
   return self
 end
 
--- BPE of the bytes p[s..e-1]: a list of ids.
-local function bpe(self, p, s, e)
+-- GPT-2's loop as written, for short pieces (most words): each pass rescans
+-- the pairs, O(n^2) in all, cheaper than a heap below a few dozen bytes.
+local function bpe_rescan(self, p, s, e)
   local byte_id, rank, merged = self._byte_id, self._rank, self._merged
   local word, n = {}, e - s
   for k = 1, n do word[k] = byte_id[p[s + k - 1]] end
@@ -293,6 +296,95 @@ local function bpe(self, p, s, e)
     end
     word, n = out, o
   end
+  return word
+end
+
+-- BPE of the bytes p[s..e-1]: a list of ids. GPT-2's rule: merge every
+-- occurrence, left to right, of the lowest-ranked adjacent pair, until no
+-- pair has a rank. Done in O(n log n) rather than GPT-2's O(n^2) rescans:
+-- the symbols are a linked list and the candidate pairs a min-heap keyed by
+-- (rank, position), checked when popped (a pair whose symbols have since
+-- merged is stale). One round takes every pair of the round's rank that was
+-- present when the round began, in position order; pairs a merge creates
+-- join the heap when the round ends, as GPT-2 would see them next pass.
+local function bpe(self, p, s, e)
+  local byte_id, rank, merged = self._byte_id, self._rank, self._merged
+  local n = e - s
+  if n <= self._short_piece then return bpe_rescan(self, p, s, e) end
+  local sym = ffi.new("int32_t[?]", n + 2)     -- 1-based; sym = -1: merged away
+  local nxt = ffi.new("int32_t[?]", n + 2)     -- 0: end of the list
+  local prv = ffi.new("int32_t[?]", n + 2)
+  for k = 1, n do sym[k], nxt[k], prv[k] = byte_id[p[s + k - 1]], k + 1, k - 1 end
+  nxt[n] = 0
+  local W = n + 1                              -- key = rank * W + position
+  -- at most n - 1 pairs at the start and two more per merge
+  local heap, hn = ffi.new("double[?]", 3 * n + 1), 0
+  local function push(key)
+    hn = hn + 1
+    local c = hn
+    while c > 1 do
+      local up = floor(c / 2)
+      if heap[up] <= key then break end
+      heap[c] = heap[up]; c = up
+    end
+    heap[c] = key
+  end
+  local function pop()
+    local top, last = heap[1], heap[hn]
+    hn = hn - 1
+    if hn > 0 then
+      local c = 1
+      while true do
+        local l = c * 2
+        if l > hn then break end
+        if l < hn and heap[l + 1] < heap[l] then l = l + 1 end
+        if heap[l] >= last then break end
+        heap[c] = heap[l]; c = l
+      end
+      heap[c] = last
+    end
+    return top
+  end
+  local pending, pn = ffi.new("double[?]", 2 * n + 1), 0   -- keys made in this round
+  local function candidate(k, now)
+    local j = nxt[k]
+    if j == 0 then return end
+    local rk = rank[sym[k] * PAIR + sym[j]]
+    if rk then
+      if now then push(rk * W + k) else pn = pn + 1; pending[pn] = rk * W + k end
+    end
+  end
+  for k = 1, n - 1 do candidate(k, true) end
+  local round = -1
+  while hn > 0 do
+    local key = heap[1]
+    local rk = floor(key / W)
+    if rk ~= round and pn > 0 then
+      -- the round ended: its pairs now compete
+      for q = 1, pn do push(pending[q]) end
+      pn = 0
+    else
+      pop()
+      local k = key - rk * W
+      local j = sym[k] >= 0 and nxt[k] or 0
+      if j ~= 0 and rank[sym[k] * PAIR + sym[j]] == rk then
+        round = rk
+        sym[k] = merged[sym[k] * PAIR + sym[j]]
+        sym[j] = -1
+        local after = nxt[j]
+        nxt[k] = after
+        if after ~= 0 then prv[after] = k end
+        if prv[k] ~= 0 then candidate(prv[k], false) end
+        candidate(k, false)
+      end
+    end
+    if hn == 0 and pn > 0 then
+      for q = 1, pn do push(pending[q]) end
+      pn = 0
+    end
+  end
+  local word, o, k = {}, 0, 1
+  while k ~= 0 do o = o + 1; word[o] = sym[k]; k = nxt[k] end
   return word
 end
 

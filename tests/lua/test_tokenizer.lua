@@ -166,4 +166,76 @@ do
 end
 
 os.execute("rm -rf '" .. tmp .. "'")
+-- The merge loop against GPT-2's own (each pass rescans every pair, merges
+-- every occurrence of the best one left to right): the same ids on seeded
+-- random pieces of letters, digits, spaces, marks and multi-byte characters.
+local function reference_encode(text)
+  local out = {}
+  for _, piece in ipairs(tokenizer.pretokenize(text)) do
+    local word, n = {}, #piece
+    for i = 1, n do word[i] = tok._byte_id[piece:byte(i)] end
+    while n > 1 do
+      local best, at = math.huge, 0
+      for k = 1, n - 1 do
+        local rk = tok._rank[word[k] * 65536 + word[k + 1]]
+        if rk and rk < best then best, at = rk, k end
+      end
+      if at == 0 then break end
+      local a, b = word[at], word[at + 1]
+      local m = tok._merged[a * 65536 + b]
+      local merged_word, o, k = {}, 0, 1
+      while k <= n do
+        if k < n and word[k] == a and word[k + 1] == b then
+          o = o + 1; merged_word[o] = m; k = k + 2
+        else
+          o = o + 1; merged_word[o] = word[k]; k = k + 1
+        end
+      end
+      word, n = merged_word, o
+    end
+    for k = 1, n do out[#out + 1] = word[k] end
+  end
+  return out
+end
+do
+  local heap_tok = tokenizer.gpt2()
+  heap_tok._short_piece = 1   -- every piece of two bytes or more through the heap loop
+  local seed = 23
+  local function rnd(m) seed = (seed * 1103515245 + 12345) % 2147483648; return seed % m + 1 end
+  local parts = { "a", "b", "e", "t", "h", "q", "z", " ", "  ", "\n", "0", "1", "7", "\195\169", "\195\188",
+                  "!", "'s", "ing", "the", "aaa", "ll", "\226\128\148", "\240\159\152\128", "\255", "ABC" }
+  local differ, first = 0, nil
+  for case = 1, 2000 do
+    local bits = {}
+    for i = 1, rnd(60) do bits[i] = parts[rnd(#parts)] end
+    local text = table.concat(bits)
+    if not (same(heap_tok:encode(text), reference_encode(text)) and same(tok:encode(text), reference_encode(text))) then
+      differ = differ + 1
+      first = first or text
+    end
+  end
+  t.eq(differ, 0, "2000 seeded texts: the same ids as GPT-2's merge loop" .. (first and (" (first: %q)"):format(first) or ""))
+  local f = assert(io.open(root .. "data/corpus.txt", "rb"))
+  local corpus = f:read("*a")
+  f:close()
+  t.ok(#corpus > 10000 and same(heap_tok:encode(corpus), reference_encode(corpus)), "data/corpus.txt: the same ids as GPT-2's merge loop")
+
+  -- One pre-token of 200 KB of letters. Repeating "abcdefghij" needs few
+  -- passes of GPT-2's loop, so its ids are quick to get; seeded random letters
+  -- need a pass per merge (tens of seconds there, a fraction of one here):
+  -- those round trip, and match the reference on a 3 KB prefix.
+  local long = string.rep("abcdefghij", 20480)
+  local got = tok:encode(long)
+  t.ok(same(got, reference_encode(long)), "200 KB pre-token (repeating): the same ids as GPT-2's merge loop")
+  t.eq(#tokenizer.pretokenize(long), 1, "200 KB of letters is one pre-token")
+  local letters = {}
+  for i = 1, 204800 do letters[i] = string.char(96 + rnd(26)) end
+  local random_long = table.concat(letters)
+  local ids = tok:encode(random_long)
+  t.ok(#ids > 50000 and #ids < 204800, "200 KB random pre-token: " .. #ids .. " ids")
+  t.eq(tok:decode(ids), random_long, "200 KB random pre-token round trips")
+  local prefix = random_long:sub(1, 3000)
+  t.ok(same(tok:encode(prefix), reference_encode(prefix)), "3 KB random pre-token: the same ids as GPT-2's merge loop")
+end
+
 t.done()
