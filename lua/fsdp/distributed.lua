@@ -44,6 +44,9 @@ end
 -- over a communicator that moves nothing), or nil for the real one.
 local world_override = nil
 
+-- True while a dry run stands in for the world (fsdp.plan).
+function M._dry_run() return world_override ~= nil end
+
 -- The ranks this job runs with, whatever a dry run lets recipes see.
 function M._ranks_running()
   local _, w = runtime()
@@ -204,9 +207,18 @@ end
 
 -- A string from the root to every rank: its length, then its bytes, as
 -- sums of doubles to which only the root contributes.
+-- The same reduction carries the largest and smallest root named, so that
+-- ranks naming different roots fail together instead of mixing bytes.
 local function broadcast_string(g, s, root)
   local is_root = g._rank == root
-  local len = reduce(g, is_root and #s or 0, "sum", "broadcast")
+  local got = reduce(g, { is_root and #s or -1, root, -root }, "max", "broadcast")
+  local len, hi, lo = got[1], got[2], -got[3]
+  if hi ~= lo then
+    local at_lo = reduce(g, root == lo and g._rank or math.huge, "min", "broadcast")
+    local at_hi = reduce(g, root == hi and g._rank or math.huge, "min", "broadcast")
+    error(string.format("fsdp.distributed.broadcast: ranks name different roots: rank %d names root %d, rank %d "
+      .. "names root %d (every rank must pass the same root)", at_lo, lo, at_hi, hi), 3)
+  end
   local n = math.ceil(len / BYTES_PER_DOUBLE)
   local buf = ffi.new("double[?]", math.max(n, 1))
   if is_root then

@@ -192,6 +192,108 @@ local function agree_on_files(problem, recipe)
   M.fail("%s", msg)
 end
 
+-- ---- ranks agree on the options ----
+
+-- Options that may differ between ranks: they change how fast a rank runs,
+-- not what the job computes. A schema entry with rank_local = true is one too.
+M.RANK_LOCAL = { threads = true }
+-- Bytes read from each end of a data file for its identity.
+local IDENTITY_BLOCK = 65536
+
+local function show_value(v)
+  if type(v) == "number" then return string.format("%.17g", v) end
+  return tostring(v)
+end
+
+-- A file's identity: its size and a hash of its first and last blocks.
+local function file_identity(fio, path)
+  local _, size = fio.stat(path)
+  local f = io.open(path, "rb")
+  if not f then return string.format("%d bytes, unreadable", size) end
+  local head = f:read(IDENTITY_BLOCK) or ""
+  local tail = ""
+  if size > IDENTITY_BLOCK then
+    f:seek("set", math.max(size - IDENTITY_BLOCK, IDENTITY_BLOCK))
+    tail = f:read(IDENTITY_BLOCK) or ""
+  end
+  f:close()
+  return string.format("%d bytes, content %s", size, fio.hash_string(head .. tail))
+end
+
+-- What a data source names on this rank: a file's size and content hash,
+-- a folder's or a glob's files with theirs; nil when it names nothing here.
+local function source_identity(v)
+  if type(v) ~= "string" or v == "" then return nil end
+  local fio = require "fsdp.io"
+  local ok, id = pcall(function()
+    local kind = fio.stat(v)
+    if kind == "file" then return file_identity(fio, v) end
+    local files = {}
+    if kind == "dir" then
+      for _, name in ipairs(fio.list_dir(v)) do
+        if name:sub(1, 1) ~= "." then files[#files + 1] = v .. "/" .. name end
+      end
+    elseif v:find("[%*%?%[]") then
+      files = require("fsdp.data").glob(v)
+    else
+      return "absent"
+    end
+    local parts = {}
+    for _, path in ipairs(files) do
+      if fio.is_file(path) then parts[#parts + 1] = path .. " " .. file_identity(fio, path) end
+    end
+    return string.format("%d files, listing %s", #parts, fio.hash_string(table.concat(parts, "\n")))
+  end)
+  return ok and id or nil
+end
+
+-- Every option that changes the training, as text, in schema order: its
+-- value, and for a data source or input file what it names on this rank.
+local function resolved_entries(out, schema)
+  local entries = {}
+  for _, s in ipairs(schema) do
+    local k = s[1]
+    if not M.RANK_LOCAL[k] and not s.rank_local then
+      local text = show_value(out[k])
+      if s[2] == "file" or k == "data" or k:match("_data$") then
+        local id = source_identity(out[k])
+        if id then text = text .. " (" .. id .. ")" end
+      end
+      entries[#entries + 1] = { k, text }
+    end
+  end
+  return entries
+end
+
+-- Every rank compares its resolved options with rank 0's; the first option
+-- that differs (in schema order), and the lowest rank where it does, make
+-- the same usage error on every rank, before anything is built.
+local function agree_on_options(out, schema, recipe)
+  local dist = require "fsdp.distributed"
+  if dist._ranks_running() == 1 or dist._dry_run() then return end
+  local mine = resolved_entries(out, schema)
+  local texts = {}
+  for i, e in ipairs(mine) do texts[i] = e[2] end
+  local root = dist.broadcast(texts, 0)
+  local first = math.huge
+  for i, e in ipairs(mine) do
+    if root[i] ~= e[2] then first = i break end
+  end
+  if #root ~= #mine and first == math.huge then first = math.min(#root, #mine) + 1 end
+  first = dist.min(first)
+  if first == math.huge then return end
+  local me = dist.rank()
+  local which = dist.min((root[first] ~= (mine[first] and mine[first][2])) and me or math.huge)
+  local theirs = dist.broadcast(mine[first] and mine[first][2] or "(no such option)", which)
+  local name = mine[first] and mine[first][1] or "?"
+  local locals = {}
+  for k in pairs(M.RANK_LOCAL) do locals[#locals + 1] = flag(k) end
+  table.sort(locals)
+  M.fail("%s: option %s differs between ranks: rank 0 has %s, rank %d has %s (every rank must be started with "
+    .. "the same options; only %s may differ)", recipe, flag(name), tostring(root[first]), which, theirs,
+    table.concat(locals, ", "))
+end
+
 -- The launcher's own options (--trace, --plan, -i, ...), read from its
 -- --help text so that a new one is known here too: given after the recipe
 -- they reach the recipe, which says where they belong.
@@ -451,6 +553,7 @@ function M.parse(given, schema, recipe)
     end
   end
   agree_on_files(problem, recipe)
+  agree_on_options(out, schema, recipe)
   resolved_info[out] = { sources = sources, names = names, config_path = from_config and given.config or nil }
   return out
 end
