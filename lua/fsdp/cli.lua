@@ -165,6 +165,8 @@ end
 
 function M.main(argv)
   argv = argv or {}
+  local env_problem = require("fsdp.env_check").problem()
+  if env_problem then io.stderr:write("fsdp-lua: ", env_problem, "\n"); return USAGE_EXIT end
   local actions, interactive, show_version, script = {}, false, false, nil
   local plan, plan_world, plan_rank, plan_device = false, nil, nil, nil
   local plan_extra, calibrate = {}, false   -- (fsdp.plan_cli's options)
@@ -186,14 +188,14 @@ function M.main(argv)
     elseif a:match("^%-%-world=") or a == "--world" then
       local v = a:match("^%-%-world=(.*)$")
       local n = tonumber(v)
-      if not n or n < 1 or n ~= math.floor(n) then
+      if not n or n < 1 or n ~= math.floor(n) or n == math.huge then
         return fail("--world expects a positive whole number of ranks, as --world=8 (got '" .. tostring(v) .. "')")
       end
       plan_world, i = n, i + 1
     elseif a:match("^%-%-rank=") or a == "--rank" then
       local v = a:match("^%-%-rank=(.*)$")
       local n = tonumber(v)
-      if not n or n < 0 or n ~= math.floor(n) then
+      if not n or n < 0 or n ~= math.floor(n) or n == math.huge then
         return fail("--rank expects a whole number, as --rank=3 (got '" .. tostring(v) .. "')")
       end
       plan_rank, i = n, i + 1
