@@ -138,9 +138,13 @@ fsdp_status fsdp_trace_start(const char *path) {
     int rank, size;
     if (mpi_world(&rank, &size) && size > 1) MPI_Barrier(MPI_COMM_WORLD);
     if (rank == 0) {   /* say now, not at the end, that the file cannot be written */
-        FILE *f = fopen(path, "w");
-        if (!f) return fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_start: cannot write '%s'", path);
-        fclose(f);
+        fsdp_file *f;   /* never through a link planted at the name */
+        if (fsdp_file_open(&f, path, FSDP_FILE_CREATE) != FSDP_OK) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", fsdp_last_error());
+            return fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_start: cannot write '%s': %s", path, why);
+        }
+        fsdp_file_close(f);
     }
     const char *m = getenv("FSDP_TRACE_MAX_EVENTS");
     if (m && atol(m) > 0) g_max = (size_t)atol(m);
@@ -237,14 +241,24 @@ fsdp_status fsdp_trace_stop(void) {
         MPI_Gatherv(mine, l, MPI_CHAR, all, lens, offs, MPI_CHAR, 0, MPI_COMM_WORLD);
     }
     if (rank == 0 && st == FSDP_OK) {
-        FILE *f = fopen(g_path, "w");
-        if (!f || !all) {
+        static const char head[] = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+        char tail[128];
+        int nt = snprintf(tail, sizeof tail, "{\"ph\":\"M\",\"pid\":0,\"name\":\"trace_end\",\"args\":{\"ranks\":%d}}\n]}\n", size);
+        size_t nh = sizeof head - 1, n = nh + (size_t)total + (size_t)nt;
+        char *text = all ? malloc(n) : NULL;
+        if (!text) {
             st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: cannot write '%s'", g_path);
         } else {
-            fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
-            fwrite(all, 1, (size_t)total, f);
-            fprintf(f, "{\"ph\":\"M\",\"pid\":0,\"name\":\"trace_end\",\"args\":{\"ranks\":%d}}\n]}\n", size);
-            if (fclose(f) != 0) st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: writing '%s' failed", g_path);
+            memcpy(text, head, nh);
+            memcpy(text + nh, all, (size_t)total);
+            memcpy(text + nh + (size_t)total, tail, (size_t)nt);
+            /* a fresh temporary renamed into place: a link at the name is replaced, not followed */
+            if (fsdp_file_write_atomic(g_path, text, (int64_t)n) != FSDP_OK) {
+                char why[512];
+                snprintf(why, sizeof why, "%s", fsdp_last_error());
+                st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: writing '%s' failed: %s", g_path, why);
+            }
+            free(text);
         }
     }
     if (all != mine) free(all);

@@ -46,9 +46,20 @@ fsdp_status fsdp_file_open(fsdp_file **out, const char *path, fsdp_file_mode mod
     *out = NULL;
     FSDP_TRY(check_path("fsdp_file_open", path));
     int flags;
-    if (mode == FSDP_FILE_READ) flags = O_RDONLY;
-    else if (mode == FSDP_FILE_CREATE) flags = O_WRONLY | O_CREAT | O_TRUNC;
+    /* reading: O_NONBLOCK so that a FIFO cannot hang the open (the flag is
+     * cleared once fstat shows a regular file). creating: whatever is at the
+     * name (a planted symbolic link, an old file) is unlinked, never followed,
+     * and the new file must be ours (O_EXCL|O_NOFOLLOW). */
+    if (mode == FSDP_FILE_READ) flags = O_RDONLY | O_NONBLOCK;
+    else if (mode == FSDP_FILE_CREATE) flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW;
     else return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_file_open: '%s': unknown mode %d", path, mode);
+    if (mode == FSDP_FILE_CREATE) {
+        struct stat lb;
+        if (lstat(path, &lb) == 0) {
+            if (S_ISDIR(lb.st_mode)) return io_error("cannot create", path, EISDIR);
+            if (unlink(path) != 0 && errno != ENOENT) return io_error("cannot replace", path, errno);
+        }
+    }
     size_t len = strlen(path);
     fsdp_file *f = malloc(sizeof *f + len + 1);
     if (!f) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_file_open: '%s': out of memory", path);
@@ -63,10 +74,26 @@ fsdp_status fsdp_file_open(fsdp_file **out, const char *path, fsdp_file_mode mod
     }
     if (mode == FSDP_FILE_READ) {
         struct stat sb;
-        if (fstat(f->fd, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        const char *what = NULL;
+        if (fstat(f->fd, &sb) != 0) what = "cannot be examined (fstat failed), so it is";
+        else if (S_ISDIR(sb.st_mode)) {
             close(f->fd);
             free(f);
             return io_error("cannot open", path, EISDIR);
+        }
+        else if (S_ISFIFO(sb.st_mode)) what = "is a FIFO (named pipe)";
+        else if (S_ISCHR(sb.st_mode)) what = "is a character device";
+        else if (S_ISBLK(sb.st_mode)) what = "is a block device";
+        else if (S_ISSOCK(sb.st_mode)) what = "is a socket";
+        else if (!S_ISREG(sb.st_mode)) what = "is something else";
+        if (!what) {
+            int fl = fcntl(f->fd, F_GETFL);
+            if (fl != -1) fcntl(f->fd, F_SETFL, fl & ~O_NONBLOCK);
+        } else {
+            close(f->fd);
+            fsdp_status st = fsdp_set_error(FSDP_ERR_IO, "cannot open: '%s': it %s, not a regular file", path, what);
+            free(f);
+            return st;
         }
     }
     f->writable = mode == FSDP_FILE_CREATE;

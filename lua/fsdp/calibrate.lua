@@ -280,10 +280,8 @@ end
 function M.write(path, cache)
   local dir = path:match("^(.*)/[^/]*$")
   if dir then os.execute("mkdir -p '" .. dir:gsub("'", "'\\''") .. "'") end
-  local f, err = io.open(path, "w")
-  if not f then error("fsdp-lua --calibrate: cannot write '" .. path .. "': " .. tostring(err), 0) end
-  f:write(json.encode(cache), "\n")
-  f:close()
+  local ok, err = pcall(require("fsdp.io").write_atomic, path, json.encode(cache) .. "\n")
+  if not ok then error("fsdp-lua --calibrate: cannot write '" .. path .. "': " .. tostring(err), 0) end
 end
 
 --- The whole cache, or nil and why not.

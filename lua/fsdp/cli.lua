@@ -264,6 +264,8 @@ function M.main(argv)
     if script == "-" then
       chunk, err = load(function() return io.stdin:read(4096) end, "=stdin")
     else
+      local why = require("fsdp.io").file_problem(script)
+      if why then return fail(string.format("cannot open recipe '%s': %s", script, why)) end
       local f, oerr = io.open(script, "r")
       if not f then
         return fail(string.format("cannot open recipe '%s': %s", script, (oerr:gsub("^.-: ", ""))))

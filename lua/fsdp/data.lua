@@ -47,7 +47,15 @@ local i32p = ffi.typeof("const int32_t *")
 
 local function open_or_fail(path, mode, what)
   if type(path) ~= "string" then raise(fmt("data: %s path must be a string, got %s", what, type(path))) end
-  local f, err = io.open(path, mode)
+  local f, err
+  if mode == "rb" then
+    local why = fio.file_problem(path)   -- a FIFO or device would hang io.open
+    if why then raise(fmt("data: cannot open %s '%s': %s", what, path, why)) end
+    f, err = io.open(path, mode)
+  else
+    local ok, w = pcall(fio.replace, path)
+    if ok then f = w else err = w end
+  end
   if not f then
     err = tostring(err)
     if err:sub(1, #path + 2) == path .. ": " then err = err:sub(#path + 3) end
@@ -143,10 +151,10 @@ function M.write_shard(path, tokens, n)
       assert(f:write(ffi.string(buf + done, 2 * k)))
       done = done + k
     end
-    assert(f:close())
+    f:publish()
   end)
   if not ok then
-    pcall(f.close, f)
+    f:abort()
     raise("data.write_shard: " .. path .. ": write failed: " .. tostring(err))
   end
   return n

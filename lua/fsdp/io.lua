@@ -103,6 +103,71 @@ function M.read_file(path)
   return res
 end
 
+--- fio.file_problem(path) -> nil when path opens as a regular file for
+-- reading, else the engine's one-line reason (a FIFO, a device or a folder
+-- is refused at once: the open cannot block).
+function M.file_problem(path)
+  if type(path) ~= "string" then return "path must be a string, got " .. type(path) end
+  if C.fsdp_file_open(file_box, path, C.FSDP_FILE_READ) ~= 0 then return ffi.string(C.fsdp_last_error()) end
+  C.fsdp_file_close(file_box[0])
+  file_box[0] = nil
+  return nil
+end
+
+--- fio.expect_file(path): raises file_problem's reason, if any.
+function M.expect_file(path)
+  local why = M.file_problem(path)
+  if why then error(why, 0) end
+end
+
+-- A file written under a temporary name beside its target and renamed over
+-- it when done: the temporary is created afresh (O_EXCL|O_NOFOLLOW, whatever
+-- was planted at its name unlinked first) and the rename replaces a link at
+-- the target itself, so no write goes through a symbolic link.
+local Replacement = {}
+Replacement.__index = Replacement
+
+--- fio.replace(path) -> w; w:write(s, ...) appends strings; w:publish()
+-- makes them path's contents (durably); w:abort() leaves path as it was.
+function M.replace(path)
+  if type(path) ~= "string" then error("fsdp.io.replace: path must be a string, got " .. type(path), 0) end
+  local tmp = path .. ".tmp"
+  return setmetatable({ path = path, tmp = tmp, f = M.open(tmp, "w") }, Replacement)
+end
+
+function Replacement:write(...)
+  if not self.f then error("fsdp.io: " .. self.path .. ": already published or aborted", 0) end
+  for i = 1, select("#", ...) do
+    local s = tostring((select(i, ...)))
+    self.f:append(s, #s)
+  end
+  return self
+end
+
+function Replacement:publish()
+  local f = self.f
+  if not f then error("fsdp.io: " .. self.path .. ": already published or aborted", 0) end
+  self.f = nil
+  local ok, err = pcall(function()
+    f:sync()
+    f:close()
+    M.rename(self.tmp, self.path)
+  end)
+  if not ok then
+    pcall(f.close, f)
+    os.remove(self.tmp)
+    error(err, 0)
+  end
+end
+
+function Replacement:abort()
+  local f = self.f
+  if not f then return end
+  self.f = nil
+  pcall(f.close, f)
+  os.remove(self.tmp)
+end
+
 -- ---- paths ----
 
 local kind_box = ffi.new("fsdp_path_kind[1]")

@@ -131,13 +131,16 @@ function M.cpu_peak_flops()
   os.execute("mkdir -p '" .. M.cache_dir():gsub("'", "'\\''") .. "' 2>/dev/null")
   -- written whole, then renamed: ranks measuring at once never read half a file
   local tmp = string.format("%s.%d.tmp", path, fsdp.rank())
-  local w = io.open(tmp, "w")
   local where = "not cached"
-  if w and w:write(json_.encode(cache), "\n") and w:close() and os.rename(tmp, path) then
-    where = "cached in " .. path
-  else
-    os.remove(tmp)
-  end
+  local ok = pcall(function()   -- created afresh (O_EXCL|O_NOFOLLOW), never through a planted link
+    local fio = require "fsdp.io"
+    local text = json_.encode(cache) .. "\n"
+    local w = fio.open(tmp, "w")
+    w:append(text, #text)
+    w:close()
+    fio.rename(tmp, path)
+  end)
+  if ok then where = "cached in " .. path else os.remove(tmp) end
   cpu_peak = { v, "CPU f32 matmul, measured now, " .. where }
   return cpu_peak[1], cpu_peak[2]
 end
@@ -224,8 +227,8 @@ function M.new(opts)
     self.peak_flops, self.peak_source = nil, "no peak on the " .. fsdp.default_device() .. " device"
   end
   if opts.path and self.rank == 0 then
-    local f, err = io.open(opts.path, "w")
-    if not f then error("fsdp.metrics: cannot write '" .. opts.path .. "': " .. tostring(err), 2) end
+    local ok, f = pcall(require("fsdp.io").open, opts.path, "w")   -- O_EXCL|O_NOFOLLOW
+    if not ok then error("fsdp.metrics: cannot write '" .. opts.path .. "': " .. tostring(f), 2) end
     self.file = f
   end
   self.start_time = wall_time()
@@ -335,8 +338,8 @@ function Metrics:record(t)
     for k, x in pairs(t) do rec[k] = x end
     rec.time = rec.time or math.floor(wall_time() * 1e3 + 0.5) / 1e3
     rec.type = rec.type or (rec.eval_loss ~= nil and "eval" or "record")
-    self.file:write(json.encode(rec), "\n")
-    self.file:flush()
+    local line = json.encode(rec) .. "\n"
+    self.file:append(line, #line)
   end
 end
 

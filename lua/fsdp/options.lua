@@ -142,30 +142,29 @@ function M.check(recipe, rules)
   end
 end
 
---- nil when a file can be written at path (trying it, and leaving nothing
--- new behind), else why not.
+-- The engine's reason without its "op: 'path': " prefix.
+local function reason(msg) return (tostring(msg):gsub("^[^:]*: '.*': ", "")) end
+
+--- nil when a file can be written at path, else why not. Tried on the
+-- temporary name the writers use (created afresh, never through a link, and
+-- removed again); a FIFO or device at path is refused without opening it.
 function M.outfile_problem(path)
-  local existed = io.open(path, "rb")
-  if existed then
-    local ok, rerr = existed:read(0)
-    existed:close()
-    if ok == nil and rerr then return (tostring(rerr):gsub("^.-: ", "")) end
-  end
-  local f, err = io.open(path, "ab")
-  if not f then return (tostring(err):gsub("^.-: ", "")) end
+  local fio = require "fsdp.io"
+  local kind = fio.stat(path)
+  if kind == "dir" then return "Is a directory" end
+  if kind == "other" then return "not a regular file (a FIFO, device or socket)" end
+  local ok, f = pcall(fio.open, path .. ".tmp", "w")
+  if not ok then return reason(f) end
   f:close()
-  if not existed then os.remove(path) end
+  os.remove(path .. ".tmp")
   return nil
 end
 
---- nil when path names a readable file, else why not.
+--- nil when path names a readable regular file, else why not (a FIFO,
+-- device or folder is refused at once: the check cannot block).
 function M.file_problem(path)
-  local f, err = io.open(path, "rb")
-  if not f then return (tostring(err):gsub("^.-: ", "")) end
-  local ok, rerr = f:read(0)
-  f:close()
-  if ok == nil and rerr then return (tostring(rerr):gsub("^.-: ", "")) end
-  return nil
+  local why = require("fsdp.io").file_problem(path)
+  return why and reason(why)
 end
 
 function M.usage(schema, recipe)

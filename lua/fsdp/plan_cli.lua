@@ -377,13 +377,11 @@ function M.report(chunk, args, o, p, script)
     if not agree then code = 4 end
   end
   if o.plan_json then
-    local f, err = io.open(o.plan_json, "w")
-    if not f then
+    local ok, err = pcall(require("fsdp.io").write_atomic, o.plan_json, require("fsdp.json").encode(out) .. "\n")
+    if not ok then
       io.stderr:write("fsdp-lua: --plan-json: cannot write '", o.plan_json, "': ", tostring(err), "\n")
       return 1
     end
-    f:write(require("fsdp.json").encode(out), "\n")
-    f:close()
   end
   return code
 end

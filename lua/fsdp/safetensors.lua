@@ -78,6 +78,8 @@ end
 
 local function open_read(path)
   if type(path) ~= "string" then raise("safetensors: path must be a string, got " .. type(path)) end
+  local why = require("fsdp.io").file_problem(path)   -- a FIFO would hang io.open
+  if why then fail(path, why) end
   local f, err = io.open(path, "rb")
   if not f then
     err = tostring(err)

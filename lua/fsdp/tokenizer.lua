@@ -168,6 +168,8 @@ local Tokenizer = {}
 Tokenizer.__index = Tokenizer
 
 local function read_file(path, what)
+  local why = require("fsdp.io").file_problem(path)   -- a FIFO would hang io.open
+  if why then error(string.format("tokenizer: cannot open %s '%s': %s", what, path, why), 3) end
   local f, err = io.open(path, "rb")
   if not f then error(string.format("tokenizer: cannot open %s '%s': %s", what, path, tostring(err)), 3) end
   local s = f:read("*a")
