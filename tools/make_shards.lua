@@ -41,6 +41,8 @@ local function usage(msg) options.fail("make_shards.lua: %s", msg) end
 local opts = { input = o.input, out = o.out, tokenizer = o.tokenizer, ["tokenizer-dir"] = o.tokenizer_dir }
 local frac, per = o.val_fraction, o.shard_tokens
 
+local why = require("fsdp.io").file_problem(opts.input)   -- a FIFO would hang io.open
+if why then usage("cannot open input: " .. why) end
 local f, err = io.open(opts.input, "rb")
 if not f then usage("cannot open input: " .. tostring(err)) end
 local text = f:read("*a")

@@ -7,6 +7,10 @@
 --   f:append(ptr, n); f:pwrite(ptr, n, off); f:sync(); f:close()
 --   local got = fio.open("w.bin"):pread(ptr, n, off)
 --   fio.write_atomic("index.json", text)   -- all of it or nothing, durable
+--   local w = fio.replace("out.bin"); w:write(s); w:publish()   -- or w:abort()
+--   fio.file_problem(path) -> nil, or why path is no regular file (never blocks)
+-- Files opened "w" are created afresh: a link planted at the name is
+-- unlinked, never followed (O_CREAT|O_EXCL|O_NOFOLLOW).
 --   fio.stat(path) -> "none" | "file" | "dir" | "other", bytes
 --   fio.mkdirs(path); fio.remove_tree(path); fio.rename(a, b); fio.list_dir(path)
 --   fio.hash64(ptr, n) / fio.hash_string(s) -> 16 hex digits (XXH64, as xxhsum prints it)
