@@ -112,17 +112,24 @@ local prompt_ids = o.prompt and require("fsdp.tokenizer").encode_for(cfg.vocab_s
 -- Data: each rank reads its rows of every global batch. Evaluation reads
 -- data held out from training: --val-data, or else the last tenth of a
 -- text file, a folder's val_* shards, or a glob's last shard.
-local train, val = data.splits { data = o.data, val_data = o.val_data, batch = o.batch, ctx = o.ctx, seed = o.seed,
-  what = "gpt2.lua", flags = { data = "--data", val_data = "--val-data" } }
+local split_ok, train, val = pcall(data.splits, { data = o.data, val_data = o.val_data, batch = o.batch, ctx = o.ctx,
+  seed = o.seed, what = "gpt2.lua", flags = { data = "--data", val_data = "--val-data" } })
+if not split_ok then
+  -- data the loaders refuse (empty, shorter than one batch, a damaged shard) is a usage error: one line
+  if options.is_usage_error(train) then error(train, 0) end
+  options.fail("gpt2.lua: %s", (tostring(train):gsub("^[^\n]-:%d+: ", ""):gsub("\n.*", "")))
+end
 for _, d in ipairs { { train, "data" }, { val, "val-data" } } do   -- token ids the model has no row for
-  local top = d[1]:max_token()
+  -- every id, not a sample: an id past the vocabulary (the padded rows too) would read a row no token owns
+  local shard, at, id = d[1]:first_beyond(cfg.vocab_size)
   local flag = d[2] == "data" and "--data" or (o.val_data and "--val-data" or "--data")
-  options.check("gpt2.lua", {
-    { top < cfg.vocab_size, "%s=%s holds token ids up to %d, beyond the %s model's vocabulary of %d%s", flag,
-      flag == "--data" and o.data or o.val_data, top, o.preset, cfg.vocab_size,
+  if shard then
+    local top = d[1]:max_token()
+    options.fail("gpt2.lua: %s=%s: '%s' holds token id %d at token %d, beyond the %s model's vocabulary of %d%s", flag,
+      flag == "--data" and o.data or o.val_data, shard, id, at, o.preset, cfg.vocab_size,
       (top < 50257 and cfg.vocab_size < 50257) and ": these look like GPT-2 token ids (vocabulary 50257): use "
-        .. "--preset=small" or "" },
-  })
+        .. "--preset=small" or "")
+  end
 end
 
 -- The model: declared here, sharded by fsdp.shard (on one rank its

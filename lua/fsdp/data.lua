@@ -423,6 +423,33 @@ function Loader:max_token(limit)
   return tonumber(top)
 end
 
+--- loader:first_beyond(vocab) -> nil, or name, position, id of the first
+-- token id >= vocab in the data (position counts tokens from the start of
+-- that shard or file, 0-based). Reads all of it, 4 Mi tokens at a time: a
+-- scan of seconds per GB, done once when the data is opened, so that an id
+-- the model has no row for is found before any step.
+function Loader:first_beyond(vocab)
+  if self.synthetic then return nil end
+  local CHUNK = 4194304
+  for _, seg in ipairs(self.segments) do
+    local at = 0
+    while at < seg.ntok do
+      local n = math.min(CHUNK, seg.ntok - at)
+      local p, anchor = self.read(seg, at, n)
+      for i = 0, n - 1 do
+        if p[i] >= vocab then
+          local id = tonumber(p[i])
+          self._anchor = anchor
+          return seg.name, at + i, id
+        end
+      end
+      self._anchor = anchor
+      at = at + n
+    end
+  end
+  return nil
+end
+
 --- loader:state() -> { epoch, index, seed, windows }: where the next batch
 -- comes from; plain numbers, fit for a JSON checkpoint.
 function Loader:state()

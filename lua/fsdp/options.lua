@@ -118,9 +118,11 @@ local function convert(name, ty, v, recipe)
     bad()
   elseif ty == "int" or ty == "number" then
     -- nan and inf pass every min/max comparison, so they are refused here
-    if type(v) ~= "number" or (ty == "int" and v ~= math.floor(v)) or v ~= v or v == math.huge or v == -math.huge then
-      M.fail("%s: %s expects %s (finite), got '%s'", recipe, flag(name), describe_type(ty), tostring(v))
+    if type(v) ~= "number" then bad() end
+    if v ~= v or v == math.huge or v == -math.huge then
+      M.fail("%s: %s expects a finite number, got '%s'", recipe, flag(name), tostring(v))
     end
+    if ty == "int" and v ~= math.floor(v) then bad() end
   elseif ty == "bool" then
     if type(v) ~= "boolean" then bad() end
   elseif ty == "path_or_flag" then

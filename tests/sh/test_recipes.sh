@@ -57,8 +57,24 @@ fails "too few tokens" "short_000.bin" -- --data="$TMP/short_*.bin"
 fails "context too long" "--ctx=100 is longer than the tiny model's context of 64" -- --ctx=100
 # token ids beyond the vocabulary: GPT-2-sized ids into the byte-level tiny model
 "$L" -e "local d = require 'fsdp.data'; local t = {}; for i = 1, 4000 do t[i] = 300 + i % 1000 end; d.write_shard('$TMP/big_000.bin', t, #t)" >/dev/null 2>&1
-fails "token id beyond the vocabulary" "holds token ids up to 1299, beyond the tiny model's vocabulary of 256" \
+fails "token id beyond the vocabulary" "big_000.bin' holds token id 301 at token 0, beyond the tiny model's vocabulary of 256" \
   "use --preset=small" -- --data="$TMP/big_*.bin" --steps=1
+# empty and too short text: the one-line usage error (exit 2), no traceback
+: > "$TMP/empty.txt"; printf 'hello' > "$TMP/short.txt"
+for f in empty short; do
+  out=$("$L" recipes/gpt2.lua --data="$TMP/$f.txt" --steps=1 2>&1); rc=$?
+  [ $rc -eq 2 ] && [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && grep -q "$f.txt (train)' has [0-9]* tokens, fewer than" <<<"$out" \
+    && ok || bad "--data=$f.txt: one usage line (exit $rc)" "$out"
+done
+# a --save-dir that cannot be made: refused before the first step, not at the first save
+out=$("$L" recipes/gpt2.lua --save-every=1 --save-dir="$TMP/short.txt/ck" --steps=2 2>&1); rc=$?
+[ $rc -eq 2 ] && ! grep -q "step 1/" <<<"$out" && grep -q "save-dir=$TMP/short.txt/ck cannot be written on rank 0" <<<"$out" \
+  && ok || bad "unwritable --save-dir refused at start (exit $rc)" "$out"
+# one id past the vocabulary deep in the second shard (past any sample of the first tokens): found at open, named
+"$L" -e "local d = require 'fsdp.data'; local t = {}; for i = 1, 1100000 do t[i] = i % 256 end
+  d.write_shard('$TMP/deep_000.bin', t, #t); t[1048579] = 256; d.write_shard('$TMP/deep_001.bin', t, #t)" >/dev/null 2>&1
+fails "a deep token id beyond the vocabulary" "deep_001.bin' holds token id 256 at token 1048578, beyond the tiny model's vocabulary of 256" \
+  -- --data="$TMP/deep_*.bin" --steps=1
 # a one-line message: the first line names the problem (no traceback needed to see it)
 out=$("$L" recipes/gpt2.lua --steps=ten 2>&1 | head -1)
 has "first line" "$out" "--steps expects an integer"

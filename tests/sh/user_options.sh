@@ -86,7 +86,7 @@ usage "-i after the recipe" "-i is an fsdp-lua option: put it before the recipe"
 mkdir -p "$TMP/g"
 "$L" -e "local d = require 'fsdp.data'; local t = { 50256 }; for i = 2, 3000 do t[i] = (i * 7919) % 50257 end
   d.write_shard('$TMP/g/train_000000.bin', t, #t); d.write_shard('$TMP/g/val_000000.bin', t, #t)"
-usage "GPT-2 shards, tiny preset" "--data=$TMP/g holds token ids up to 50256, beyond the tiny model's vocabulary of 256: \
+usage "GPT-2 shards, tiny preset" "--data=$TMP/g: '$TMP/g/train_000000.bin' holds token id 50256 at token 0, beyond the tiny model's vocabulary of 256: \
 these look like GPT-2 token ids (vocabulary 50257): use --preset=small" recipes/gpt2.lua --data="$TMP/g"
 out=$("$L" recipes/gpt2.lua --data="$TMP/g" --preset=small --steps=1 --batch=1 --ctx=8 --eval-every=0 --sample=0 2>&1)
 [ $? -eq 0 ] && ok || bad "the same shards train the small preset" "$out"

@@ -228,6 +228,20 @@ function M.manager(opts)
   local self = setmetatable({ save_dir = save_dir:gsub("/+$", ""), save_every = every, keep = keep, what = what,
     log = opts.log or dist.print0, id = new_run_id() }, Manager)
   self.line = { id = self.id, forked = json.array({}) }
+  if every > 0 then
+    -- a folder that cannot be written is found now, not after save_every steps
+    local problem
+    local ok, err = pcall(fio.mkdirs, self.save_dir)
+    if not ok then
+      problem = tostring(err):gsub("^.-:%d+: ", "")
+    else
+      problem = require("fsdp.options").outfile_problem(fmt("%s/.write-test-rank%d", self.save_dir, dist.rank()))
+    end
+    if problem then
+      require("fsdp.options").fail("%s: --save-dir=%s cannot be written on rank %d (%s); checkpoints are due every "
+        .. "%d steps", what, save_dir, dist.rank(), problem, every)
+    end
+  end
   if resume then
     self.resume_from = resume == true and save_dir or resume
     local from = self.resume_from:gsub("/+$", "")
