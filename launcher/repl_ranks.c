@@ -35,7 +35,8 @@ static double now_s(void) {
 /* TAG_FAILED: "my chunk failed: <message>"; TAG_RELAYED: "my waits were
  * given up because <reason>" (the reason it was told, passed on as is, so
  * that every rank names the rank that failed first). */
-enum { TAG_FAILED = 7001, TAG_QUIT = 7002, TAG_RELAYED = 7003, TAG_INTERRUPT = 7004, NOTICE_MAX = 512 };
+enum { TAG_FAILED = 7001, TAG_QUIT = 7002, TAG_RELAYED = 7003, TAG_INTERRUPT = 7004, TAG_DONE = 7005,
+       NOTICE_MAX = 512 };
 static MPI_Comm g_ctl = MPI_COMM_NULL;
 static int g_ctl_rank, g_ctl_size;
 static pthread_t g_listener;
@@ -49,6 +50,18 @@ static char g_early_reason[NOTICE_MAX + 64];
 static char g_reason[NOTICE_MAX + 64];    /* why this chunk's waits were given up, if they were */
 static pthread_mutex_t g_chunk_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_t g_main_thread;
+/* The watchdog on a chunk's end: the last chunk each rank said it finished
+ * (TAG_DONE), and how long a rank that finished waits for the others before
+ * it interrupts them (as Ctrl-C would) or, when g_watch_interrupt is off or
+ * that did not stop them, ends the job. */
+static long long *g_done;
+static double g_watch_s = 10;
+static bool g_watch_interrupt = true;
+
+void fsdp_repl_set_watchdog(double seconds) {
+    g_watch_interrupt = seconds > 0;
+    g_watch_s = seconds > 0 ? seconds : 10;
+}
 
 static void *listen_for_failures(void *arg) {
     (void)arg;
@@ -59,6 +72,12 @@ static void *listen_for_failures(void *arg) {
         if (st.MPI_TAG == TAG_QUIT) break;
         long long chunk;
         memcpy(&chunk, buf, sizeof chunk);
+        if (st.MPI_TAG == TAG_DONE) {
+            pthread_mutex_lock(&g_chunk_mu);
+            g_done[st.MPI_SOURCE] = chunk;
+            pthread_mutex_unlock(&g_chunk_mu);
+            continue;
+        }
         if (st.MPI_TAG == TAG_INTERRUPT) {   /* Ctrl-C at rank 0's terminal: as a SIGINT here */
             pthread_mutex_lock(&g_chunk_mu);
             if (chunk == g_chunk) pthread_kill(g_main_thread, SIGINT);
@@ -96,6 +115,9 @@ int fsdp_repl_ctl_start(void) {
     MPI_Comm_rank(g_ctl, &g_ctl_rank);
     MPI_Comm_size(g_ctl, &g_ctl_size);
     g_chunk = -1;
+    g_done = calloc((size_t)g_ctl_size, sizeof *g_done);
+    if (!g_done) return -1;
+    for (int r = 0; r < g_ctl_size; r++) g_done[r] = -1;
     g_main_thread = pthread_self();
     if (pthread_create(&g_listener, NULL, listen_for_failures, NULL) != 0) return -1;
     return size;
@@ -142,6 +164,81 @@ void fsdp_repl_chunk_begin(long long chunk) {
     pthread_mutex_unlock(&g_chunk_mu);
 }
 
+/* The ranks that have not said they finished chunk, as "1,2" in out;
+ * returns how many, and in *lowest_done the lowest rank that has. */
+static int missing_ranks(long long chunk, char *out, size_t cap, int *lowest_done) {
+    int n = 0;
+    size_t at = 0;
+    out[0] = '\0';
+    *lowest_done = -1;
+    pthread_mutex_lock(&g_chunk_mu);
+    for (int r = 0; r < g_ctl_size; r++) {
+        if (r == g_ctl_rank || g_done[r] == chunk) {
+            if (*lowest_done < 0) *lowest_done = r;
+            continue;
+        }
+        if (at < cap) at += (size_t)snprintf(out + at, cap - at, "%s%d", n ? "," : "", r);
+        n++;
+    }
+    pthread_mutex_unlock(&g_chunk_mu);
+    return n;
+}
+
+/* The first gather of a chunk's end, watched: this rank tells every other
+ * that it finished the chunk, then waits for theirs. A rank that never
+ * comes (an endless loop) is reported after g_watch_s by the lowest rank
+ * that finished, naming it, and interrupted as Ctrl-C would: its chunk
+ * fails there and every rank goes on. One that does not stop within as long
+ * again (or with interrupting off) ends the job with that message. */
+static int watched_allgather(long long chunk, int *len, int *lens) {
+    MPI_Request *done = calloc((size_t)g_ctl_size, sizeof *done), gather;
+    if (!done) return -1;
+    for (int r = 0; r < g_ctl_size; r++) {
+        done[r] = MPI_REQUEST_NULL;
+        if (r != g_ctl_rank) MPI_Isend(&chunk, (int)sizeof chunk, MPI_BYTE, r, TAG_DONE, g_ctl, &done[r]);
+    }
+    if (MPI_Iallgather(len, 1, MPI_INT, lens, 1, MPI_INT, g_ctl, &gather) != MPI_SUCCESS) {
+        free(done);
+        return -1;
+    }
+    double start = now_s();
+    bool interrupted = false;
+    int flag = 0;
+    for (;;) {
+        if (MPI_Test(&gather, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) break;
+        struct timespec pause = { 0, 2000000 };
+        nanosleep(&pause, NULL);
+        if (now_s() - start < g_watch_s) continue;
+        start = now_s();
+        char who[256];
+        int lowest = -1, n = missing_ranks(chunk, who, sizeof who, &lowest);
+        if (n == 0 || lowest != g_ctl_rank) continue;   /* the lowest rank that finished acts */
+        if (g_watch_interrupt && !interrupted) {
+            printf("fsdp-lua: rank%s %s did not finish chunk %lld within %g s (FSDP_REPL_REJOIN_SECONDS; an endless "
+                   "loop?): interrupting %s\n", n > 1 ? "s" : "", who, chunk, g_watch_s, n > 1 ? "them" : "it");
+            fflush(stdout);
+            for (int r = 0; r < g_ctl_size; r++) {
+                pthread_mutex_lock(&g_chunk_mu);
+                bool missing = r != g_ctl_rank && g_done[r] != chunk;
+                pthread_mutex_unlock(&g_chunk_mu);
+                if (missing) MPI_Send(&chunk, (int)sizeof chunk, MPI_BYTE, r, TAG_INTERRUPT, g_ctl);
+            }
+            interrupted = true;
+            continue;
+        }
+        printf("fsdp-lua: rank%s %s did not finish chunk %lld within %g s (FSDP_REPL_REJOIN_SECONDS)%s: ending the "
+               "job\n", n > 1 ? "s" : "", who, chunk, g_watch_s, interrupted ? " after being interrupted" : "");
+        fflush(stdout);
+        fflush(stderr);
+        struct timespec drain = { 1, 0 };   /* mpirun forwards the line before the job is torn down */
+        nanosleep(&drain, NULL);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    MPI_Waitall(g_ctl_size, done, MPI_STATUSES_IGNORE);
+    free(done);
+    return flag ? 0 : -1;
+}
+
 /* Ends a chunk: a failed rank (err != NULL) tells the others first (a
  * rank whose waits were given up passes on why instead). Then
  * every rank's record reaches every rank: *out holds, per rank, an int64
@@ -186,7 +283,7 @@ int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, c
         memcpy(mine, &abandoned, 8);
         memcpy(mine + 8, record, (size_t)record_n);
     }
-    if (rc == 0 && MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, g_ctl) != MPI_SUCCESS) rc = -1;
+    if (rc == 0 && watched_allgather(chunk, &len, lens) != 0) rc = -1;
     long long total = 0;
     for (int r = 0; rc == 0 && r < g_ctl_size; r++) offs[r] = (int)total, total += lens[r];
     char *all = rc == 0 ? malloc((size_t)total + 1) : NULL;

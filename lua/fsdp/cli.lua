@@ -298,7 +298,8 @@ function M.main(argv)
   end
 
   if interactive or (not script and #actions == 0 and not show_version) then
-    require("fsdp.repl").run()
+    local code = require("fsdp.repl").run()
+    if code then return code end
   end
   return 0
 end

@@ -22,6 +22,12 @@
 -- the sequence numbers agree. Should that not finish within
 -- $FSDP_REPL_REJOIN_SECONDS (default 10; 0: do not try), the REPL ends the
 -- job with a message saying which rank failed and why, rather than hang.
+-- A chunk that never ends on some rank (an endless loop) is noticed by the
+-- ranks that finished it: after $FSDP_REPL_REJOIN_SECONDS the lowest of them
+-- names the rank and interrupts it, as Ctrl-C would, and the session goes
+-- on; one that still has not finished as long again ends the job with that
+-- message (launcher/repl_ranks.c). exit() on some ranks only ends the REPL
+-- on every rank, with that status and a line naming the ranks.
 -- Ctrl-C at mpirun's terminal reaches rank 0 as input (it turns the
 -- terminal's signal keys off while the REPL runs, and a guard process turns
 -- them back on should rank 0 die), which interrupts the chunk on every rank
@@ -63,6 +69,7 @@ local launcher = pcall(function()
     void fsdp_repl_tty_end(void);
     char *fsdp_repl_tty_readline(const char *prompt, int *interrupted);
     void fsdp_repl_ctl_barrier(void);
+    void fsdp_repl_set_watchdog(double seconds);
   ]]
   return ffi.C.fsdp_repl_ctl_start
 end) and ffi.C or nil
@@ -145,6 +152,13 @@ end
 
 local PACKED = {}
 local function pack_results(...) return setmetatable({ n = select("#", ...), ... }, PACKED) end
+
+-- exit(code)'s status, as os.exit reads code (nil or true: 0, false: 1).
+local function exit_status(code)
+  if code == nil or code == true or code == "true" or code == "nil" then return 0 end
+  if code == false or code == "false" then return 1 end
+  return math.floor(tonumber(code) or 1)
+end
 
 local EXIT = setmetatable({}, { __tostring = function() return "exit" end })
 local exit_code
@@ -451,6 +465,8 @@ function M.run(opts)
   local world = launcher and launcher.fsdp_repl_ctl_start() or 1
   if world < 0 then error("fsdp.repl: cannot open the channel between ranks", 0) end
   local rejoin_limit = world > 1 and rejoin_seconds()
+  -- a rank that never ends a chunk is interrupted (0: the job ends) after as long
+  if world > 1 then launcher.fsdp_repl_set_watchdog(rejoin_limit) end
   local rank = world > 1 and fsdp.rank() or 0
   local tty = opts and opts.tty
   if tty == nil then
@@ -575,14 +591,22 @@ function M.run(opts)
       local list = chunk_end((not ok and e ~= EXIT) and tostring(e):match("^[^\n]*") or nil, record)
       if rank == 0 and ok then report(unpack(res, 1, res.n)) end
       if rank == 0 then report_errors(list) end
-      local failed, gave_up = {}, nil
+      local failed, gave_up, exited = {}, nil, {}
       for r, x in ipairs(list) do
         if x.abandoned > 0 then gave_up = gave_up or r - 1 end
         if x.record:sub(1, 1) == "E" and x.abandoned == 0 then failed[#failed + 1] = r - 1 end
         if x.record:sub(1, 1) == "X" then
           done = true
-          exit_code = exit_code or tonumber(x.record:sub(2)) or 0
+          exited[#exited + 1] = r - 1
+          exit_code = exit_code or exit_status(x.record:sub(2))
         end
+      end
+      -- exit() on some ranks only: every rank leaves with that status, and says why
+      if #exited > 0 and #exited < world and rank == 0 then
+        io.stdout:write(string.format("fsdp-lua: rank%s %s called exit(%s): ending the REPL on every rank (exit "
+          .. "status %d)\n", #exited > 1 and "s" or "", table.concat(exited, ","), list[exited[1] + 1].record:sub(2),
+          exit_status(exit_code)))
+        io.stdout:flush()
       end
       -- a chunk that failed somewhere may leave collectives waiting for it
       if rejoin_limit == 0 then
@@ -617,7 +641,8 @@ function M.run(opts)
   if tty_keys then launcher.fsdp_repl_tty_end() end
   if world > 1 then launcher.fsdp_repl_ctl_stop() end
   sigint(SIGINT_DEFAULT)
-  if exit_code and exit_code ~= 0 and exit_code ~= true then os.exit(exit_code) end
+  -- the status for the launcher to return (every rank leaves alike: not os.exit, which aborts the job)
+  if exit_code ~= nil and exit_status(exit_code) ~= 0 then return exit_status(exit_code) end
 end
 
 return M
