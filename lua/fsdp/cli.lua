@@ -265,7 +265,11 @@ function M.main(argv)
       chunk, err = load(function() return io.stdin:read(4096) end, "=stdin")
     else
       local why = require("fsdp.io").file_problem(script)
-      if why then return fail(string.format("cannot open recipe '%s': %s", script, why)) end
+      if why then
+        -- the engine's reason names the path and rank again: keep its cause
+        why = why:gsub("^cannot open: '.-': ", ""):gsub("%s*%[rank %d+%]$", "")
+        return fail(string.format("cannot open recipe '%s': %s", script, why))
+      end
       local f, oerr = io.open(script, "r")
       if not f then
         return fail(string.format("cannot open recipe '%s': %s", script, (oerr:gsub("^.-: ", ""))))

@@ -147,18 +147,20 @@ end
 -- The engine's reason without its "op: 'path': " prefix.
 local function reason(msg) return (tostring(msg):gsub("^[^:]*: '.*': ", "")) end
 
---- nil when a file can be written at path, else why not. Tried on the
--- temporary name the writers use (created afresh, never through a link, and
--- removed again); a FIFO or device at path is refused without opening it.
+--- nil when a file can be written at path, else why not. Tried on a
+-- temporary name beside it, as the writers do (created afresh, never through
+-- a link, and removed again), one name per rank: ranks sharing a folder
+-- probe at once; a FIFO or device at path is refused without opening it.
 function M.outfile_problem(path)
   local fio = require "fsdp.io"
   local kind = fio.stat(path)
   if kind == "dir" then return "Is a directory" end
   if kind == "other" then return "not a regular file (a FIFO, device or socket)" end
-  local ok, f = pcall(fio.open, path .. ".tmp", "w")
+  local probe = string.format("%s.probe%d.tmp", path, require("fsdp.distributed").rank())
+  local ok, f = pcall(fio.open, probe, "w")
   if not ok then return reason(f) end
   f:close()
-  os.remove(path .. ".tmp")
+  os.remove(probe)
   return nil
 end
 

@@ -69,11 +69,11 @@ err=$(grep '^netcluster:' "$TMP/err")
 [ -z "$(ip netns list | grep '^netcl-')" ] && [ -z "$(tc qdisc show | grep -E 'dev nc[0-9]+[dc]')" ] && ok ||
   bad "a failing command leaves no namespace or qdisc" "$(ip netns list; tc qdisc show)"
 
-# which of these processes still run after up to 3 s (dead ones may wait a
+# which of these processes still run after up to 10 s (dead ones may wait a
 # moment to be reaped by init)
 still_alive() {
   local q left
-  for _ in $(seq 30); do
+  for _ in $(seq 100); do
     left=""
     for q in "$@"; do [ -d /proc/$q ] && [ "$(awk '{print $3}' /proc/$q/stat 2>/dev/null)" != Z ] && left+="$q "; done
     [ -z "$left" ] && return
@@ -89,7 +89,7 @@ for sig in INT TERM; do
   python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
     "$NC" run --nodes=2 -- sleep 30 >/dev/null 2>&1 &
   p=$!
-  for _ in $(seq 50); do [ -n "$(ip netns pids "netcl-$p-node1" 2>/dev/null)" ] && break; sleep 0.1; done
+  for _ in $(seq 300); do [ -n "$(ip netns pids "netcl-$p-node1" 2>/dev/null)" ] && break; sleep 0.1; done
   inside=$(ip netns pids "netcl-$p-node0"; ip netns pids "netcl-$p-node1")
   [ -n "$inside" ] && ok || bad "$sig: the run has processes in its namespaces"
   kill -$sig $p; wait $p; rc=$?
@@ -103,7 +103,7 @@ done
 # killed with -9 mid-run: what it left is cleaned by the next run, which works
 "$NC" run --nodes=2 -- sleep 30 >/dev/null 2>&1 &
 killed=$!
-for _ in $(seq 50); do [ -n "$(ip netns pids "netcl-$killed-node1" 2>/dev/null)" ] && break; sleep 0.1; done
+for _ in $(seq 300); do [ -n "$(ip netns pids "netcl-$killed-node1" 2>/dev/null)" ] && break; sleep 0.1; done
 inside=$(ip netns pids "netcl-$killed-node0"; ip netns pids "netcl-$killed-node1")
 [ -n "$(left_of $killed)" ] && [ -n "$inside" ] && ok || bad "the run to be killed has its namespaces"
 kill -9 $killed; wait $killed 2>/dev/null
