@@ -53,11 +53,13 @@ M.TAGS = { "param", "grad", "optimizer", "activation", "comm" }
 
 --- metrics.gpt_flops_per_token(n_params, n_layer, n_embd, T): training
 -- FLOPs per token of a GPT, 6 N for the weights (forward and backward) plus
--- 12 L C T for attention scores and values (the PaLM paper's count; llm.c
--- counts 6 L C T, the causal half). M.FLOPS_FORMULA names it for the log.
-M.FLOPS_FORMULA = "6N + 12LCT"
+-- 6 L C T for attention scores and values under the causal mask: llm.c's
+-- count (Kaplan et al. 2020, sec. 2.1), so MFU figures compare with its
+-- published ones; tools/gpu-check uses the same. (The PaLM paper counts
+-- 12 L C T, the unmasked square.) M.FLOPS_FORMULA names it for the log.
+M.FLOPS_FORMULA = "6N + 6LCT"
 function M.gpt_flops_per_token(n_params, n_layer, n_embd, T)
-  return 6 * n_params + 12 * n_layer * n_embd * T
+  return 6 * n_params + 6 * n_layer * n_embd * T
 end
 
 -- Steps at the start of a run that the summary leaves out (the first
