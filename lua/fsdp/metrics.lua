@@ -19,7 +19,9 @@
 --
 -- Every figure is this step's, never a total since the last log line:
 -- step ms, tokens/s, MFU, peak memory per tag (and in all), bytes all-gathered and
--- reduced, and the time spent waiting on collectives, each the maximum over
+-- reduced (logical, and as they moved on the wire: wire_gathered_bytes,
+-- wire_reduced_bytes, fewer under compression; the log line adds them in
+-- brackets where they differ), and the time spent waiting on collectives, each the maximum over
 -- ranks (one small all-reduce per step). end_step is collective: every
 -- rank calls it; only rank 0 writes the file.
 --
@@ -365,8 +367,13 @@ function Metrics:format(r)
   parts[#parts + 1] = string.format("%.1f ms/step", r.step_ms)
   if r.tokens_per_s then parts[#parts + 1] = string.format("%.0f tokens/s", r.tokens_per_s) end
   if r.mfu then parts[#parts + 1] = string.format("MFU %.2f%%", r.mfu) end
-  parts[#parts + 1] = string.format("gathered %.2f MiB, reduced %.2f MiB, comm wait %.1f ms",
-                                    r.gathered_bytes / MiB, r.reduced_bytes / MiB, r.comm_wait_ms)
+  -- compressed traffic: the bytes that moved follow the logical ones ("wire")
+  local function wire(logical, w)
+    return (w and w ~= logical) and string.format(" (wire %.2f MiB)", w / MiB) or ""
+  end
+  parts[#parts + 1] = string.format("gathered %.2f MiB%s, reduced %.2f MiB%s, comm wait %.1f ms",
+                                    r.gathered_bytes / MiB, wire(r.gathered_bytes, r.wire_gathered_bytes),
+                                    r.reduced_bytes / MiB, wire(r.reduced_bytes, r.wire_reduced_bytes), r.comm_wait_ms)
   local p = r.peak_bytes
   parts[#parts + 1] = string.format("peak MiB param %.1f grad %.1f optim %.1f act %.1f", p.param / MiB,
                                     p.grad / MiB, p.optimizer / MiB, p.activation / MiB)
