@@ -31,6 +31,12 @@ if command -v gnuplot >/dev/null; then
     bad "tools/plot wrote a PNG" "$out"
   fi
   grep -q "4 steps, 1 evaluations" <<<"$out" && ok || bad "tools/plot read the steps and the evaluation" "$out"
+  # a link planted at OUT is replaced, not written through
+  echo sentinel > "$TMP/sentinel"; ln -s "$TMP/sentinel" "$TMP/linked.png"
+  out=$(tools/plot "$TMP/two.jsonl" "$TMP/linked.png" 2>&1) && ok || bad "tools/plot over a link runs" "$out"
+  [ "$(cat "$TMP/sentinel")" = sentinel ] && [ ! -L "$TMP/linked.png" ] && [ -s "$TMP/linked.png" ] && ok ||
+    bad "tools/plot did not write through the planted link" "$(ls -l "$TMP")"
+  [ -z "$(ls -A "$TMP" | grep '^\.plot\.')" ] && ok || bad "tools/plot left no draft behind" "$(ls -A "$TMP")"
   # several runs, one labelled line each; comm busy/exposed drawn when present
   sed 's/"comm_wait_ms":/"comm_busy_ms":1.5,"comm_exposed_ms":0.5,"comm_wait_ms":/' "$TMP/one.jsonl" > "$TMP/busy.jsonl"
   grep -q comm_exposed_ms "$TMP/busy.jsonl" && ok || bad "the busy/exposed fixture" "$(head -3 "$TMP/busy.jsonl")"
