@@ -23,7 +23,29 @@ fi
 size=$(du -sb "$BUNDLE" | cut -f1)
 [ "$size" -lt $((48 << 20)) ] && ok "bundle is $((size >> 20)) MiB (< 48)" || bad "bundle is $((size >> 20)) MiB"
 
-BUILD=$CHECK GPU_CHECK_OUT=$OUT "$ROOT/tools/gpu-check" --emulate --bundle "$BUNDLE"
+# stand-ins for the tools as a sandboxed runtime answers them: the
+# sanitizer does not support the device, ncu may not read the counters (and
+# records what it was asked, to see that it never changes the clocks)
+STANDIN=$CHECK/standin
+mkdir -p "$STANDIN"
+rm -f "$STANDIN/ncu.args"
+cat >"$STANDIN/compute-sanitizer" <<'SH'
+#!/bin/sh
+echo "========= COMPUTE-SANITIZER"
+echo "========= Error: Device not supported. Only devices with compute capability 7.5 and above are supported."
+exit 1
+SH
+cat >"$STANDIN/ncu" <<SH
+#!/bin/sh
+echo "\$*" >"$STANDIN/ncu.args"
+echo "==PROF== Connected to process 1 (test_cuda_kernels)" >&2
+echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters on the target device 0." >&2
+exit 1
+SH
+chmod +x "$STANDIN/compute-sanitizer" "$STANDIN/ncu"
+
+BUILD=$CHECK GPU_CHECK_OUT=$OUT GPU_CHECK_SANITIZER=$STANDIN/compute-sanitizer GPU_CHECK_NCU=$STANDIN/ncu \
+  "$ROOT/tools/gpu-check" --emulate --bundle "$BUNDLE"
 rc=$?
 [ $rc = 0 ] && ok "gpu-check --emulate exit 0" || bad "gpu-check --emulate exited $rc"
 
@@ -33,7 +55,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 st = {s["name"]: s for s in r["stages"]}
 want = {"build": "PASS", "kernels": "PASS", "gpt2": "PASS", "gpt2-fsdp": "PASS", "equiv": "PASS", "ctest": "PASS",
-        "racecheck": "SKIPPED", "memcheck": "SKIPPED"}
+        "racecheck": "SKIPPED", "memcheck": "SKIPPED", "flash-dram": "SKIPPED"}
 bad = [f"{k}: {st.get(k, {}).get('status')} ({st.get(k, {}).get('figures', {}).get('summary')})"
        for k, v in want.items() if st.get(k, {}).get("status") != v]
 f = {k: s["figures"] for k, s in st.items()}
@@ -47,12 +69,19 @@ checks = [
     ("passed, 0 failed" in f["kernels"].get("result", ""), "kernel test: " + f["kernels"].get("result", "")),
     (all(isinstance(s["seconds"], int) for s in r["stages"]), "seconds per stage"),
 ]
+# the machine's refusals are SKIPPED with the tool's line, not failures of the code
+for k, what in (("racecheck", "Device not supported"), ("memcheck", "Device not supported"),
+                ("flash-dram", "ERR_NVGPUCTRPERM")):
+    summ = str(st.get(k, {}).get("figures", {}).get("summary", ""))
+    checks.append(("the machine refused the tool" in summ and what in summ, f"{k} names the refusal: {summ}"))
 for good, what in checks:
     if not good: bad.append(what)
 print("results.json:", "; ".join(bad) if bad else "as expected")
 sys.exit(1 if bad else 0)
 EOF
 then ok "results.json"; else bad "results.json"; fi
+grep -q -- "--clock-control none" "$STANDIN/ncu.args" 2>/dev/null && ok "ncu asked to leave the clocks alone" ||
+  bad "ncu's arguments lack --clock-control none: $(cat "$STANDIN/ncu.args" 2>/dev/null || echo 'ncu not called')"
 n=$(find "$OUT" -type f | wc -l)
 [ "$n" -le 8 ] && ok "$n files in GPU_CHECK_OUT (<= 8)" || bad "$n files in GPU_CHECK_OUT: $(ls "$OUT")"
 grep -q "== ctest" "$OUT/gpu-check.log" && [ -s "$OUT/gpt2.out" ] && ok "log and stage outputs written" ||
