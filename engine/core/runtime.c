@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 static int g_rank = 0, g_world = 1, g_we_initialized_mpi = 0;
+static int g_local_rank = 0, g_local_size = 1;
 static volatile int g_aborting = 0;
 
 /* A rank that calls exit() (Lua's os.exit) still leaves the job properly:
@@ -63,10 +64,21 @@ fsdp_status fsdp_runtime_init(int *rank, int *world) {
         FSDP_CHECK_CALL(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank), rc_ == MPI_SUCCESS, mpi_error_string);
         FSDP_CHECK_CALL(MPI_Comm_size(MPI_COMM_WORLD, &g_world), rc_ == MPI_SUCCESS, mpi_error_string);
     }
+    static int local_known = 0;   /* a collective: once, in the first init, on every rank */
+    if (inited && !local_known) {
+        /* the node's ranks from MPI itself, not a launcher's variable
+         * (srun, MPICH and PMIx name it differently or not at all) */
+        MPI_Comm node;
+        FSDP_CHECK_CALL(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_rank, MPI_INFO_NULL, &node),
+                        rc_ == MPI_SUCCESS, mpi_error_string);
+        FSDP_CHECK_CALL(MPI_Comm_rank(node, &g_local_rank), rc_ == MPI_SUCCESS, mpi_error_string);
+        FSDP_CHECK_CALL(MPI_Comm_size(node, &g_local_size), rc_ == MPI_SUCCESS, mpi_error_string);
+        MPI_Comm_free(&node);
+        local_known = 1;
+    }
 #ifdef FSDP_HAVE_CUDA
     /* Rank r takes GPU (local rank r) when there is one, else stays on the CPU. */
-    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-    FSDP_TRY(cuda_backend_init(local ? atoi(local) : 0));
+    FSDP_TRY(cuda_backend_init(g_local_rank));
 #endif
     if (rank) *rank = g_rank;
     if (world) *world = g_world;
@@ -78,6 +90,12 @@ fsdp_status fsdp_runtime_init(int *rank, int *world) {
 fsdp_status fsdp_runtime_rank(int *rank, int *world) {
     if (rank) *rank = g_rank;
     if (world) *world = g_world;
+    return FSDP_OK;
+}
+
+fsdp_status fsdp_runtime_local(int *local_rank, int *local_size) {
+    if (local_rank) *local_rank = g_local_rank;
+    if (local_size) *local_size = g_local_size;
     return FSDP_OK;
 }
 

@@ -3,6 +3,7 @@
  * starts n-1. The thread count is settable so that several ranks on one host
  * do not oversubscribe its cores; OpenBLAS gets the same count. */
 #include "cpu_kernels.h"
+#include "fsdp.h"
 #include <pthread.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -88,10 +89,16 @@ static int default_threads(void) {
     }
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     if (n < 1) n = 1;
-    /* ranks sharing a host share its cores */
-    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (!local) local = getenv("MPI_LOCALNRANKS");
-    if (local && atoi(local) > 1) n = n / atoi(local) > 0 ? n / atoi(local) : 1;
+    /* ranks sharing a host share its cores: their count from MPI's split
+     * once the runtime is up, else (a pool started before it) the launcher's */
+    int ranks_here = 1;
+    fsdp_runtime_local(NULL, &ranks_here);
+    if (ranks_here <= 1) {
+        const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+        if (!local) local = getenv("MPI_LOCALNRANKS");
+        if (local && atoi(local) > 1) ranks_here = atoi(local);
+    }
+    if (ranks_here > 1) n = n / ranks_here > 0 ? n / ranks_here : 1;
     return (int)n;
 }
 

@@ -157,6 +157,10 @@ fsdp_status fsdp_device_info(fsdp_device device, int *available, char *desc, int
 /* Initializes MPI when the process was started by mpirun, else a world of one. */
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
+/* This rank's place among the ranks of its node (the processes sharing its
+ * memory, MPI_COMM_TYPE_SHARED), whatever launched them: 0 and 1 in a world
+ * of one. The GPU a rank takes is its local rank. */
+fsdp_status fsdp_runtime_local(int *local_rank, int *local_size);
 fsdp_status fsdp_runtime_finalize(void);
 /* Ends the whole job (MPI_Abort under mpirun) after printing msg. */
 fsdp_status fsdp_runtime_abort(const char *msg, int exit_code);

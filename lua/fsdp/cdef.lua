@@ -93,6 +93,8 @@ fsdp_status fsdp_device_info(fsdp_device device, int *available, char *desc, int
 
 fsdp_status fsdp_runtime_init(int *rank, int *world);
 fsdp_status fsdp_runtime_rank(int *rank, int *world);
+
+fsdp_status fsdp_runtime_local(int *local_rank, int *local_size);
 fsdp_status fsdp_runtime_finalize(void);
 
 fsdp_status fsdp_runtime_abort(const char *msg, int exit_code);

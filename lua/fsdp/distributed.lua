@@ -2,6 +2,7 @@
 --
 --   local dist = require "fsdp.distributed"
 --   dist.rank(), dist.world(), dist.local_rank()   -- 0-based rank, rank count, rank on this node
+--   dist.local_size()                              -- ranks on this node
 --   dist.mean(loss)                                -- a number or a list of numbers, over all ranks
 --   dist.sum({ tokens, seconds }); dist.max(peak); dist.min(free)
 --   dist.print0("step %d | loss %.4f", step, loss) -- rank 0 prints (string.format arguments)
@@ -24,9 +25,6 @@ local M = {}
 
 -- The engine's reduce ops (fsdp_reduce_op in fsdp.h).
 local REDUCE_SUM, REDUCE_AVG, REDUCE_MAX = C.FSDP_REDUCE_SUM, C.FSDP_REDUCE_AVG, C.FSDP_REDUCE_MAX
--- Open MPI's launcher names each process's place on its node here (the
--- engine picks the GPU from it too).
-local LOCAL_RANK_ENV = "OMPI_COMM_WORLD_LOCAL_RANK"
 -- Bytes packed into one double when strings travel as a sum of doubles:
 -- 6 bytes < 2^48 stay exact, and all ranks but the root add zeros.
 local BYTES_PER_DOUBLE = 6
@@ -67,9 +65,15 @@ function M.world()
   return w
 end
 
---- This rank's index among the ranks on its node (0 without mpirun).
+--- This rank's index among the ranks on its node and their count (0 and 1
+-- in a world of one), from MPI's shared-memory split: any launcher.
 function M.local_rank()
-  return tonumber(os.getenv(LOCAL_RANK_ENV)) or 0
+  if C.fsdp_runtime_local(int2, int2 + 1) ~= 0 then raise() end
+  return int2[0]
+end
+function M.local_size()
+  if C.fsdp_runtime_local(int2, int2 + 1) ~= 0 then raise() end
+  return int2[1]
 end
 
 --- True on rank 0.
