@@ -3,7 +3,9 @@
  * ("ph": "X", microseconds) and written as one JSON file that Perfetto and
  * chrome://tracing open: one process per rank, one track (thread) per
  * stream of work, "compute" (the calling thread: ops, backward, waits) and
- * "comm" (the comm thread: collectives), plus "steps" (step boundaries).
+ * "comm" (the comm thread: collectives), plus "steps" (step boundaries,
+ * each with its comm busy and exposed milliseconds: the time a collective
+ * ran, and the compute track's waits for one).
  *
  * Off by default: every hook is one test of a global flag. On:
  * fsdp_trace_start, or FSDP_TRACE=FILE for any program (the runtime starts
@@ -31,6 +33,7 @@ typedef struct {
     int64_t bytes;           /* -1: none */
     int64_t seq;             /* collective sequence number, -1: none */
     int track;
+    double comm_busy_ms, comm_exposed_ms;   /* a step's figures; -1: none */
     char name[48];
     char unit[80];
 } trace_event;
@@ -40,6 +43,7 @@ static trace_event *g_ev;
 static size_t g_n, g_cap, g_dropped, g_max = 4000000;
 static double g_t0;
 static double g_last_mark;   /* the end of the last step, or the start */
+static size_t g_mark_n;      /* the events recorded by then */
 static char g_path[1024];
 
 static double mono_us(void) {
@@ -71,6 +75,7 @@ void trace_event_add(int track, const char *name, const char *unit, int64_t byte
     e->bytes = bytes;
     e->seq = seq;
     e->track = track;
+    e->comm_busy_ms = e->comm_exposed_ms = -1;
     snprintf(e->name, sizeof e->name, "%s", name ? name : "?");
     snprintf(e->unit, sizeof e->unit, "%s", unit ? unit : "");
     pthread_mutex_unlock(&g_mu);
@@ -153,8 +158,32 @@ fsdp_status fsdp_trace_start(const char *path) {
     g_dropped = 0;
     g_t0 = mono_us();
     g_last_mark = g_t0;
+    g_mark_n = 0;
     fsdp_trace_on = 1;
     return FSDP_OK;
+}
+
+/* The comm queue's own entries, which move no data. */
+static bool queue_bookkeeping(const char *name) {
+    return !strcmp(name, "split") || !strcmp(name, "free") || !strcmp(name, "cancel") || !strcmp(name, "group_end");
+}
+
+/* Over the events since the last step mark, clipped to [a, b] (relative
+ * microseconds): the time at least one collective ran (comm track; they
+ * run one after another there) and the compute track's waits for them. */
+static void step_comm_figures(double a, double b, double *busy, double *exposed) {
+    double end = a;
+    *busy = *exposed = 0;
+    for (size_t i = g_mark_n; i < g_n; i++) {
+        const trace_event *e = &g_ev[i];
+        double t0 = e->ts > a ? e->ts : a, t1 = e->ts + e->dur < b ? e->ts + e->dur : b;
+        if (e->track == TRACE_COMM && !queue_bookkeeping(e->name)) {
+            if (t0 < end) t0 = end;
+            if (t1 > t0) *busy += t1 - t0, end = t1;
+        } else if (e->track == TRACE_COMPUTE && strcmp(e->name, "wait") == 0 && t1 > t0) {
+            *exposed += t1 - t0;
+        }
+    }
 }
 
 fsdp_status fsdp_trace_step(int64_t step) {
@@ -163,6 +192,16 @@ fsdp_status fsdp_trace_step(int64_t step) {
     char name[48];
     snprintf(name, sizeof name, "step %lld", (long long)step);
     trace_event_add(TRACE_STEPS, name, NULL, -1, -1, g_last_mark, now);
+    /* the step's event carries how much communication ran and how much of it the compute waited for */
+    pthread_mutex_lock(&g_mu);
+    if (g_n > 0 && g_ev[g_n - 1].track == TRACE_STEPS) {
+        double busy, exposed;
+        step_comm_figures(g_last_mark - g_t0, now - g_t0, &busy, &exposed);
+        g_ev[g_n - 1].comm_busy_ms = busy * 1e-3;
+        g_ev[g_n - 1].comm_exposed_ms = exposed * 1e-3;
+    }
+    g_mark_n = g_n;
+    pthread_mutex_unlock(&g_mu);
     g_last_mark = now;
     g_nunits = 0;   /* a step leaves no unit open */
     return FSDP_OK;
@@ -205,7 +244,9 @@ static char *events_json(int rank, size_t *len) {
             sep = ",";
         }
         if (e->bytes >= 0) fprintf(f, "%s\"bytes\":%lld", sep, (long long)e->bytes), sep = ",";
-        if (e->seq >= 0) fprintf(f, "%s\"seq\":%lld", sep, (long long)e->seq);
+        if (e->seq >= 0) fprintf(f, "%s\"seq\":%lld", sep, (long long)e->seq), sep = ",";
+        if (e->comm_busy_ms >= 0)
+            fprintf(f, "%s\"comm_busy_ms\":%.3f,\"comm_exposed_ms\":%.3f", sep, e->comm_busy_ms, e->comm_exposed_ms);
         fputs("}},\n", f);
     }
     if (g_dropped)

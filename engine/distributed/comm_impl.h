@@ -137,6 +137,7 @@ struct fsdp_work {
     uint64_t group_serial;        /* which group of the issuing thread */
     bool deferred;                /* comm thread: agreed, waiting for its group's launch */
     double started;               /* comm thread: when the compute stream reached it (0: not yet) */
+    double launched;              /* comm thread: when it was put on the comm stream */
     struct fsdp_work *gnext;      /* comm thread: in flight on the GPU */
 };
 
@@ -175,6 +176,8 @@ void comm_work_take_error(fsdp_work *w, fsdp_status st);
 /* A collective that ran: the process-wide traffic and the family's counts
  * (c NULL: the communicator is gone, only the process-wide figures). */
 void comm_count_traffic(fsdp_work *w, fsdp_comm *c);
+/* A collective ran from t0 to t1 (comm_now seconds): fsdp_comm_busy's time. */
+void comm_count_busy(double t0, double t1);
 /* This thread's last error without the " [rank N]" fsdp_set_error appends. */
 int comm_last_error_len(const char **e);
 

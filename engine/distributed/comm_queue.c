@@ -421,7 +421,15 @@ static fsdp_status run_gpu(fsdp_work *w) {
  * stream: they finish in this order). Comm thread only. */
 static fsdp_work *g_inflight, *g_inflight_tail;
 
+/* Whether w's run is communication (fsdp_comm_busy): the collectives, not
+ * the queue's bookkeeping (frees, splits, group ends, cancels). */
+static bool counts_busy(const fsdp_work *w) {
+    return w->kind != K_FREE && w->kind != K_SPLIT && w->kind != K_GROUP_END && w->kind != K_CANCEL &&
+           w->status == FSDP_OK;
+}
+
 static void inflight_push(fsdp_work *w) {
+    if (w->launched == 0) w->launched = comm_now();
     atomic_fetch_add(&w->refs, 1);
     w->gnext = NULL;
     if (g_inflight_tail) g_inflight_tail->gnext = w;
@@ -439,6 +447,10 @@ static void poll_inflight(void) {
         int r = dev->work_poll(w->gw, &started);
         if (r < 0) comm_gpu_fatal(w, fsdp_last_error(), 0);
         if (r > 0) {
+            if (counts_busy(w)) {
+                double now = comm_now();
+                comm_count_busy(w->started > 0 ? w->started : w->launched > 0 ? w->launched : now, now);
+            }
             g_inflight = w->gnext;
             if (!g_inflight) g_inflight_tail = NULL;
             comm_work_drop_tensors(w);
@@ -760,7 +772,10 @@ static void *comm_thread_main(void *arg) {
 
         double tt0 = trace_now();
         if (!w->grouped) flush_group();   /* a group ends where its members do */
+        double t_run = comm_now();
         run_work(w);
+        /* a host collective's run is busy time; a CUDA one's is counted when the GPU finishes it */
+        if (counts_busy(w) && !comm_work_on_gpu(w)) comm_count_busy(t_run, comm_now());
         pthread_mutex_lock(&q_mu);
         q_run = NULL;   /* ran: no longer pending for fsdp_comm_pending */
         pthread_mutex_unlock(&q_mu);

@@ -27,6 +27,7 @@ static pthread_mutex_t stats_mu = PTHREAD_MUTEX_INITIALIZER;
 static int64_t g_gathered, g_reduced;
 static int64_t g_wire_gathered, g_wire_reduced;   /* as they moved: compressed ones smaller */
 static double g_wait_s;
+static double g_busy_s, g_busy_end;   /* the union of the collectives' runs; where the last one ended */
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds) {
     pthread_mutex_lock(&stats_mu);
@@ -35,6 +36,24 @@ fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, dou
     if (wait_seconds) *wait_seconds = g_wait_s;
     pthread_mutex_unlock(&stats_mu);
     return FSDP_OK;
+}
+
+fsdp_status fsdp_comm_busy(double *busy_seconds) {
+    pthread_mutex_lock(&stats_mu);
+    if (busy_seconds) *busy_seconds = g_busy_s;
+    pthread_mutex_unlock(&stats_mu);
+    return FSDP_OK;
+}
+
+/* A collective ran from t0 to t1 (comm_now seconds): the part of it that no
+ * earlier one covered counts (collectives in flight together on the GPU
+ * overlap; the comm thread's own ones follow each other). */
+void comm_count_busy(double t0, double t1) {
+    pthread_mutex_lock(&stats_mu);
+    if (t0 < g_busy_end) t0 = g_busy_end;
+    if (t1 > t0) g_busy_s += t1 - t0;
+    if (t1 > g_busy_end) g_busy_end = t1;
+    pthread_mutex_unlock(&stats_mu);
 }
 
 fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes) {
@@ -50,6 +69,7 @@ fsdp_status fsdp_comm_reset_stats(void) {
     g_gathered = g_reduced = 0;
     g_wire_gathered = g_wire_reduced = 0;
     g_wait_s = 0;
+    g_busy_s = 0;
     pthread_mutex_unlock(&stats_mu);
     return FSDP_OK;
 }

@@ -567,6 +567,13 @@ fsdp_status fsdp_work_free(fsdp_work *w);
  * bytes reduced (sent into reduce-scatter and all-reduce), and seconds the
  * caller spent blocked in fsdp_work_wait. */
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
+/* Seconds communication was busy since the last reset: the time covered
+ * by at least one collective's run (the comm thread in a collective, from
+ * the ranks' agreement to its end; a CUDA collective from when the comm
+ * stream reached it to its end, as the comm thread's 2 ms poll sees them).
+ * Busy minus the wait of fsdp_comm_stats is the communication hidden
+ * behind compute. */
+fsdp_status fsdp_comm_busy(double *busy_seconds);
 /* The same traffic as it moves on the wire: equal to fsdp_comm_stats's
  * figures except for compressed collectives (their compressed bytes). */
 fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes);

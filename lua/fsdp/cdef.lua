@@ -334,6 +334,8 @@ fsdp_status fsdp_work_free(fsdp_work *w);
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds);
 
+fsdp_status fsdp_comm_busy(double *busy_seconds);
+
 fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes);
 
 fsdp_status fsdp_comm_wire_counts(fsdp_comm *c, fsdp_collective kind, int64_t *bytes);

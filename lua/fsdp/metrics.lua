@@ -177,8 +177,10 @@ local dbl = ffi.new("double[1]")
 local function comm_stats()
   if C.fsdp_comm_stats(i64, i64 + 1, dbl) ~= 0 then raise() end
   local g, r = tonumber(i64[0]), tonumber(i64[1])
+  local wait = tonumber(dbl[0])
   if C.fsdp_comm_wire_stats(i64, i64 + 1) ~= 0 then raise() end   -- what moved (compressed: fewer bytes)
-  return g, r, tonumber(dbl[0]), tonumber(i64[0]), tonumber(i64[1])
+  if C.fsdp_comm_busy(dbl) ~= 0 then raise() end                -- the time a collective ran
+  return g, r, wait, tonumber(i64[0]), tonumber(i64[1]), tonumber(dbl[0])
 end
 
 -- A plain copy of a config table for JSON: options by name, sorted
@@ -246,14 +248,14 @@ function M.new(opts)
   local box = ffi.new("fsdp_comm *[1]")
   if C.fsdp_comm_world(box) ~= 0 then raise() end
   self.comm = box[0]
-  self.vals = ffi.new("double[?]", 7 + #M.TAGS)
+  self.vals = ffi.new("double[?]", 8 + #M.TAGS)
   return self
 end
 
 --- m:begin_step(): the step's clock, traffic and memory peaks start here.
 function Metrics:begin_step()
   memory.reset_peak()
-  self.g0, self.r0, self.w0, self.wg0, self.wr0 = comm_stats()
+  self.g0, self.r0, self.w0, self.wg0, self.wr0, self.b0 = comm_stats()
   self.t0 = require("fsdp.timer").now()
 end
 
@@ -273,18 +275,20 @@ M.median = median
 function Metrics:end_step(fig)
   if not self.t0 then error("fsdp.metrics: end_step without begin_step", 2) end
   local dt = require("fsdp.timer").now() - self.t0
-  local g, r, w, wg, wr = comm_stats()
+  local g, r, w, wg, wr, b = comm_stats()
   local v = self.vals
   v[0], v[1], v[2], v[3] = dt, g - self.g0, r - self.r0, w - self.w0
   for i, tag in ipairs(M.TAGS) do v[3 + i] = memory.stats(tag).peak end
   v[4 + #M.TAGS] = memory.stats().peak
-  v[5 + #M.TAGS], v[6 + #M.TAGS] = wg - self.wg0, wr - self.wr0
-  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 7 + #M.TAGS, 2) ~= 0 then raise() end
+  v[5 + #M.TAGS], v[6 + #M.TAGS], v[7 + #M.TAGS] = wg - self.wg0, wr - self.wr0, b - self.b0
+  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 8 + #M.TAGS, 2) ~= 0 then raise() end
   local rec = { type = "step" }
   for k, x in pairs(fig or {}) do rec[k] = x end
   rec.step_ms = v[0] * 1e3
   rec.gathered_bytes, rec.reduced_bytes, rec.comm_wait_ms = v[1], v[2], v[3] * 1e3
   rec.wire_gathered_bytes, rec.wire_reduced_bytes = v[5 + #M.TAGS], v[6 + #M.TAGS]
+  -- busy: a collective ran; exposed: the compute waited for one (comm_wait_ms, the older name)
+  rec.comm_busy_ms, rec.comm_exposed_ms = v[7 + #M.TAGS] * 1e3, rec.comm_wait_ms
   rec.peak_bytes = {}
   for i, tag in ipairs(M.TAGS) do rec.peak_bytes[tag] = v[3 + i] end
   rec.peak_bytes.total = v[4 + #M.TAGS]
@@ -357,6 +361,17 @@ end
 
 local MiB = 2 ^ 20
 --- m:format(rec) -> the log line's figures for one step.
+--- M.format_comm(busy_ms, exposed_ms) -> "comm busy 14.0 ms, exposed 3.1 ms
+-- (78% hidden)": how long a collective ran in the step and how much of
+-- that the compute waited for (the rest ran behind compute). Each is the
+-- maximum over the ranks.
+function M.format_comm(busy_ms, exposed_ms)
+  if not busy_ms then return string.format("comm wait %.1f ms", exposed_ms) end
+  local hidden = busy_ms > 0 and math.max(0, math.min(1, 1 - exposed_ms / busy_ms)) or nil
+  return string.format("comm busy %.1f ms, exposed %.1f ms%s", busy_ms, exposed_ms,
+                       hidden and string.format(" (%.0f%% hidden)", 100 * hidden) or "")
+end
+
 function Metrics:format(r)
   local total = r.total_steps
   local parts = { total and string.format("step %" .. #tostring(total) .. "d/%d", r.step or 0, total)
@@ -371,9 +386,10 @@ function Metrics:format(r)
   local function wire(logical, w)
     return (w and w ~= logical) and string.format(" (wire %.2f MiB)", w / MiB) or ""
   end
-  parts[#parts + 1] = string.format("gathered %.2f MiB%s, reduced %.2f MiB%s, comm wait %.1f ms",
+  parts[#parts + 1] = string.format("gathered %.2f MiB%s, reduced %.2f MiB%s",
                                     r.gathered_bytes / MiB, wire(r.gathered_bytes, r.wire_gathered_bytes),
-                                    r.reduced_bytes / MiB, wire(r.reduced_bytes, r.wire_reduced_bytes), r.comm_wait_ms)
+                                    r.reduced_bytes / MiB, wire(r.reduced_bytes, r.wire_reduced_bytes))
+  parts[#parts + 1] = M.format_comm(r.comm_busy_ms, r.comm_exposed_ms or r.comm_wait_ms)
   local p = r.peak_bytes
   parts[#parts + 1] = string.format("peak MiB param %.1f grad %.1f optim %.1f act %.1f", p.param / MiB,
                                     p.grad / MiB, p.optimizer / MiB, p.activation / MiB)

@@ -49,6 +49,34 @@ for pid = 0, ranks - 1 do
   for i, e in ipairs(st) do
     if e.name ~= "step " .. i or not (e.dur > 0) then fail("bad step event " .. e.name) end
   end
+  -- each step's comm figures, recomputed from the events that ended in it: busy, the time covered by a
+  -- collective (the queue's frees and splits move nothing); exposed, the compute track's waits
+  local bookkeeping = { split = true, free = true, cancel = true, group_end = true }
+  for i, e in ipairs(st) do
+    local a, b = e.ts, e.ts + e.dur
+    local spans, exposed = {}, 0
+    for _, c in ipairs(comm) do
+      local t1 = c.ts + c.dur
+      if not bookkeeping[c.name] and t1 > a and t1 <= b + 1e-3 then spans[#spans + 1] = { math.max(c.ts, a), t1 } end
+    end
+    for _, w in ipairs(per[pid][1] or {}) do
+      local t1 = w.ts + w.dur
+      if w.name == "wait" and t1 > a and t1 <= b + 1e-3 then exposed = exposed + t1 - math.max(w.ts, a) end
+    end
+    table.sort(spans, function(x, y) return x[1] < y[1] end)
+    local busy, edge = 0, a
+    for _, sp in ipairs(spans) do
+      local t0 = math.max(sp[1], edge)
+      if sp[2] > t0 then busy, edge = busy + sp[2] - t0, sp[2] end
+    end
+    local args = e.args or {}
+    if not (args.comm_busy_ms and args.comm_exposed_ms) then fail(string.format("rank %d step %d: no comm figures", pid, i)) end
+    if math.abs(args.comm_busy_ms - busy / 1e3) > 0.05 or math.abs(args.comm_exposed_ms - exposed / 1e3) > 0.05 then
+      fail(string.format("rank %d step %d: comm busy %.3f exposed %.3f ms, the events give %.3f and %.3f", pid, i,
+                         args.comm_busy_ms, args.comm_exposed_ms, busy / 1e3, exposed / 1e3))
+    end
+    if ranks > 1 and not (args.comm_busy_ms > 0) then fail(string.format("rank %d step %d: no busy time", pid, i)) end
+  end
   local ops = {}
   for _, e in ipairs(per[pid][1] or {}) do
     if e.dur < 0 then fail("negative duration " .. e.name) end

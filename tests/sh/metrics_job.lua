@@ -35,6 +35,25 @@ for step = 1, STEPS do
   sharded:zero_grad()
   recs[step] = m:end_step { step = step, loss = loss:item(), lr = 1e-3, grad_norm = norm }
 end
+-- busy counts only the time a collective runs: a step of compute alone has none, and one where a
+-- collective waits 0.3 s for a late rank is busy (and exposed) at least that long
+-- (a second, fileless record keeper: the file holds the training steps only)
+local function pause(s) local t0 = require("fsdp.timer").now() repeat until require("fsdp.timer").now() - t0 > s end
+local m2 = metrics.new {}
+m2:begin_step()
+pause(0.2)
+local idle = m2:end_step { step = 1 }
+t.eq(idle.comm_busy_ms, 0, "a step without collectives: no busy time")
+t.eq(idle.comm_exposed_ms, 0, "a step without collectives: nothing exposed")
+t.ok(idle.step_ms >= 200, "the idle step took its pause: " .. idle.step_ms)
+if world > 1 then
+  m2:begin_step()
+  if rank == 1 then pause(0.3) end
+  fsdp.distributed.barrier()
+  local late = m2:end_step { step = 2 }
+  t.ok(late.comm_busy_ms >= 250, "a collective waiting for a late rank is busy: " .. late.comm_busy_ms)
+  t.ok(late.comm_exposed_ms >= 250, "and exposed, the compute waited for it: " .. late.comm_exposed_ms)
+end
 m:record { step = STEPS, eval_loss = 4.2 }
 m:close()
 
@@ -44,6 +63,12 @@ for step, r in ipairs(recs) do
   t.eq(r.reduced_bytes, plan.traffic.reduced_bytes, what .. "reduced bytes are this step's (the planner's figure)")
   if world > 1 then t.ok(r.gathered_bytes > 0, what .. "something was gathered") end
   t.ok(r.step_ms > 0 and r.comm_wait_ms >= 0 and r.comm_wait_ms <= r.step_ms, what .. "step and wait times")
+  -- busy: a collective ran; exposed: the compute waited (each the max over ranks, within the step)
+  t.eq(r.comm_exposed_ms, r.comm_wait_ms, what .. "exposed is the wait")
+  t.ok(r.comm_busy_ms >= 0 and r.comm_busy_ms <= r.step_ms, what .. "busy within the step: " .. r.comm_busy_ms)
+  t.ok(r.comm_exposed_ms <= r.comm_busy_ms + 0.5, string.format("%sthe compute waits only while a collective runs:"
+    .. " exposed %.3f, busy %.3f ms", what, r.comm_exposed_ms, r.comm_busy_ms))
+  if world > 1 then t.ok(r.comm_busy_ms > 0, what .. "collectives ran") end
   t.near(r.tokens_per_s, B * T * world / (r.step_ms / 1e3), 1e-9, what .. "tokens/s")
   t.near(r.mfu, 100 * r.tokens_per_s * fpt / m.peak_flops, 1e-9, what .. "MFU, a percentage")
   t.eq(r.total_steps, STEPS + 6, what .. "the run's last step")
@@ -58,6 +83,8 @@ for step, r in ipairs(recs) do
   t.ok(line:find(string.format("MFU %.2f%%", r.mfu), 1, true) ~= nil, what .. "the line's MFU is the record's: "
     .. line)
   t.ok(line:find(" | ETA %d+[smh]") ~= nil, what .. "the line's ETA: " .. line)
+  t.ok(line:find(string.format("| comm busy %.1f ms, exposed %.1f ms", r.comm_busy_ms, r.comm_exposed_ms), 1, true)
+    ~= nil, what .. "the line's comm busy and exposed: " .. line)
   t.ok(r.peak_bytes.param > 0 and r.peak_bytes.optimizer > 0 and r.peak_bytes.activation > 0, what .. "peaks")
   t.ok(m:format(r):find("MFU", 1, true) ~= nil, what .. "log line")
   t.eq(fsdp.distributed.broadcast(r.step_ms, 0), r.step_ms, what .. "every rank logs the same (max over ranks)")

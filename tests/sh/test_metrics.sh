@@ -37,10 +37,12 @@ if command -v gnuplot >/dev/null; then
   [ "$(cat "$TMP/sentinel")" = sentinel ] && [ ! -L "$TMP/linked.png" ] && [ -s "$TMP/linked.png" ] && ok ||
     bad "tools/plot did not write through the planted link" "$(ls -l "$TMP")"
   [ -z "$(ls -A "$TMP" | grep '^\.plot\.')" ] && ok || bad "tools/plot left no draft behind" "$(ls -A "$TMP")"
-  # several runs, one labelled line each; comm busy/exposed drawn when present
-  sed 's/"comm_wait_ms":/"comm_busy_ms":1.5,"comm_exposed_ms":0.5,"comm_wait_ms":/' "$TMP/one.jsonl" > "$TMP/busy.jsonl"
-  grep -q comm_exposed_ms "$TMP/busy.jsonl" && ok || bad "the busy/exposed fixture" "$(head -3 "$TMP/busy.jsonl")"
-  out=$(tools/plot "$TMP/one.jsonl" "$TMP/two.jsonl" "$TMP/busy.jsonl" "$TMP/cmp.png" 2>&1) && ok ||
+  # several runs, one labelled line each; comm busy/exposed drawn when present (an older file has only the wait)
+  grep -q '"comm_busy_ms":' "$TMP/two.jsonl" && grep -q '"comm_exposed_ms":' "$TMP/two.jsonl" && ok ||
+    bad "the records carry comm busy and exposed" "$(sed -n 2p "$TMP/two.jsonl")"
+  sed -E 's/"comm_(busy|exposed)_ms":[^,}]*,?//g' "$TMP/one.jsonl" > "$TMP/old.jsonl"
+  ! grep -q comm_busy_ms "$TMP/old.jsonl" && ok || bad "the older-file fixture" "$(head -3 "$TMP/old.jsonl")"
+  out=$(tools/plot "$TMP/one.jsonl" "$TMP/two.jsonl" "$TMP/old.jsonl" "$TMP/cmp.png" 2>&1) && ok ||
     bad "tools/plot several files" "$out"
   grep -q "3 runs: 12 steps, 3 evaluations" <<<"$out" && [ -s "$TMP/cmp.png" ] && ok ||
     bad "tools/plot read the three runs" "$out"
