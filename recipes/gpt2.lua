@@ -29,7 +29,7 @@ local o = options.parse(..., {
   { "wrap", { "block", "size", "none" }, "block", "wrap policy: per transformer block, by size, root only" },
   { "wrap_size", "int", 100000, "--wrap=size: parameters per unit at least", min = 1 },
   { "prefetch", { "backward_pre", "backward_post", "none" }, "backward_pre", "backward prefetch" },
-  { "forward_prefetch", "bool", false, "prefetch the next unit during forward" },
+  { "forward_prefetch", "bool", true, "gather the next unit while this one computes, in forward (--no-forward-prefetch: off)" },
   { "limit", "int", 2, "gathered units alive at once (besides the root)", min = 1 },
   { "reduce", { "f32", "bf16" }, "f32", "gradient reduction dtype" },
   { "offload", "bool", false, "keep shards and optimizer state in host memory (on a GPU)" },

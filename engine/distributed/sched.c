@@ -336,6 +336,7 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
         u->full_version = st->version;
         u->master->storage->copy_readers++;
         u->gathered = true;
+        u->gathered_in = s->forward_serial;
         s->n_gathered++;
         if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
         return FSDP_OK;
@@ -353,6 +354,7 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
         tensor_release(u->secondary);   /* the work holds it until done */
         u->secondary = NULL;
         u->gathered = true;
+        u->gathered_in = s->forward_serial;
         s->n_gathered++;
         if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
         return FSDP_OK;
@@ -392,6 +394,7 @@ fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part) {
         return r;
     }
     u->gathered = true;
+    u->gathered_in = s->forward_serial;
     s->n_gathered++;
     if (s->n_gathered > s->peak_gathered) s->peak_gathered = s->n_gathered;
     return FSDP_OK;
@@ -775,16 +778,19 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
     unit *u = &s->units[k];
     FSDP_TRY(sched_ensure_grad(s, u));
     u->used = true;
+    bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
     if (k == 0) {   /* the root starts a new forward */
         s->n_order = 0;
         s->fwd_pos = 0;
+        if (!replay) s->forward_serial++;
     }
     bool grad = grad_is_enabled();
     /* a kept unit still gathered from an earlier forward that had no
      * backward may hold values from before an optimizer step: regather
-     * (not when this is the recomputation of this step's forward) */
-    bool replay = s->recompute == FSDP_RECOMPUTE_REPLAY;
-    if (u->keep && u->gathered && !u->flat_grad && !replay) FSDP_TRY(sched_reshard_unit(s, u));
+     * (not when this is the recomputation of this step's forward, nor when
+     * this forward's prefetch gathered it) */
+    bool stale = u->gathered && u->gathered_in != s->forward_serial;
+    if (u->keep && stale && !u->flat_grad && !replay) FSDP_TRY(sched_reshard_unit(s, u));
     /* a part kept by a forward whose backward never came is stale (an
      * optimizer step may have come since): a new forward drops them all */
     if (!replay && k == 0)

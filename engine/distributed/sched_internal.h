@@ -42,6 +42,7 @@ typedef struct unit {
     fsdp_tensor *full;             /* (padded) compute dtype; data NULL while resharded */
     fsdp_tensor **views;           /* (n_params) parameter views of full, or NULL */
     bool gathered;                 /* data allocated and its gather issued */
+    uint64_t gathered_in;          /* the forward (fsdp_sched's forward_serial) that issued that gather */
     fsdp_work *gather;             /* in flight, or NULL */
     fsdp_tensor *flat_grad;        /* (padded) compute dtype, tag grad; during backward */
     bool flat_unwritten;           /* flat_grad was not zeroed: its .grad views take their first gradient as a
@@ -133,6 +134,7 @@ struct fsdp_sched {
     int n_order;
     int *fwd_order;                /* units in the order of their last pre_forward */
     int n_fwd_order, fwd_pos;
+    uint64_t forward_serial;       /* forwards begun (the root's pre_forward) */
     int n_gathered, peak_gathered;
     pending *pend;
     int n_pend, cap_pend;

@@ -101,7 +101,7 @@ local function fit_candidates(args, world, K)
   if (args.limit or 2) > 1 then add({ limit = 1 }) end
   if args.strategy and args.strategy ~= "full_shard" then add({ strategy = "full_shard", group_size = "nil" }) end
   if (args.dtype or "f32") ~= "bf16" then add({ dtype = "bf16" }) end
-  if not args.forward_prefetch == false then add({ forward_prefetch = false }) end
+  if args.forward_prefetch ~= false then add({ forward_prefetch = false }) end   -- on by default
   if (args.accum or 1) == 1 and (args.batch or 8) % (2 * world) == 0 then add({ accum = 2 }) end
   add({ recompute = true, head_chunk = 8192, limit = 1 })
   return c

@@ -4,7 +4,7 @@
 --     policy = fsdp.policy.per_block(),          -- or by_type, by_size, any function(module, path)
 --     strategy = "full_shard",                   -- shard_grad_op, no_shard, hybrid_shard (+ group_size)
 --     mixed_precision = { compute = "bf16", reduce = "f32" },
---     prefetch = "backward_pre", forward_prefetch = false, limit = 2, seed = 1,
+--     prefetch = "backward_pre", forward_prefetch = true, limit = 2, seed = 1,
 --     offload = false,                           -- true: shards, gradients, optimizer state on the CPU
 --     reshard_after_forward = true,              -- G: keep 1/G for the backward, regathered in groups of G (hpZ)
 --     compute_copy = nil,                        -- bf16 copies of the masters, written by AdamW (see below)
@@ -393,7 +393,8 @@ function M.shard(model, opts)
     shard_comm = shard_comm, replica_comm = replica_comm,
     world = world, rank = rank,
     group = group, shard_group = shard_group,   -- fsdp.distributed groups: every rank, and the shard group
-    sched_args = { dtypes[compute], dtypes[reduce], prefetch_ids[prefetch], opts.forward_prefetch and 1 or 0, limit },
+    sched_args = { dtypes[compute], dtypes[reduce], prefetch_ids[prefetch],
+                   opts.forward_prefetch ~= false and 1 or 0, limit },   -- forward prefetch on unless false
     seed = opts.seed or 0, optimizer_made = false, reshard_comm = reshard_comm,
   }, Sharded)
   self:_build(groups)

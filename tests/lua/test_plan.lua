@@ -64,6 +64,21 @@ for _, N in ipairs({ 1, 2, 3, 4 }) do
   end
 end
 
+-- ---- forward prefetch (on by default) moves no more than the schedule without it ----
+-- A unit the forward prefetch gathered is this forward's: its own pre_forward must not take it for a
+-- stale one kept from an earlier forward and gather it again (shard_grad_op keeps every unit).
+for _, strategy in ipairs({ "full_shard", "shard_grad_op", "hybrid_shard" }) do
+  local per = {}
+  for _, fp in ipairs({ false, true }) do
+    per[fp] = plan(4, { policy = fsdp.policy.per_block(), strategy = strategy, forward_prefetch = fp,
+                        group_size = strategy == "hybrid_shard" and 2 or nil }).traffic
+  end
+  local tag = strategy .. ", forward prefetch on and off"
+  t.eq(per[true].all_gather.calls, per[false].all_gather.calls, tag .. ": the same all-gathers")
+  t.eq(per[true].gathered_bytes, per[false].gathered_bytes, tag .. ": the same bytes gathered")
+  t.eq(per[true].reduced_bytes, per[false].reduced_bytes, tag .. ": the same bytes reduced")
+end
+
 -- ---- exact shards for N = 4: rank 0 and rank 3 own different slices ----
 do
   local p0, p3 = plan(4), plan(4, nil, { rank = 3 })

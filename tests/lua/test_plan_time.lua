@@ -181,9 +181,9 @@ t.ok(code == 0 and out:find("fits: yes (peak ", 1, true) and out:find(" of 1.00 
 out, code = run(env .. launcher .. " --plan --world=2 --memory=4MiB recipes/gpt2.lua --preset=tiny")
 t.ok(out:find("fits: no (peak ", 1, true) and out:find(", over by ", 1, true), "--memory: fits: no, over by"
   .. "\n" .. out)
--- (the step's change is signed: on calibrated rates taken under load,
--- recomputing may hide some communication and come out a little shorter)
-t.ok(out:find("\n  %-%-recompute: peak %-[%d.]+ MiB %([%d.]+ MiB%), step [%+%-]%d+%% %([%d.]+ ms%)") ~= nil,
+-- (which settings fit depends on the schedule; the step's change is signed:
+-- on calibrated rates taken under load a setting may come out shorter)
+t.ok(out:find("\n  %-%-[%w%- =.]+: peak %-[%d.]+ MiB %([%d.]+ MiB%), step [%+%-]%d+%% %([%d.]+ ms%)") ~= nil,
   "--memory: a setting that would fit, with its peak and step\n" .. out)
 out, code = run(env .. launcher .. " --plan --world=4 --tune --memory=64MiB recipes/gpt2.lua --preset=tiny")
 t.ok(code == 0 and out:find("\nbest: mpirun %-np 4 fsdp%-lua recipes/gpt2.lua ") ~= nil, "--tune: a best line"
