@@ -33,9 +33,9 @@
  *   every rank groups the same ones): a unit's forward gather with its
  *   forward prefetch, the two gathers of a frozen unit and its owner, an
  *   explicit prefetch list, a unit's reduce-scatter with the backward_post
- *   prefetch, hybrid_shard's replica averages after the walk. Not grouped:
- *   a reduce-scatter and the replica all-reduce of its output (the second
- *   reads the first, and a group's operations may run concurrently), and
+ *   prefetch. Not grouped: a reduce-scatter and the replica all-reduce of
+ *   its output that hybrid_shard issues right behind it (the second reads
+ *   the first, and a group's operations may run concurrently), and
  *   anything a caller waits for before the group ends (a wait inside a
  *   group launches its members so far). A group that fails on a rank
  *   fails every member there with the same error and aborts the

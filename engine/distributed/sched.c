@@ -807,7 +807,9 @@ fsdp_status fsdp_unit_pre_forward(fsdp_sched *s, int k) {
     fsdp_status gst = sched_issue_gather(s, u, replay);
     bool listed = false;
     if (gst == FSDP_OK) gst = sched_prefetch_listed(s, k, 0, &listed);
-    if (gst == FSDP_OK && !listed && s->forward_prefetch) {
+    /* (not in a recomputed forward during backward: the unit after this one
+     * in forward order has had its backward already) */
+    if (gst == FSDP_OK && !listed && s->forward_prefetch && !replay) {
         int i = sched_order_index(s->fwd_order, s->n_fwd_order, k);
         if (i >= 0 && i + 1 < s->n_fwd_order) gst = sched_prefetch(s, s->fwd_order[i + 1], replay);
     }

@@ -126,26 +126,14 @@ static fsdp_status add_through_pinned(fsdp_sched *s, unit *u, fsdp_tensor *reduc
     return r;
 }
 
-/* After the walk (hybrid): the replica averages of the reductions still
- * pending, issued together as one NCCL group once the compute stream is
- * ordered after each reduce-scatter (no host wait), instead of one blocking
- * all-reduce after another; add_reduced then waits for each. An average
- * that cannot be issued is left to add_reduced, which issues it alone. */
-static fsdp_status replica_averages_issued(fsdp_sched *s) {
-    fsdp_status st = FSDP_OK;
-    comm_group_begin();
-    for (int k = 0; k < s->n_pend && st == FSDP_OK; k++) {
-        pending *q = &s->pend[k];
-        if (!q->reduced || !q->work) continue;
-        /* the all-reduce reads the reduce-scatter's output, so the reduce-scatter is no member of this group
-         * (it was issued during the walk); the wait orders the compute stream after it, and the all-reduce's
-         * ready event, recorded after that wait, makes the comm stream wait for it too */
-        st = fsdp_work_wait(q->work);
-        if (st == FSDP_OK) st = fsdp_all_reduce(&q->replica, s->replica_comm, q->reduced, FSDP_REDUCE_AVG,
-                                                s->units[q->unit].name);
-    }
-    comm_group_end();
-    return st;
+/* Hybrid: the replica average of a unit's reduced shard, issued right
+ * behind its reduce-scatter (or local copy), so it runs while the walk goes
+ * on instead of after it. The comm queue runs them in issue order (one comm
+ * thread; on the GPU one comm stream, and a group never holds a collective
+ * with the one whose output it reads), so no wait is needed between. */
+static fsdp_status issue_replica_average(fsdp_sched *s, pending *q) {
+    if (!(s->replica_comm && s->replica_size > 1) || !q->reduced) return FSDP_OK;
+    return fsdp_all_reduce(&q->replica, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, s->units[q->unit].name);
 }
 
 /* Pending reduction k, in issue order (the same on every rank, so the
@@ -161,12 +149,12 @@ static fsdp_status add_reduced(fsdp_sched *s, int k) {
     }
     unit *u = &s->units[q->unit];
     fsdp_status r = q->work ? fsdp_work_wait(q->work) : FSDP_OK;
-    if (q->work && q->replica) {   /* q->work was the reduce-scatter: the replica average comes next */
-        fsdp_work_free(q->work);
+    if (q->replica) {   /* q->work (if any) was the reduce-scatter: the replica average came behind it */
+        if (q->work) fsdp_work_free(q->work);
         q->work = q->replica;
         q->replica = NULL;
         if (r == FSDP_OK) r = fsdp_work_wait(q->work);
-    } else if (r == FSDP_OK && s->replica_comm && s->replica_size > 1) {
+    } else if (r == FSDP_OK && s->replica_comm && s->replica_size > 1) {   /* not issued (its issue failed) */
         r = fsdp_all_reduce(NULL, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, u->name);
     }
     if (r == FSDP_OK && pinned_back(s, q->reduced)) {
@@ -340,6 +328,7 @@ static fsdp_status unit_backward_done(void *p) {
             tensor_release(src);
             if (r != FSDP_OK) return r;
             s->pend[s->n_pend++] = (pending){m->unit, w, dst, NULL};
+            FSDP_TRY(issue_replica_average(s, &s->pend[s->n_pend - 1]));
         } else if (reduces_into_grad(s, u)) {
             /* the reduce-scatter adds its average into the gradient shard as it sums the terms */
             unit_grad_written(u);
@@ -359,6 +348,7 @@ static fsdp_status unit_backward_done(void *p) {
                 return r;
             }
             s->pend[s->n_pend++] = (pending){m->unit, w, dst, NULL};
+            FSDP_TRY(issue_replica_average(s, &s->pend[s->n_pend - 1]));
         }
         sched_unlink_grads(u);
         tensor_release(u->flat_grad);
@@ -387,7 +377,6 @@ static fsdp_status after_backward(void *p) {
 static fsdp_status finish_backward(void *p) {
     fsdp_sched *s = p;
     fsdp_status st = FSDP_OK;
-    if (s->replica_comm && s->replica_size > 1) st = replica_averages_issued(s);
     for (int k = 0; k < s->n_pend; k++) {
         fsdp_status r = add_reduced(s, k);
         if (r != FSDP_OK && st == FSDP_OK) st = r;

@@ -103,7 +103,7 @@ typedef struct pending {
                                     * values in the reduce dtype's range: local_reduce_in_place); NULL for an
                                     * all-reduce in place (direct) or a reduce-scatter that adds straight into
                                     * the gradient shard */
-    fsdp_work *replica;            /* hybrid, after the walk: the replica average of reduced, issued (or NULL) */
+    fsdp_work *replica;            /* hybrid: the replica average of reduced, issued behind work (or NULL) */
 } pending;
 
 struct fsdp_sched {

@@ -364,7 +364,9 @@ local MiB = 2 ^ 20
 --- M.format_comm(busy_ms, exposed_ms) -> "comm busy 14.0 ms, exposed 3.1 ms
 -- (78% hidden)": how long a collective ran in the step and how much of
 -- that the compute waited for (the rest ran behind compute). Each is the
--- maximum over the ranks.
+-- maximum over the ranks. A wait also covers the comm thread's start on a
+-- loaded host (the collective queued, not yet running), so exposed can pass
+-- busy; hidden is then 0%.
 function M.format_comm(busy_ms, exposed_ms)
   if not busy_ms then return string.format("comm wait %.1f ms", exposed_ms) end
   local hidden = busy_ms > 0 and math.max(0, math.min(1, 1 - exposed_ms / busy_ms)) or nil

@@ -63,6 +63,21 @@ for _, case in ipairs({ { 3, "full_shard" }, { 4, "hybrid_shard", 2 } }) do
     -- rank 0's shard group is ranks {0, 1}, its replicas {0, 2}: the levels the comm model tells apart
     t.ok(levels["2/0/1"] and levels["2/0/2"], tag .. ": the shard group (2 ranks from 0, stride 1) and the replica "
       .. "group (stride 2) are told apart")
+    -- each unit's replica average is issued right behind its reduce-scatter (the same unit's label), so it
+    -- runs during the rest of the backward, not after the walk
+    local coll, behind, rs = {}, 0, 0
+    for _, ev in ipairs(p.timeline) do
+      if ev.type == "issue" and ev.kind ~= "all_reduce_doubles" then coll[#coll + 1] = ev end
+    end
+    for i, ev in ipairs(coll) do
+      if ev.kind == "reduce_scatter" then
+        rs = rs + 1
+        local nx = coll[i + 1]
+        if nx and nx.kind == "all_reduce" and nx.stride == 2 and nx.label == ev.label then behind = behind + 1 end
+      end
+    end
+    t.ok(rs >= 3, tag .. ": a reduce-scatter per unit, got " .. rs)
+    t.eq(behind, rs, tag .. ": every reduce-scatter is followed at once by its unit's replica all-reduce")
   else
     t.ok(levels["3/0/1"], tag .. ": the world's collectives span ranks 0..2")
   end

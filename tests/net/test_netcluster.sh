@@ -82,6 +82,18 @@ still_alive() {
   echo "$left"
 }
 
+# the processes inside run P's namespaces once its command (sleep) runs
+# there, waiting up to 30 s (set-up steps come and go in them before)
+inside_of() {
+  local q found=""
+  for _ in $(seq 300); do
+    found=$(ip netns pids "netcl-$1-node0" 2>/dev/null; ip netns pids "netcl-$1-node1" 2>/dev/null)
+    for q in $found; do [ "$(cat /proc/$q/comm 2>/dev/null)" = sleep ] && { echo $found; return; }; done
+    sleep 0.1
+  done
+  echo $found
+}
+
 # interrupted (Ctrl-C: INT; a job's end: TERM): everything torn down, its
 # command's processes too. Started through python so that INT is not ignored
 # as it is for a script's background jobs.
@@ -89,8 +101,7 @@ for sig in INT TERM; do
   python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
     "$NC" run --nodes=2 -- sleep 30 >/dev/null 2>&1 &
   p=$!
-  for _ in $(seq 300); do [ -n "$(ip netns pids "netcl-$p-node1" 2>/dev/null)" ] && break; sleep 0.1; done
-  inside=$(ip netns pids "netcl-$p-node0"; ip netns pids "netcl-$p-node1")
+  inside=$(inside_of $p)
   [ -n "$inside" ] && ok || bad "$sig: the run has processes in its namespaces"
   kill -$sig $p; wait $p; rc=$?
   [ $rc -ne 0 ] && ok || bad "$sig: the run exits non-zero"
@@ -103,8 +114,7 @@ done
 # killed with -9 mid-run: what it left is cleaned by the next run, which works
 "$NC" run --nodes=2 -- sleep 30 >/dev/null 2>&1 &
 killed=$!
-for _ in $(seq 300); do [ -n "$(ip netns pids "netcl-$killed-node1" 2>/dev/null)" ] && break; sleep 0.1; done
-inside=$(ip netns pids "netcl-$killed-node0"; ip netns pids "netcl-$killed-node1")
+inside=$(inside_of $killed)
 [ -n "$(left_of $killed)" ] && [ -n "$inside" ] && ok || bad "the run to be killed has its namespaces"
 kill -9 $killed; wait $killed 2>/dev/null
 out=$("$NC" run --nodes=2 -- hostname 2>&1); rc=$?

@@ -66,8 +66,6 @@ for step, r in ipairs(recs) do
   -- busy: a collective ran; exposed: the compute waited (each the max over ranks, within the step)
   t.eq(r.comm_exposed_ms, r.comm_wait_ms, what .. "exposed is the wait")
   t.ok(r.comm_busy_ms >= 0 and r.comm_busy_ms <= r.step_ms, what .. "busy within the step: " .. r.comm_busy_ms)
-  t.ok(r.comm_exposed_ms <= r.comm_busy_ms + 0.5, string.format("%sthe compute waits only while a collective runs:"
-    .. " exposed %.3f, busy %.3f ms", what, r.comm_exposed_ms, r.comm_busy_ms))
   if world > 1 then t.ok(r.comm_busy_ms > 0, what .. "collectives ran") end
   t.near(r.tokens_per_s, B * T * world / (r.step_ms / 1e3), 1e-9, what .. "tokens/s")
   t.near(r.mfu, 100 * r.tokens_per_s * fpt / m.peak_flops, 1e-9, what .. "MFU, a percentage")
