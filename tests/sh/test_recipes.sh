@@ -53,6 +53,14 @@ head -c 2048 /dev/zero >> "$TMP/bad_000.bin"
 fails "bad shard header" "bad_000.bin" "20240520" -- --data="$TMP/bad_*.bin"
 "$L" -e "local d = require 'fsdp.data'; d.write_shard('$TMP/short_000.bin', {1, 2, 3}, 3)" >/dev/null 2>&1
 fails "too few tokens" "short_000.bin" -- --data="$TMP/short_*.bin"
+# a shape of one's own over the preset: 3 blocks of width 48, 3 heads (V=256, T=64):
+# wte 256*48 + wpe 64*48 + 3 x (12*48^2 + 13*48) + ln_f 2*48 = 100272 parameters
+out=$("$L" recipes/gpt2.lua --layers=3 --width=48 --heads=3 --steps=2 --eval-every=0 --sample=0 2>&1)
+[ $? -eq 0 ] && ok || bad "--layers --width --heads run" "$out"
+has "the shape asked" "$out" "gpt tiny: 0.10M parameters, 3 layers, width 48"
+fails "width not divisible by heads" "the width 30 is not divisible by 4 heads (--width, --heads)" -- --width=30
+fails "llama's odd head size" "the head size 9 (width 36 / 4 heads) must be even" -- --model=llama --width=36
+fails "--init with a shape" "--init loads GPT-2's own shape" -- --init=tests/fixtures/gpt2_tiny_golden.safetensors --layers=1
 # context longer than the model's
 fails "context too long" "--ctx=100 is longer than the tiny model's context of 64" -- --ctx=100
 # token ids beyond the vocabulary: GPT-2-sized ids into the byte-level tiny model
