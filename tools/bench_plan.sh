@@ -28,10 +28,10 @@ declare -A cfg=(
   [limit1]="--limit=1"
   [recompute]="--recompute"
   [bf16]="--dtype=bf16"
-  [fwd_prefetch]="--forward-prefetch"
+  [no_fwd_prefetch]="--no-forward-prefetch"
   [head_chunk]="--head-chunk=64"
 )
-names=(full_shard shard_grad_op no_shard prefetch_none limit1 recompute bf16 fwd_prefetch head_chunk)
+names=(full_shard shard_grad_op no_shard prefetch_none limit1 recompute bf16 no_fwd_prefetch head_chunk)
 declare -A pred
 for n in "${names[@]}"; do
   "$LAUNCHER" --plan --world=2 --rank=0 --plan-json="$work/$n.json" $base ${cfg[$n]} > /dev/null

@@ -48,6 +48,8 @@ options:
   --trace=FILE   write a timeline of the run to FILE (Chrome/Perfetto trace
                  JSON: ops, collectives, waits and steps, one process per
                  rank; FSDP_TRACE=FILE does the same)
+  --verbose      each rank says where it runs before the script: host,
+                 local rank, device, threads (FSDP_VERBOSE=1 does the same)
   -v, --version  print the fsdp-lua, engine and LuaJIT versions
   -h, --help     print this help
   --             stop handling options
@@ -168,6 +170,7 @@ function M.main(argv)
   local env_problem = require("fsdp.env_check").problem()
   if env_problem then io.stderr:write("fsdp-lua: ", env_problem, "\n"); return USAGE_EXIT end
   local actions, interactive, show_version, script = {}, false, false, nil
+  local verbose = os.getenv("FSDP_VERBOSE") == "1"
   local plan, plan_world, plan_rank, plan_device = false, nil, nil, nil
   local plan_extra, calibrate = {}, false   -- (fsdp.plan_cli's options)
   local plan_cli_opts = { link = "value", ranks_per_node = "value", plan_json = "value", memory = "value",
@@ -183,6 +186,8 @@ function M.main(argv)
       interactive, i = true, i + 1
     elseif a == "-v" or a == "--version" then
       show_version, i = true, i + 1
+    elseif a == "--verbose" then
+      verbose, i = true, i + 1
     elseif a == "--plan" then
       plan, i = true, i + 1
     elseif a:match("^%-%-world=") or a == "--world" then
@@ -243,6 +248,7 @@ function M.main(argv)
   _G.fsdp = fsdp   -- for -e code and the REPL; recipes require it themselves
   guard_exit()
   if show_version then print(version_line(fsdp)) end
+  if verbose then require("fsdp.placement").report() end
   if calibrate then
     require("fsdp.calibrate").run()
     return 0

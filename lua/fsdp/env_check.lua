@@ -38,6 +38,7 @@ M.rules = {
   FSDP_REPL_REJOIN_SECONDS = { function(v) local n = number(v); return n and n >= 0 end,
                                "a number of seconds >= 0" },
   FSDP_PROGRESS = { one_of("0", "1"), "0 or 1" },
+  FSDP_VERBOSE = { one_of("0", "1"), "0 or 1" },
   FSDP_DEBUG_COLLECTIVES = { one_of("0", "1"), "0 or 1" },
   FSDP_NCCL_BLOCKING_WAIT = { one_of("0", "1"), "0 or 1" },
   FSDP_COMM_SYNC = { one_of("0", "1"), "0 or 1" },

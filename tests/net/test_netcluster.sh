@@ -37,6 +37,10 @@ rank 1 on node0
 rank 2 on node1
 rank 3 on node1"
 [ "$(sort <<<"$out")" = "$want" ] && ok || bad "ranks 0,1 on node0 and 2,3 on node1" "$out"
+# the engine's own placement (MPI's shared-memory split, not the launcher's variables): local ranks 0,1 per node
+out=$(FSDP_NUM_THREADS=1 "$NC" run --nodes=2 --ranks-per-node=2 -- "$L" --verbose -e 'x = 1' 2>&1)
+want=$(for r in 0 1 2 3; do echo "rank $r of 4 on host node$((r / 2)): local rank $((r % 2)) of 2, device cpu (1 threads)"; done)
+[ "$(grep '^rank ' <<<"$out")" = "$want" ] && ok || bad "--verbose: each node's local ranks 0 and 1" "$out"
 # the addresses are the namespaces' own: node1 reaches node0, and nothing else
 out=$("$NC" run --nodes=2 -- sh -c 'ip -4 route; ip -4 -o addr show eth0' 2>&1)
 ! grep -q default <<<"$out" && grep -q '10.213.0.1/24' <<<"$out" && grep -q '10.213.0.2/24' <<<"$out" && ok ||

@@ -150,6 +150,19 @@ if command -v mpirun >/dev/null 2>&1; then
     out=$(timeout 60 mpirun -np 2 "$L" -e 'if fsdp.rank() == 1 then error("rank one fails") end while true do end' 2>&1); rc=$?
     if [ $rc -ne 0 ] && [ $rc -ne 124 ]; then ok; else bad "mpirun: an error on rank 1 ends the job (exit $rc)" "$out"; fi
     has "mpirun: the failing rank's message" "$out" "fsdp-lua: rank 1: (command line):1: rank one fails"
+    # --verbose (or FSDP_VERBOSE=1): one placement line per rank, in rank order, before the script runs
+    host=$(hostname)
+    for how in --verbose FSDP_VERBOSE=1; do
+      if [ "$how" = --verbose ]; then
+        out=$(FSDP_NUM_THREADS=1 timeout 60 mpirun -np 3 -x FSDP_NUM_THREADS "$L" --verbose -e 'print("script")' 2>&1)
+      else
+        out=$(FSDP_VERBOSE=1 FSDP_NUM_THREADS=1 timeout 60 mpirun -np 3 -x FSDP_VERBOSE -x FSDP_NUM_THREADS "$L" \
+              -e 'print("script")' 2>&1)
+      fi
+      want=$(for r in 0 1 2; do echo "rank $r of 3 on host $host: local rank $r of 3, device cpu (1 threads)"; done)
+      [ "$(grep '^rank ' <<<"$out")" = "$want" ] && ok || bad "$how: a placement line per rank, in order" "$out"
+      [ "$(grep -n script <<<"$out" | head -1 | cut -d: -f1)" -gt 3 ] && ok || bad "$how: the lines come first" "$out"
+    done
   else
     echo "note: mpirun does not start here; skipping the two-rank checks"
   fi
