@@ -21,6 +21,8 @@ local o = options.parse(..., {
   { "layers", "int", nil, "transformer blocks (default: the preset's)", min = 1 },
   { "width", "int", nil, "model width, the embedding size (default: the preset's)", min = 1 },
   { "heads", "int", nil, "attention heads, dividing the width (default: the preset's)", min = 1 },
+  { "hidden", "int", nil, "MLP hidden size (default: 4 x width; Llama's SwiGLU 8/3 x width)", min = 1 },
+  { "vocab", "int", nil, "vocabulary size (default: the preset's; the data's token ids lie below it)", min = 1 },
   { "data", "string", "data/corpus.txt", "a text file (byte tokens), a glob of .bin token shards, or their folder" },
   { "val_data", "string", nil, "evaluation data (default: held out from --data)" },
   { "steps", "int", 200, "training steps", min = 1 },
@@ -88,6 +90,7 @@ local cfg, world = nn.gpt_preset(o.preset), dist.world()
 if o.head_chunk > 0 then cfg.head_chunk = o.head_chunk end
 -- a shape of one's own over the preset's (its vocabulary and context stay)
 cfg.n_layer, cfg.n_embd, cfg.n_head = o.layers or cfg.n_layer, o.width or cfg.n_embd, o.heads or cfg.n_head
+cfg.hidden, cfg.vocab_size = o.hidden or cfg.hidden, o.vocab or cfg.vocab_size
 options.check("gpt2.lua", {   -- what cannot work is refused before anything is built
   { o.ctx <= cfg.block_size, "--ctx=%d is longer than the %s model's context of %d", o.ctx, o.preset, cfg.block_size },
   { cfg.n_embd % cfg.n_head == 0, "the width %d is not divisible by %d heads (--width, --heads)", cfg.n_embd,
@@ -95,8 +98,8 @@ options.check("gpt2.lua", {   -- what cannot work is refused before anything is 
   { o.model ~= "llama" or cfg.n_embd % cfg.n_head ~= 0 or (cfg.n_embd / cfg.n_head) % 2 == 0, "--model=llama "
     .. "rotates pairs of each head's dimensions: the head size %d (width %d / %d heads) must be even",
     math.floor(cfg.n_embd / cfg.n_head), cfg.n_embd, cfg.n_head },
-  { not o.init or not (o.layers or o.width or o.heads), "--init loads GPT-2's own shape: leave out --layers, "
-    .. "--width and --heads" },
+  { not o.init or not (o.layers or o.width or o.heads or o.hidden or o.vocab), "--init loads GPT-2's own shape: "
+    .. "leave out --layers, --width, --heads, --hidden and --vocab" },
   { o.batch % (world * o.accum) == 0, "--batch=%d is not divisible by %d ranks x %d micro-batches", o.batch, world,
     o.accum },
   { o.model == "gpt" or not (o.export or o.init), "--%s uses Hugging Face GPT-2 names, which --model=%s does not "

@@ -58,9 +58,17 @@ fails "too few tokens" "short_000.bin" -- --data="$TMP/short_*.bin"
 out=$("$L" recipes/gpt2.lua --layers=3 --width=48 --heads=3 --steps=2 --eval-every=0 --sample=0 2>&1)
 [ $? -eq 0 ] && ok || bad "--layers --width --heads run" "$out"
 has "the shape asked" "$out" "gpt tiny: 0.10M parameters, 3 layers, width 48"
+# --vocab and --hidden: V=300 (padded 384), C=32, one block with an MLP of 40:
+# wte 384*32 + wpe 64*32 + ln 2*64 + c_attn 32*96+96 + proj 32*32+32 + c_fc 32*40+40 + c_proj 40*32+32 + ln_f 64
+out=$("$L" recipes/gpt2.lua --layers=1 --width=32 --heads=2 --hidden=40 --vocab=300 --steps=1 --eval-every=0 \
+      --sample=0 2>&1)
+has "--vocab" "$out" "1 layers, width 32, vocab 300 (padded 384)"
+out=$("$L" -e 'print(require("fsdp.nn").GPT { vocab_size = 300, n_layer = 1, n_head = 2, n_embd = 32, block_size = 64,
+  hidden = 40 }:num_parameters())' 2>&1)
+[ "$out" = 21384 ] && ok || bad "GPT's hidden: 21384 parameters" "$out"
 fails "width not divisible by heads" "the width 30 is not divisible by 4 heads (--width, --heads)" -- --width=30
 fails "llama's odd head size" "the head size 9 (width 36 / 4 heads) must be even" -- --model=llama --width=36
-fails "--init with a shape" "--init loads GPT-2's own shape" -- --init=tests/fixtures/gpt2_tiny_golden.safetensors --layers=1
+fails "--init with a shape" "--init loads GPT-2's own shape" -- --init=tests/fixtures/gpt2_tiny_golden.safetensors --hidden=8
 # context longer than the model's
 fails "context too long" "--ctx=100 is longer than the tiny model's context of 64" -- --ctx=100
 # token ids beyond the vocabulary: GPT-2-sized ids into the byte-level tiny model

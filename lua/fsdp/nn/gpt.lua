@@ -68,7 +68,8 @@ local function common_init(self, name, cfg)
 end
 
 local GPT = Module:extend("GPT")
---- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128, head_chunk=nil}
+--- GPT{vocab_size=, n_layer=, n_head=, n_embd=, block_size=, dropout=0, pad_to=128, head_chunk=nil,
+--      hidden=4*n_embd (the MLP's)}
 -- head_chunk = R: the LM head and its loss go R vocabulary rows at a time
 -- (fsdp.chunked_cross_entropy): no (B, T, V) logits in memory, and under
 -- fsdp.shard the tied embedding becomes a sliced unit, gathered and reduced
@@ -82,7 +83,7 @@ function GPT:__init(cfg)
   self:add("wpe", layers.Embedding(cfg.block_size, C))
   local h = self:add("h", tr.ModuleList())
   for _ = 1, cfg.n_layer do
-    h:append(tr.Block(C, cfg.n_head, { proj_std = proj_std, dropout = cfg.dropout }))
+    h:append(tr.Block(C, cfg.n_head, { proj_std = proj_std, dropout = cfg.dropout, hidden = cfg.hidden }))
   end
   self:add("ln_f", layers.LayerNorm(C))
 end
