@@ -6,8 +6,10 @@
 # configuration: the median over steps 3..STEPS (from --metrics) of the
 # step, the comm busy time (a collective running), the exposed time (the
 # compute waiting for one) and the share hidden, each the median over the
-# rounds, which run interleaved. Needs root (network namespaces).
-#   tools/bench_net.sh 1 10
+# rounds, which run interleaved. Names after STEPS pick configurations
+# (default: all but the compressed ones). Needs root (network namespaces).
+#   tools/bench_net.sh 2 8
+#   tools/bench_net.sh 2 8 1gbit 1gbit_int8 100mbit 100mbit_int8
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source tools/bench_lib.sh
@@ -26,8 +28,11 @@ declare -A how=(
   [100mbit]="net --rate=100mbit" [100mbit_nofp]="net --rate=100mbit --no-forward-prefetch"
   [hybrid_host]="mpirun4 --strategy=hybrid_shard --group-size=2"
   [hybrid_1gbit]="net4 --rate=1gbit --strategy=hybrid_shard --group-size=2"
+  [1gbit_int8]="net --rate=1gbit --grad-compress=int8" [100mbit_int8]="net --rate=100mbit --grad-compress=int8"
 )
 names=(host host_nofp unshaped 10gbit 1gbit 1gbit_nofp 100mbit 100mbit_nofp hybrid_host hybrid_1gbit)
+if [ $# -gt 2 ]; then names=("${@:3}"); fi
+for n in "${names[@]}"; do [ -n "${how[$n]:-}" ] || { echo "bench_net.sh: no configuration '$n'" >&2; exit 2; }; done
 
 run_one() {
   local name=$1 round=$2 words kind rate="" extra=() out="$work/$1.$2.jsonl"
