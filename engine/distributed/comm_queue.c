@@ -447,10 +447,8 @@ static void poll_inflight(void) {
         int r = dev->work_poll(w->gw, &started);
         if (r < 0) comm_gpu_fatal(w, fsdp_last_error(), 0);
         if (r > 0) {
-            if (counts_busy(w)) {
-                double now = comm_now();
-                comm_count_busy(w->started > 0 ? w->started : w->launched > 0 ? w->launched : now, now);
-            }
+            /* (inflight_push stamped launched before any poll) */
+            if (counts_busy(w)) comm_count_busy(w->started > 0 ? w->started : w->launched, comm_now());
             g_inflight = w->gnext;
             if (!g_inflight) g_inflight_tail = NULL;
             comm_work_drop_tensors(w);
