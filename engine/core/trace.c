@@ -168,22 +168,37 @@ static bool queue_bookkeeping(const char *name) {
     return !strcmp(name, "split") || !strcmp(name, "free") || !strcmp(name, "cancel") || !strcmp(name, "group_end");
 }
 
+typedef struct { double t0, t1; } span;
+static int span_cmp(const void *a, const void *b) {
+    double x = ((const span *)a)->t0, y = ((const span *)b)->t0;
+    return x < y ? -1 : x > y;
+}
+
 /* Over the events since the last step mark, clipped to [a, b] (relative
- * microseconds): the time at least one collective ran (comm track; they
- * run one after another there) and the compute track's waits for them. */
+ * microseconds): the time at least one collective ran (the comm tracks:
+ * one after another on each, the lanes beside each other) and the compute
+ * track's waits for them. */
 static void step_comm_figures(double a, double b, double *busy, double *exposed) {
-    double end = a;
     *busy = *exposed = 0;
+    span *sp = malloc((g_n - g_mark_n + 1) * sizeof *sp);
+    size_t n = 0;
     for (size_t i = g_mark_n; i < g_n; i++) {
         const trace_event *e = &g_ev[i];
         double t0 = e->ts > a ? e->ts : a, t1 = e->ts + e->dur < b ? e->ts + e->dur : b;
-        if (e->track == TRACE_COMM && !queue_bookkeeping(e->name)) {
-            if (t0 < end) t0 = end;
-            if (t1 > t0) *busy += t1 - t0, end = t1;
+        if ((e->track == TRACE_COMM || e->track == TRACE_COMM_REPLICA) && !queue_bookkeeping(e->name)) {
+            if (sp && t1 > t0) sp[n++] = (span){t0, t1};
         } else if (e->track == TRACE_COMPUTE && strcmp(e->name, "wait") == 0 && t1 > t0) {
             *exposed += t1 - t0;
         }
     }
+    if (!sp) return;   /* out of memory: no busy figure rather than a wrong one */
+    qsort(sp, n, sizeof *sp, span_cmp);
+    double end = a;
+    for (size_t i = 0; i < n; i++) {
+        double t0 = sp[i].t0 < end ? end : sp[i].t0;
+        if (sp[i].t1 > t0) *busy += sp[i].t1 - t0, end = sp[i].t1;
+    }
+    free(sp);
 }
 
 fsdp_status fsdp_trace_step(int64_t step) {
@@ -207,7 +222,7 @@ fsdp_status fsdp_trace_step(int64_t step) {
     return FSDP_OK;
 }
 
-static const char *track_names[] = {"steps", "compute", "comm"};
+static const char *track_names[TRACE_TRACKS] = {"steps", "compute", "comm", "replica comm"};
 
 /* JSON string body: quotes, backslashes and control bytes escaped. */
 static void put_json(FILE *f, const char *s) {
@@ -227,7 +242,7 @@ static char *events_json(int rank, size_t *len) {
     if (!f) return NULL;
     fprintf(f, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}},\n", rank, rank);
     fprintf(f, "{\"ph\":\"M\",\"pid\":%d,\"name\":\"process_sort_index\",\"args\":{\"sort_index\":%d}},\n", rank, rank);
-    for (int t = 0; t < 3; t++)
+    for (int t = 0; t < TRACE_TRACKS; t++)
         fprintf(f, "{\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"name\":\"thread_name\",\"args\":{\"name\":\"%s\"}},\n", rank,
                 t, track_names[t]);
     for (size_t i = 0; i < g_n; i++) {

@@ -6,7 +6,8 @@
 #include "fsdp.h"
 #include <stdint.h>
 
-enum { TRACE_STEPS = 0, TRACE_COMPUTE = 1, TRACE_COMM = 2 };
+/* TRACE_COMM_REPLICA: the replica lane's collectives (hybrid_shard on the CPU) */
+enum { TRACE_STEPS = 0, TRACE_COMPUTE = 1, TRACE_COMM = 2, TRACE_COMM_REPLICA = 3, TRACE_TRACKS = 4 };
 
 extern int fsdp_trace_on;
 

@@ -82,6 +82,7 @@ struct fsdp_comm {
     comm_counts *counts;
     int *members;                 /* world rank of each rank of c; NULL: c's ranks are world ranks */
     fingerprint last_done;        /* the last collective finished on c (seq UINT64_MAX: none; comm thread) */
+    int lane;                     /* the comm thread its collectives run on (comm_set_lane; 0 by default) */
     struct fsdp_comm *next_live;  /* the list of live communicators (comm_live_*) */
 };
 
@@ -139,6 +140,10 @@ struct fsdp_work {
     double started;               /* comm thread: when the compute stream reached it (0: not yet) */
     double launched;              /* comm thread: when it was put on the comm stream */
     struct fsdp_work *gnext;      /* comm thread: in flight on the GPU */
+    /* lanes (comm_queue.c) */
+    int lane;                     /* its communicator's, at issue */
+    uint64_t order;               /* issue order across lanes */
+    struct fsdp_work *after[COMM_LANES];   /* works of other lanes it waits for (retained), or NULL */
 };
 
 /* Before the calling thread waits for w: the members of its open group
@@ -152,6 +157,7 @@ typedef struct comm_config {
     bool blocking_wait;    /* FSDP_NCCL_BLOCKING_WAIT: host waits for CUDA collectives */
     double watchdog_s;     /* FSDP_WATCHDOG_SECONDS; 0: off */
     bool sync;             /* FSDP_COMM_SYNC: every collective completes before it returns */
+    int lanes;             /* FSDP_COMM_LANES: comm threads (1 or 2; comm_set_lane) */
     char error[160];       /* a setting that was refused ("" when all are fine) */
 } comm_config;
 const comm_config *comm_cfg(void);
@@ -176,8 +182,14 @@ void comm_work_take_error(fsdp_work *w, fsdp_status st);
 /* A collective that ran: the process-wide traffic and the family's counts
  * (c NULL: the communicator is gone, only the process-wide figures). */
 void comm_count_traffic(fsdp_work *w, fsdp_comm *c);
-/* A collective ran from t0 to t1 (comm_now seconds): fsdp_comm_busy's time. */
+/* A CUDA collective ran on the GPU from t0 to t1 (comm_now seconds):
+ * fsdp_comm_busy's time (lane 0's). */
 void comm_count_busy(double t0, double t1);
+/* A host collective's run on a lane's thread begins at t0 / ends at t1;
+ * counted: whether it is busy time (it moved data and did not fail). The
+ * union over lanes is fsdp_comm_busy's; each lane's own, its lane figure. */
+void comm_busy_begin(double t0);
+void comm_busy_end(int lane, double t0, double t1, bool counted);
 /* This thread's last error without the " [rank N]" fsdp_set_error appends. */
 int comm_last_error_len(const char **e);
 

@@ -34,6 +34,16 @@ void comm_group_end(void);
 /* A new communicator of the same ranks in the same order (collective over
  * parent; works on every backend, counting ones included). */
 fsdp_status comm_dup(fsdp_comm **out, fsdp_comm *parent);
+/* Comm lanes: a lane is a comm thread with its own queue (comm_queue.c).
+ * Lane 0 runs every communicator's collectives unless one is put on the
+ * replica lane (hybrid_shard's replica reductions of host tensors), which
+ * then progress beside lane 0's. comm_set_lane applies only to a
+ * communicator between ranks that has queued nothing yet, when MPI runs
+ * with MPI_THREAD_MULTIPLE and FSDP_COMM_LANES is not 1; otherwise it
+ * leaves c on lane 0. comm_lane_of says where c is. */
+enum { COMM_LANE_MAIN = 0, COMM_LANE_REPLICA = 1, COMM_LANES = FSDP_COMM_LANES };
+void comm_set_lane(fsdp_comm *c, int lane);
+int comm_lane_of(fsdp_comm *c);
 /* Drains the collective queue and stops the comm thread (a later collective
  * starts it again). fsdp_runtime_finalize calls it before MPI_Finalize. A
  * queue that does not drain within the watchdog time ends the job. */

@@ -61,6 +61,13 @@ static void config_init(void) {
     g_cfg.debug = env_flag("FSDP_DEBUG_COLLECTIVES");
     g_cfg.blocking_wait = env_flag("FSDP_NCCL_BLOCKING_WAIT");
     g_cfg.sync = env_flag("FSDP_COMM_SYNC");
+    g_cfg.lanes = COMM_LANES;
+    const char *lanes = getenv("FSDP_COMM_LANES");
+    if (lanes && lanes[0]) {
+        if (!strcmp(lanes, "1") || !strcmp(lanes, "2")) g_cfg.lanes = lanes[0] - '0';
+        else snprintf(g_cfg.error, sizeof g_cfg.error, "FSDP_COMM_LANES=%.16s: expected 1 (one comm thread) or 2 "
+                      "(replica reductions on a thread of their own)", lanes);
+    }
     const char *w = getenv("FSDP_WATCHDOG_SECONDS");
     if (w && w[0]) {
         char *end = NULL;
@@ -93,20 +100,37 @@ double comm_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* ---- the queue ---- */
+/* ---- the lanes ----
+ * A lane is one comm thread with its own queue. Every communicator's
+ * collectives run on lane 0 unless it was put on another (comm_set_lane:
+ * hybrid_shard's replica reductions on the CPU, so that an all-reduce
+ * across a slow inter-node link does not hold up the intra-node gathers
+ * queued behind it). The works of one communicator stay on its lane, in
+ * issue order, so every rank still enters each communicator's collectives
+ * in one order; a work that touches bytes an unfinished work of another
+ * lane touches (one of them writing) waits for that work before it runs.
+ * Such waits point back in the issue order, which is the same on every
+ * rank, so they cannot close a cycle. CUDA collectives run on lane 0 only
+ * (one comm stream: two threads would order it differently on each rank). */
 
-static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t q_cv = PTHREAD_COND_INITIALIZER;     /* work arrived, or stop */
-static pthread_cond_t q_idle = PTHREAD_COND_INITIALIZER;   /* queue drained */
-static fsdp_work *q_head, *q_tail;
-static bool q_running, q_stop, q_busy;
-static pthread_t q_thread;
-static fsdp_work *q_run;              /* the work the thread runs now, or NULL */
-static fingerprint q_current;         /* what the thread runs now, for the watchdog */
-static char q_current_comm[COMM_NAME];
-static int q_current_size;
-static rank_state q_state = RS_IDLE;
-static double q_state_since;
+typedef struct lane {
+    pthread_cond_t cv;            /* work arrived, or stop */
+    fsdp_work *head, *tail;
+    bool running, stop, busy;
+    pthread_t thread;
+    fsdp_work *run;               /* the work the thread runs now, or NULL */
+    fingerprint current;          /* what the thread runs now, for the watchdog */
+    char current_comm[COMM_NAME];
+    int current_size;
+    rank_state state;
+    double state_since;
+} lane;
+
+static pthread_mutex_t q_mu = PTHREAD_MUTEX_INITIALIZER;      /* every lane's queue and state */
+static pthread_cond_t q_idle = PTHREAD_COND_INITIALIZER;      /* a lane drained */
+static lane g_lanes[COMM_LANES] = {{.cv = PTHREAD_COND_INITIALIZER}, {.cv = PTHREAD_COND_INITIALIZER}};
+static _Thread_local lane *t_lane;    /* the comm thread's own lane */
+static uint64_t q_order;              /* issue order across lanes (comm_queue_pending's oldest) */
 static fingerprint q_last = {.seq = UINT64_MAX};   /* the last collective finished */
 static char q_last_comm[COMM_NAME];
 static int q_last_size;
@@ -117,21 +141,35 @@ static uint64_t q_history_n;
 
 static void set_state(rank_state st) {
     pthread_mutex_lock(&q_mu);
-    q_state = st;
-    q_state_since = comm_now();
+    t_lane->state = st;
+    t_lane->state_since = comm_now();
     pthread_mutex_unlock(&q_mu);
+}
+
+/* The lane a report names (q_mu held): the one that has waited longest in
+ * a collective, or lane 0 when none is in one. */
+static lane *reported_lane(void) {
+    lane *pick = &g_lanes[0];
+    for (int i = 0; i < COMM_LANES; i++) {
+        lane *l = &g_lanes[i];
+        bool in = l->state == RS_ARRIVING || l->state == RS_MOVING;
+        bool pick_in = pick->state == RS_ARRIVING || pick->state == RS_MOVING;
+        if (in && (!pick_in || l->state_since < pick->state_since)) pick = l;
+    }
+    return pick;
 }
 
 void comm_status_fill(comm_status *s) {
     memset(s, 0, sizeof *s);
     s->rank = fsdp_current_rank();
     pthread_mutex_lock(&q_mu);
-    s->state = q_state;
-    s->seconds = q_state_since > 0 ? comm_now() - q_state_since : 0;
-    if (q_state == RS_ARRIVING || q_state == RS_MOVING) {
-        s->current = q_current;
-        snprintf(s->current_comm, sizeof s->current_comm, "%.39s", q_current_comm);
-        s->current_size = q_current_size;
+    const lane *l = reported_lane();
+    s->state = l->state;
+    s->seconds = l->state_since > 0 ? comm_now() - l->state_since : 0;
+    if (l->state == RS_ARRIVING || l->state == RS_MOVING) {
+        s->current = l->current;
+        snprintf(s->current_comm, sizeof s->current_comm, "%.39s", l->current_comm);
+        s->current_size = l->current_size;
     }
     s->last = q_last;
     snprintf(s->last_comm, sizeof s->last_comm, "%.39s", q_last_comm);
@@ -175,10 +213,12 @@ static void note_finished(fsdp_work *w) {
 
 void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size) {
     pthread_mutex_lock(&q_mu);
-    *busy = q_busy;
-    *fp = q_current;
-    snprintf(comm_name, name_size, "%s", q_current_comm);
-    *comm_size = q_current_size;
+    const lane *l = reported_lane();
+    *busy = false;
+    for (int i = 0; i < COMM_LANES; i++) *busy = *busy || g_lanes[i].busy;
+    *fp = l->current;
+    snprintf(comm_name, name_size, "%s", l->current_comm);
+    *comm_size = l->current_size;
     pthread_mutex_unlock(&q_mu);
 }
 
@@ -419,7 +459,7 @@ static fsdp_status run_gpu(fsdp_work *w) {
 
 /* CUDA collectives the GPU has not finished yet, in issue order (one comm
  * stream: they finish in this order). Comm thread only. */
-static fsdp_work *g_inflight, *g_inflight_tail;
+static fsdp_work *g_inflight, *g_inflight_tail;   /* lane 0's thread only */
 
 /* Whether w's run is communication (fsdp_comm_busy): the collectives, not
  * the queue's bookkeeping (frees, splits, group ends, cancels). */
@@ -478,7 +518,7 @@ static void drain_inflight(void) {
 static fsdp_status run_free(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     fsdp_status st = FSDP_OK;
-    if (c->dev) {
+    if (c->dev && t_lane == &g_lanes[COMM_LANE_MAIN]) {   /* (CUDA collectives run on lane 0 only) */
         drain_inflight();   /* nothing of it may still run on the GPU, NCCL or device copies */
         if (c->gpu) st = c->dev->gpu_destroy(c->gpu);
         c->gpu = NULL;
@@ -721,80 +761,139 @@ void comm_set_service(void (*fn)(void)) {
     pthread_mutex_unlock(&q_mu);
 }
 
+/* Before w runs on its lane: the works of other lanes it depends on have
+ * finished (they were queued before it; see "the lanes"). */
+static void wait_dependencies(fsdp_work *w) {
+    for (int i = 0; i < COMM_LANES; i++) {
+        fsdp_work *d = w->after[i];
+        if (!d) continue;
+        pthread_mutex_lock(&d->mu);
+        while (!d->done) pthread_cond_wait(&d->cv, &d->mu);
+        pthread_mutex_unlock(&d->mu);
+        w->after[i] = NULL;
+        comm_work_unref(d);
+    }
+}
+
 static void *comm_thread_main(void *arg) {
-    (void)arg;
+    lane *L = arg;
+    t_lane = L;
+    bool main_lane = L == &g_lanes[0];
     pthread_mutex_lock(&q_mu);
     for (;;) {
-        if (!q_head) {
+        if (!L->head) {
             /* stop once the queue is drained and the GPU has finished */
-            bool gpu_busy = g_inflight != NULL;
-            if (q_stop && !gpu_busy) break;
-            q_busy = false;
+            bool gpu_busy = main_lane && g_inflight != NULL;
+            if (L->stop && !gpu_busy) break;
+            L->busy = false;
             pthread_cond_broadcast(&q_idle);
             if (gpu_busy) {
-                /* poll the collectives in flight every 2 ms (q_cv: realtime clock) */
+                /* poll the collectives in flight every 2 ms (the lane's cv: realtime clock) */
                 struct timespec dl;
                 clock_gettime(CLOCK_REALTIME, &dl);
                 dl.tv_nsec += 2000000L;
                 if (dl.tv_nsec >= 1000000000L) { dl.tv_sec++; dl.tv_nsec -= 1000000000L; }
-                pthread_cond_timedwait(&q_cv, &q_mu, &dl);
+                pthread_cond_timedwait(&L->cv, &q_mu, &dl);
                 pthread_mutex_unlock(&q_mu);
                 poll_inflight();
                 pthread_mutex_lock(&q_mu);
-            } else if (g_service) {
+            } else if (g_service && main_lane) {
                 /* answer other ranks' watchdog questions while idle, every 100 ms */
                 struct timespec dl;
                 clock_gettime(CLOCK_REALTIME, &dl);
                 dl.tv_nsec += 100000000L;
                 if (dl.tv_nsec >= 1000000000L) { dl.tv_sec++; dl.tv_nsec -= 1000000000L; }
-                pthread_cond_timedwait(&q_cv, &q_mu, &dl);
-                if (!q_head && !q_stop) {
+                pthread_cond_timedwait(&L->cv, &q_mu, &dl);
+                if (!L->head && !L->stop) {
                     pthread_mutex_unlock(&q_mu);
                     g_service();
                     pthread_mutex_lock(&q_mu);
                 }
             } else {
-                pthread_cond_wait(&q_cv, &q_mu);
+                pthread_cond_wait(&L->cv, &q_mu);
             }
             continue;
         }
-        fsdp_work *w = q_head;
-        q_head = w->next;
-        if (!q_head) q_tail = NULL;
-        q_busy = true;
-        q_run = w;
-        q_current = w->fp;
-        snprintf(q_current_comm, sizeof q_current_comm, "%s", w->comm_name);
-        q_current_size = w->comm_size;
+        fsdp_work *w = L->head;
+        L->busy = true;
+        pthread_mutex_unlock(&q_mu);
+        wait_dependencies(w);   /* w stays at the head (pending) meanwhile */
+        pthread_mutex_lock(&q_mu);
+        L->head = w->next;
+        if (!L->head) L->tail = NULL;
+        L->run = w;
+        L->current = w->fp;
+        snprintf(L->current_comm, sizeof L->current_comm, "%s", w->comm_name);
+        L->current_size = w->comm_size;
         pthread_mutex_unlock(&q_mu);
 
         double tt0 = trace_now();
-        if (!w->grouped) flush_group();   /* a group ends where its members do */
-        double t_run = comm_now();
-        run_work(w);
+        if (main_lane && !w->grouped) flush_group();   /* a group ends where its members do */
         /* a host collective's run is busy time; a CUDA one's is counted when the GPU finishes it */
-        if (counts_busy(w) && !comm_work_on_gpu(w)) comm_count_busy(t_run, comm_now());
+        bool moves = w->kind != K_FREE && w->kind != K_SPLIT && w->kind != K_GROUP_END && w->kind != K_CANCEL;
+        double t_run = comm_now();
+        if (moves) comm_busy_begin(t_run);
+        run_work(w);
+        if (moves) comm_busy_end(w->lane, t_run, comm_now(), counts_busy(w) && !comm_work_on_gpu(w));
         pthread_mutex_lock(&q_mu);
-        q_run = NULL;   /* ran: no longer pending for fsdp_comm_pending */
+        L->run = NULL;   /* ran: no longer pending for fsdp_comm_pending */
         pthread_mutex_unlock(&q_mu);
         if (tt0 > 0)
-            trace_event_add(TRACE_COMM, comm_kind_names[w->kind], w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq,
-                            tt0, trace_now());
+            trace_event_add(w->lane == COMM_LANE_MAIN ? TRACE_COMM : TRACE_COMM_REPLICA, comm_kind_names[w->kind],
+                            w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, tt0, trace_now());
         if (!w->deferred) complete_work(w);
         else set_state(RS_IDLE);
-        if (g_inflight) poll_inflight();
+        if (main_lane && g_inflight) poll_inflight();
 
         pthread_mutex_lock(&q_mu);
     }
-    q_busy = false;
+    L->busy = false;
     pthread_cond_broadcast(&q_idle);
     pthread_mutex_unlock(&q_mu);
     return NULL;
 }
 
-/* Puts w at the end of the queue, with the next sequence number of its
- * communicator; with only_seq, only when that number is *only_seq (else
- * *issued is false and w stays the caller's). */
+/* The bytes a host work reads and writes (over-estimates only add waits). */
+static void host_ranges(const fsdp_work *w, const void **rd, int64_t *rn, const void **wr, int64_t *wn) {
+    *rd = *wr = NULL;
+    *rn = *wn = 0;
+    switch (w->kind) {
+    case K_ALL_GATHER: case K_REDUCE_SCATTER: case K_ALL_REDUCE: case K_BROADCAST:
+        work_ranges(w, rd, rn, wr, wn);
+        if (w->t_recv) *rn = INT64_MAX / 4;   /* compressed: src is the packed parts; stay on the safe side */
+        break;
+    case K_DOUBLES: *rd = *wr = w->doubles, *rn = *wn = w->n * 8; break;
+    default: break;   /* splits, frees, barriers, cancels: no bytes of the caller's */
+    }
+}
+
+static bool host_works_conflict(const fsdp_work *a, const fsdp_work *b) {
+    const void *ar, *aw, *br, *bw;
+    int64_t arn, awn, brn, bwn;
+    host_ranges(a, &ar, &arn, &aw, &awn);
+    host_ranges(b, &br, &brn, &bw, &bwn);
+    return comm_overlaps(aw, awn, bw, bwn) || comm_overlaps(aw, awn, br, brn) || comm_overlaps(ar, arn, bw, bwn);
+}
+
+/* q_mu held: w waits for the last unfinished work of each other lane it
+ * conflicts with. Only when more than one lane has ever run. */
+static void note_dependencies(fsdp_work *w) {
+    for (int i = 0; i < COMM_LANES; i++) {
+        lane *l = &g_lanes[i];
+        if (i == w->lane || !l->running) continue;
+        fsdp_work *last = NULL;
+        if (l->run && host_works_conflict(l->run, w)) last = l->run;
+        for (fsdp_work *x = l->head; x; x = x->next)
+            if (host_works_conflict(x, w)) last = x;
+        if (!last) continue;
+        atomic_fetch_add(&last->refs, 1);
+        w->after[i] = last;
+    }
+}
+
+/* Puts w at the end of its communicator's lane, with the next sequence
+ * number of its communicator; with only_seq, only when that number is
+ * *only_seq (else *issued is false and w stays the caller's). */
 static fsdp_status enqueue(fsdp_work *w, const uint64_t *only_seq, bool *issued, const char *opname) {
     pthread_mutex_lock(&q_mu);
     if (issued) *issued = false;
@@ -802,27 +901,56 @@ static fsdp_status enqueue(fsdp_work *w, const uint64_t *only_seq, bool *issued,
         pthread_mutex_unlock(&q_mu);
         return FSDP_OK;
     }
-    if (!q_running) {
-        q_stop = false;
-        int rc = pthread_create(&q_thread, NULL, comm_thread_main, NULL);
+    w->lane = w->comm ? w->comm->lane : COMM_LANE_MAIN;
+    if (w->lane != COMM_LANE_MAIN && w->device == FSDP_DEVICE_CUDA) {
+        pthread_mutex_unlock(&q_mu);
+        return fsdp_set_error(FSDP_ERR_INVALID, "%s: comm %s(%d) runs on comm lane %d, which carries host tensors "
+                              "only; a CUDA collective needs a communicator on lane 0", opname, w->comm_name,
+                              w->comm_size, w->lane);
+    }
+    lane *L = &g_lanes[w->lane];
+    if (!L->running) {
+        L->stop = false;
+        int rc = pthread_create(&L->thread, NULL, comm_thread_main, L);
         if (rc != 0) {
             pthread_mutex_unlock(&q_mu);
-            return fsdp_set_error(FSDP_ERR_COMM, "%s: cannot start the comm thread: %s", opname, strerror(rc));
+            return fsdp_set_error(FSDP_ERR_COMM, "%s: cannot start the comm thread of lane %d: %s", opname, w->lane,
+                                  strerror(rc));
         }
-        q_running = true;
+        L->running = true;
     }
     if (issued) *issued = true;
     if (w->counted) w->fp.seq = w->comm->next_seq++;
+    w->order = q_order++;
+    note_dependencies(w);
     atomic_fetch_add(&w->refs, 1);   /* the queue's reference */
     w->next = NULL;
-    if (q_tail) q_tail->next = w;
-    else q_head = w;
-    q_tail = w;
-    q_busy = true;
-    pthread_cond_signal(&q_cv);
+    if (L->tail) L->tail->next = w;
+    else L->head = w;
+    L->tail = w;
+    L->busy = true;
+    pthread_cond_signal(&L->cv);
     pthread_mutex_unlock(&q_mu);
     return FSDP_OK;
 }
+
+/* comm_set_lane's checks: another lane only for a communicator between
+ * ranks that has not queued anything yet, when MPI takes calls from two
+ * threads at once and FSDP_COMM_LANES allows it. */
+void comm_set_lane(fsdp_comm *c, int lane_id) {
+    if (!c || lane_id < 0 || lane_id >= COMM_LANES || comm_cfg()->lanes <= lane_id) return;
+    if (lane_id != COMM_LANE_MAIN) {
+        if (c->be->local || c->size < 2 || c->mpi == MPI_COMM_NULL) return;
+        int level = MPI_THREAD_SINGLE;
+        MPI_Query_thread(&level);
+        if (level < MPI_THREAD_MULTIPLE) return;
+    }
+    pthread_mutex_lock(&q_mu);
+    if (c->next_seq == 0) c->lane = lane_id;
+    pthread_mutex_unlock(&q_mu);
+}
+
+int comm_lane_of(fsdp_comm *c) { return c ? c->lane : -1; }
 
 fsdp_status comm_issue_if_next(fsdp_work *w, uint64_t seq, bool *issued, const char *opname) {
     fsdp_status st = enqueue(w, &seq, issued, opname);
@@ -832,13 +960,20 @@ fsdp_status comm_issue_if_next(fsdp_work *w, uint64_t seq, bool *issued, const c
 
 void comm_queue_pending(int64_t *n, uint64_t *comm_id, uint64_t *seq, bool *moving) {
     pthread_mutex_lock(&q_mu);
-    int64_t count = q_run ? 1 : 0;
-    for (fsdp_work *w = q_head; w; w = w->next) count++;
-    fsdp_work *oldest = q_run ? q_run : q_head;
+    int64_t count = 0;
+    fsdp_work *oldest = NULL;
+    const lane *at = NULL;
+    for (int i = 0; i < COMM_LANES; i++) {
+        const lane *l = &g_lanes[i];
+        fsdp_work *first = l->run ? l->run : l->head;
+        count += l->run ? 1 : 0;
+        for (fsdp_work *w = l->head; w; w = w->next) count++;
+        if (first && (!oldest || first->order < oldest->order)) oldest = first, at = l;
+    }
     *n = count;
     *comm_id = oldest ? oldest->fp.comm_id : 0;
     *seq = oldest && oldest->counted ? oldest->fp.seq : UINT64_MAX;
-    *moving = q_run && q_state == RS_MOVING;
+    *moving = at && at->run && at->state == RS_MOVING;
     pthread_mutex_unlock(&q_mu);
 }
 
@@ -891,29 +1026,38 @@ fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
 
 /* ---- shutdown ---- */
 
+static bool any_lane_busy(void) {
+    for (int i = 0; i < COMM_LANES; i++)
+        if (g_lanes[i].busy || g_lanes[i].head) return true;
+    return false;
+}
+
 void comm_shutdown(void) {
     comm_cfg();
     pthread_mutex_lock(&q_mu);
-    if (!q_running) {
+    bool running = false;
+    for (int i = 0; i < COMM_LANES; i++) running = running || g_lanes[i].running;
+    if (!running) {
         pthread_mutex_unlock(&q_mu);
         return;
     }
     /* Drain first, under the watchdog: a collective some rank never joins
      * must not turn finalize into a hang. */
     double t0 = comm_now();
-    while (q_busy || q_head) {
+    while (any_lane_busy()) {
         if (g_cfg.watchdog_s > 0) {
             /* q_idle uses the default (realtime) clock: wait in short slices. */
             struct timespec rt;
             clock_gettime(CLOCK_REALTIME, &rt);
             rt.tv_sec += 1;
             pthread_cond_timedwait(&q_idle, &q_mu, &rt);
-            if ((q_busy || q_head) && comm_now() - t0 > g_cfg.watchdog_s + comm_watchdog_grace() + 1) {
+            if (any_lane_busy() && comm_now() - t0 > g_cfg.watchdog_s + comm_watchdog_grace() + 1) {
+                const lane *l = reported_lane();
                 char what[160];
-                comm_fp_describe(&q_current, true, what, sizeof what);
+                comm_fp_describe(&l->current, true, what, sizeof what);
                 fprintf(stderr, "fsdp watchdog: rank %d waited %.0f s at shutdown for collective %s on comm %s(%d); "
-                        "aborting the job\n", fsdp_current_rank(), comm_now() - t0, what, q_current_comm,
-                        q_current_size);
+                        "aborting the job\n", fsdp_current_rank(), comm_now() - t0, what, l->current_comm,
+                        l->current_size);
                 pthread_mutex_unlock(&q_mu);
                 fsdp_runtime_abort(NULL, 1);
             }
@@ -921,12 +1065,14 @@ void comm_shutdown(void) {
             pthread_cond_wait(&q_idle, &q_mu);
         }
     }
-    q_stop = true;
-    pthread_cond_signal(&q_cv);
+    for (int i = 0; i < COMM_LANES; i++) {
+        g_lanes[i].stop = true;
+        pthread_cond_signal(&g_lanes[i].cv);
+    }
     pthread_mutex_unlock(&q_mu);
-    pthread_join(q_thread, NULL);
+    for (int i = 0; i < COMM_LANES; i++)
+        if (g_lanes[i].running) pthread_join(g_lanes[i].thread, NULL);
     pthread_mutex_lock(&q_mu);
-    q_running = false;
-    q_stop = false;
+    for (int i = 0; i < COMM_LANES; i++) g_lanes[i].running = g_lanes[i].stop = false;
     pthread_mutex_unlock(&q_mu);
 }

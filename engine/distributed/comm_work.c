@@ -28,6 +28,10 @@ static int64_t g_gathered, g_reduced;
 static int64_t g_wire_gathered, g_wire_reduced;   /* as they moved: compressed ones smaller */
 static double g_wait_s;
 static double g_busy_s, g_busy_end;   /* the union of the collectives' runs; where the last one ended */
+static int g_active;                  /* host runs going on now, on all lanes */
+static double g_active_since;         /* since when at least one has been (not before g_busy_end) */
+static double g_window_end;           /* the last end of a counted one since then (0: none) */
+static double g_lane_busy[COMM_LANES], g_lane_end[COMM_LANES], g_lane_wait[COMM_LANES];
 
 fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, double *wait_seconds) {
     pthread_mutex_lock(&stats_mu);
@@ -45,14 +49,57 @@ fsdp_status fsdp_comm_busy(double *busy_seconds) {
     return FSDP_OK;
 }
 
-/* A collective ran from t0 to t1 (comm_now seconds): the part of it that no
- * earlier one covered counts (collectives in flight together on the GPU
- * overlap; the comm thread's own ones follow each other). */
+fsdp_status fsdp_comm_lane_stats(int lane, double *busy_seconds, double *wait_seconds) {
+    if (lane < 0 || lane >= COMM_LANES)
+        return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_comm_lane_stats: lane %d (expected 0 to %d)", lane,
+                              COMM_LANES - 1);
+    pthread_mutex_lock(&stats_mu);
+    if (busy_seconds) *busy_seconds = g_lane_busy[lane];
+    if (wait_seconds) *wait_seconds = g_lane_wait[lane];
+    pthread_mutex_unlock(&stats_mu);
+    return FSDP_OK;
+}
+
+/* The part of [t0, t1] on a lane that no earlier run of it covered
+ * (collectives in flight together on the GPU overlap; a lane's host runs
+ * follow each other). stats_mu held. */
+static void lane_add(int lane, double t0, double t1) {
+    if (t0 < g_lane_end[lane]) t0 = g_lane_end[lane];
+    if (t1 > t0) g_lane_busy[lane] += t1 - t0;
+    if (t1 > g_lane_end[lane]) g_lane_end[lane] = t1;
+}
+
+/* A CUDA collective (lane 0) ran from t0 to t1 (comm_now seconds): the part
+ * no earlier run covered counts, up to where a host run going on now took
+ * over (that one counts itself when it ends). */
 void comm_count_busy(double t0, double t1) {
     pthread_mutex_lock(&stats_mu);
+    lane_add(COMM_LANE_MAIN, t0, t1);
+    double upto = g_active > 0 && g_active_since < t1 ? g_active_since : t1;
     if (t0 < g_busy_end) t0 = g_busy_end;
-    if (t1 > t0) g_busy_s += t1 - t0;
-    if (t1 > g_busy_end) g_busy_end = t1;
+    if (upto > t0) g_busy_s += upto - t0;
+    if (upto > g_busy_end) g_busy_end = upto;
+    pthread_mutex_unlock(&stats_mu);
+}
+
+/* Host runs on several lanes overlap: the union counts, from the first
+ * run that begins while none is going on to the last that ends. */
+void comm_busy_begin(double t0) {
+    pthread_mutex_lock(&stats_mu);
+    if (g_active++ == 0) g_active_since = t0 > g_busy_end ? t0 : g_busy_end, g_window_end = 0;
+    pthread_mutex_unlock(&stats_mu);
+}
+
+void comm_busy_end(int lane, double t0, double t1, bool counted) {
+    pthread_mutex_lock(&stats_mu);
+    if (counted) {
+        lane_add(lane, t0, t1);
+        if (t1 > g_window_end) g_window_end = t1;
+    }
+    if (--g_active == 0 && g_window_end > g_active_since) {
+        g_busy_s += g_window_end - g_active_since;
+        if (g_window_end > g_busy_end) g_busy_end = g_window_end;
+    }
     pthread_mutex_unlock(&stats_mu);
 }
 
@@ -70,6 +117,7 @@ fsdp_status fsdp_comm_reset_stats(void) {
     g_wire_gathered = g_wire_reduced = 0;
     g_wait_s = 0;
     g_busy_s = 0;
+    for (int i = 0; i < COMM_LANES; i++) g_lane_busy[i] = g_lane_wait[i] = 0;
     pthread_mutex_unlock(&stats_mu);
     return FSDP_OK;
 }
@@ -317,6 +365,7 @@ fsdp_status fsdp_work_wait(fsdp_work *w) {
     double dt = comm_now() - t0;
     pthread_mutex_lock(&stats_mu);
     g_wait_s += dt;
+    g_lane_wait[w->lane] += dt;
     pthread_mutex_unlock(&stats_mu);
     /* The comm thread's message, re-set on this thread. */
     if (st != FSDP_OK) return fsdp_set_error(st, "%s", w->msg);

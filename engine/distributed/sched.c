@@ -526,6 +526,8 @@ fsdp_status fsdp_sched_new(fsdp_sched **out, fsdp_comm *shard_comm, fsdp_comm *r
     if (s->replica_comm) fsdp_comm_info(s->replica_comm, NULL, &s->replica_size);
     fsdp_default_device(&s->device);
     s->shard_device = s->device;
+    /* host replica reductions on a comm thread of their own (comm_internal.h, lanes) */
+    if (s->replica_comm && s->device == FSDP_DEVICE_CPU) comm_set_lane(s->replica_comm, COMM_LANE_REPLICA);
     s->compute_dtype = compute_dtype;
     s->reduce_dtype = reduce_dtype;
     s->backward_prefetch = backward_prefetch;

@@ -128,9 +128,11 @@ static fsdp_status add_through_pinned(fsdp_sched *s, unit *u, fsdp_tensor *reduc
 
 /* Hybrid: the replica average of a unit's reduced shard, issued right
  * behind its reduce-scatter (or local copy), so it runs while the walk goes
- * on instead of after it. The comm queue runs them in issue order (one comm
- * thread; on the GPU one comm stream, and a group never holds a collective
- * with the one whose output it reads), so no wait is needed between. */
+ * on instead of after it. No wait is needed between: on the CPU it runs on
+ * the replica lane, which holds it until the reduce-scatter that writes its
+ * bytes has finished (comm_queue.c, lanes) while lane 0 goes on with the
+ * gathers; on the GPU both are on the one comm stream, in issue order (and
+ * a group never holds a collective with the one whose output it reads). */
 static fsdp_status issue_replica_average(fsdp_sched *s, pending *q) {
     if (!(s->replica_comm && s->replica_size > 1) || !q->reduced) return FSDP_OK;
     return fsdp_all_reduce(&q->replica, s->replica_comm, q->reduced, FSDP_REDUCE_AVG, s->units[q->unit].name);

@@ -574,6 +574,14 @@ fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, dou
  * Busy minus the wait of fsdp_comm_stats is the communication hidden
  * behind compute. */
 fsdp_status fsdp_comm_busy(double *busy_seconds);
+/* Collectives run on comm lanes, one comm thread each: lane 0 runs all of
+ * them but hybrid_shard's replica reductions of CPU tensors, which run on
+ * lane 1 (FSDP_COMM_REPLICA_LANE) so that an all-reduce across a slow
+ * inter-node link does not hold up the gathers queued behind it. Per lane
+ * since the last reset: seconds its collectives ran (busy) and seconds the
+ * caller waited for them in fsdp_work_wait (wait). */
+enum { FSDP_COMM_LANES = 2, FSDP_COMM_REPLICA_LANE = 1 };
+fsdp_status fsdp_comm_lane_stats(int lane, double *busy_seconds, double *wait_seconds);
 /* The same traffic as it moves on the wire: equal to fsdp_comm_stats's
  * figures except for compressed collectives (their compressed bytes). */
 fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes);

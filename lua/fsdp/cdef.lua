@@ -336,6 +336,9 @@ fsdp_status fsdp_comm_stats(int64_t *gathered_bytes, int64_t *reduced_bytes, dou
 
 fsdp_status fsdp_comm_busy(double *busy_seconds);
 
+enum { FSDP_COMM_LANES = 2, FSDP_COMM_REPLICA_LANE = 1 };
+fsdp_status fsdp_comm_lane_stats(int lane, double *busy_seconds, double *wait_seconds);
+
 fsdp_status fsdp_comm_wire_stats(int64_t *wire_gathered_bytes, int64_t *wire_reduced_bytes);
 
 fsdp_status fsdp_comm_wire_counts(fsdp_comm *c, fsdp_collective kind, int64_t *bytes);

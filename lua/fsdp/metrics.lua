@@ -173,6 +173,7 @@ Metrics.__index = Metrics
 
 local i64 = ffi.new("int64_t[2]")
 local dbl = ffi.new("double[1]")
+local dbl2 = ffi.new("double[1]")
 
 local function comm_stats()
   if C.fsdp_comm_stats(i64, i64 + 1, dbl) ~= 0 then raise() end
@@ -180,7 +181,10 @@ local function comm_stats()
   local wait = tonumber(dbl[0])
   if C.fsdp_comm_wire_stats(i64, i64 + 1) ~= 0 then raise() end   -- what moved (compressed: fewer bytes)
   if C.fsdp_comm_busy(dbl) ~= 0 then raise() end                -- the time a collective ran
-  return g, r, wait, tonumber(i64[0]), tonumber(i64[1]), tonumber(dbl[0])
+  local busy = tonumber(dbl[0])
+  -- the replica lane's own figures (hybrid_shard on the CPU: its reductions on a comm thread of their own)
+  if C.fsdp_comm_lane_stats(C.FSDP_COMM_REPLICA_LANE, dbl, dbl2) ~= 0 then raise() end
+  return g, r, wait, tonumber(i64[0]), tonumber(i64[1]), busy, tonumber(dbl[0]), tonumber(dbl2[0])
 end
 
 -- A plain copy of a config table for JSON: options by name, sorted
@@ -248,14 +252,14 @@ function M.new(opts)
   local box = ffi.new("fsdp_comm *[1]")
   if C.fsdp_comm_world(box) ~= 0 then raise() end
   self.comm = box[0]
-  self.vals = ffi.new("double[?]", 8 + #M.TAGS)
+  self.vals = ffi.new("double[?]", 10 + #M.TAGS)
   return self
 end
 
 --- m:begin_step(): the step's clock, traffic and memory peaks start here.
 function Metrics:begin_step()
   memory.reset_peak()
-  self.g0, self.r0, self.w0, self.wg0, self.wr0, self.b0 = comm_stats()
+  self.g0, self.r0, self.w0, self.wg0, self.wr0, self.b0, self.rb0, self.rw0 = comm_stats()
   self.t0 = require("fsdp.timer").now()
 end
 
@@ -275,13 +279,14 @@ M.median = median
 function Metrics:end_step(fig)
   if not self.t0 then error("fsdp.metrics: end_step without begin_step", 2) end
   local dt = require("fsdp.timer").now() - self.t0
-  local g, r, w, wg, wr, b = comm_stats()
+  local g, r, w, wg, wr, b, rb, rw = comm_stats()
   local v = self.vals
   v[0], v[1], v[2], v[3] = dt, g - self.g0, r - self.r0, w - self.w0
   for i, tag in ipairs(M.TAGS) do v[3 + i] = memory.stats(tag).peak end
   v[4 + #M.TAGS] = memory.stats().peak
   v[5 + #M.TAGS], v[6 + #M.TAGS], v[7 + #M.TAGS] = wg - self.wg0, wr - self.wr0, b - self.b0
-  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 8 + #M.TAGS, 2) ~= 0 then raise() end
+  v[8 + #M.TAGS], v[9 + #M.TAGS] = rb - self.rb0, rw - self.rw0
+  if self.world > 1 and C.fsdp_all_reduce_doubles(self.comm, v, 10 + #M.TAGS, 2) ~= 0 then raise() end
   local rec = { type = "step" }
   for k, x in pairs(fig or {}) do rec[k] = x end
   rec.step_ms = v[0] * 1e3
@@ -289,6 +294,9 @@ function Metrics:end_step(fig)
   rec.wire_gathered_bytes, rec.wire_reduced_bytes = v[5 + #M.TAGS], v[6 + #M.TAGS]
   -- busy: a collective ran; exposed: the compute waited for one (comm_wait_ms, the older name)
   rec.comm_busy_ms, rec.comm_exposed_ms = v[7 + #M.TAGS] * 1e3, rec.comm_wait_ms
+  if v[8 + #M.TAGS] > 0 then   -- part of the above: the replica lane's collectives and the waits for them
+    rec.replica_busy_ms, rec.replica_exposed_ms = v[8 + #M.TAGS] * 1e3, v[9 + #M.TAGS] * 1e3
+  end
   rec.peak_bytes = {}
   for i, tag in ipairs(M.TAGS) do rec.peak_bytes[tag] = v[3 + i] end
   rec.peak_bytes.total = v[4 + #M.TAGS]
@@ -391,7 +399,11 @@ function Metrics:format(r)
   parts[#parts + 1] = string.format("gathered %.2f MiB%s, reduced %.2f MiB%s",
                                     r.gathered_bytes / MiB, wire(r.gathered_bytes, r.wire_gathered_bytes),
                                     r.reduced_bytes / MiB, wire(r.reduced_bytes, r.wire_reduced_bytes))
-  parts[#parts + 1] = M.format_comm(r.comm_busy_ms, r.comm_exposed_ms or r.comm_wait_ms)
+  local comm = M.format_comm(r.comm_busy_ms, r.comm_exposed_ms or r.comm_wait_ms)
+  if r.replica_busy_ms then
+    comm = comm .. string.format(" (replicas: busy %.1f ms, exposed %.1f ms)", r.replica_busy_ms, r.replica_exposed_ms)
+  end
+  parts[#parts + 1] = comm
   local p = r.peak_bytes
   parts[#parts + 1] = string.format("peak MiB param %.1f grad %.1f optim %.1f act %.1f", p.param / MiB,
                                     p.grad / MiB, p.optimizer / MiB, p.activation / MiB)

@@ -1,9 +1,9 @@
--- Checks a timeline written by --trace: fsdp-lua check_trace.lua FILE RANKS STEPS
+-- Checks a timeline written by --trace: fsdp-lua check_trace.lua FILE RANKS STEPS [hybrid]
 -- One process per rank, the compute/comm/steps tracks, every collective on
 -- every rank (the same sequence), positive durations, proper nesting per
 -- track, the step boundaries, the op fields. Exits 1 on the first problem.
 local json = require "fsdp.json"
-local path, ranks, steps = arg[1], tonumber(arg[2]), tonumber(arg[3])
+local path, ranks, steps, hybrid = arg[1], tonumber(arg[2]), tonumber(arg[3]), arg[4] == "hybrid"
 local function fail(msg) io.stderr:write("check_trace: ", msg, "\n"); os.exit(1) end
 local f = io.open(path, "rb") or fail("no trace file " .. tostring(path))
 local doc = json.decode(f:read("*a"))
@@ -44,6 +44,20 @@ for pid = 0, ranks - 1 do
   if ranks > 1 and not (kinds.all_gather and kinds.reduce_scatter) then
     fail("rank " .. pid .. ": no all_gather or no reduce_scatter on the comm track")
   end
+  -- the replica lane's track (hybrid_shard on the CPU): all-reduces beside the comm track's collectives
+  local replica = per[pid][3] or {}
+  if hybrid then
+    if names[pid .. "/3"] ~= "replica comm" then fail("rank " .. pid .. ": track 3 is not named replica comm") end
+    local reduces = 0
+    for _, e in ipairs(replica) do if e.name == "all_reduce" then reduces = reduces + 1 end end
+    if reduces < steps then fail(string.format("rank %d: %d all_reduce on the replica comm track, want >= %d", pid,
+                                               reduces, steps)) end
+  elseif #replica > 0 then
+    fail("rank " .. pid .. ": collectives on the replica comm track without hybrid_shard")
+  end
+  local comm_all = {}
+  for _, e in ipairs(comm) do comm_all[#comm_all + 1] = e end
+  for _, e in ipairs(replica) do comm_all[#comm_all + 1] = e end
   local st = per[pid][0] or fail("rank " .. pid .. " has no steps")
   if #st ~= steps then fail(string.format("rank %d: %d steps, want %d", pid, #st, steps)) end
   for i, e in ipairs(st) do
@@ -55,7 +69,7 @@ for pid = 0, ranks - 1 do
   for i, e in ipairs(st) do
     local a, b = e.ts, e.ts + e.dur
     local spans, exposed = {}, 0
-    for _, c in ipairs(comm) do
+    for _, c in ipairs(comm_all) do
       local t1 = c.ts + c.dur
       if not bookkeeping[c.name] and t1 > a and t1 <= b + 1e-3 then spans[#spans + 1] = { math.max(c.ts, a), t1 } end
     end

@@ -25,6 +25,15 @@ if [ -n "$MPIRUN" ]; then
         -x FSDP_TRACE -x OPENBLAS_NUM_THREADS -x FSDP_NUM_THREADS "$L" tests/sh/trace_job.lua 2>&1)
   [ "$(grep -c trained <<<"$out")" -eq 2 ] && ok || bad "2 ranks train under FSDP_TRACE" "$out"
   out=$("$L" tests/sh/check_trace.lua "$TMP/two.json" 2 3 2>&1) && ok || bad "2-rank trace checks" "$out"
+  # hybrid_shard on 4 ranks: the replica all-reduces on their own track, counted in each step's busy time
+  out=$(FSDP_TRACE="$TMP/hyb.json" "$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np 4 \
+        -x FSDP_TRACE -x OPENBLAS_NUM_THREADS -x FSDP_NUM_THREADS "$L" tests/sh/trace_job.lua hybrid 2>&1)
+  [ "$(grep -c trained <<<"$out")" -eq 4 ] && ok || bad "4 ranks train hybrid under FSDP_TRACE" "$out"
+  # (CUDA tensors keep their replica reductions on lane 0: the one comm stream)
+  grep -q "trained on cpu" <<<"$out" && mode=hybrid || mode=""
+  out=$("$L" tests/sh/check_trace.lua "$TMP/hyb.json" 4 3 $mode 2>&1) && ok || bad "hybrid trace checks" "$out"
+  # checks that must fail: a full_shard trace has no replica track
+  "$L" tests/sh/check_trace.lua "$TMP/two.json" 2 3 hybrid >/dev/null 2>&1 && bad "checker wants the replica track" || ok
   # a check that must fail: the 2-rank file is not a 3-rank trace
   "$L" tests/sh/check_trace.lua "$TMP/two.json" 3 3 >/dev/null 2>&1 && bad "checker refuses a wrong rank count" || ok
 else
