@@ -195,6 +195,19 @@ int comm_last_error_len(const char **e);
 
 /* ---- the queue (comm_queue.c) ---- */
 
+/* Whether w's run is communication (fsdp_comm_busy): the collectives, not
+ * the queue's bookkeeping (frees, splits, group ends, cancels). */
+static inline bool counts_busy(const fsdp_work *w) {
+    return w->kind != K_FREE && w->kind != K_SPLIT && w->kind != K_GROUP_END && w->kind != K_CANCEL &&
+           w->status == FSDP_OK;
+}
+
+/* Queues w on its lane without waiting; the caller's reference stays its own. */
+fsdp_status comm_enqueue(fsdp_work *w, const char *opname);
+/* w ran (or failed, or was launched with its group), on its comm thread:
+ * the watchdog's record, the tensors back, the waiter woken. */
+void comm_queue_complete(fsdp_work *w);
+
 /* Queues w (its sequence number taken in queue order) and either hands it
  * to the caller (out) or waits for it (out NULL). On failure w is gone. */
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname);
@@ -216,6 +229,35 @@ void comm_history(char *buf, size_t size);
 void comm_set_service(void (*fn)(void));
 /* What the comm thread runs now (busy) or ran last, for the watchdog. */
 void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t name_size, int *comm_size);
+
+/* ---- host collectives on the comm thread (comm_run_host.c) ---- */
+
+fsdp_status comm_run_all_gather(fsdp_work *w);
+fsdp_status comm_run_reduce_scatter(fsdp_work *w);
+fsdp_status comm_run_all_reduce(fsdp_work *w);
+fsdp_status comm_run_doubles(fsdp_work *w);
+/* A counting run on a host-like device: the scratch the host path would hold. */
+fsdp_status comm_count_scratch(fsdp_work *w);
+
+/* ---- CUDA collectives on the comm thread (comm_run_gpu.c; lane 0's thread) ---- */
+
+/* Enqueues w on the comm stream; the GPU runs it later. */
+fsdp_status comm_gpu_run(fsdp_work *w);
+/* w reached the comm stream: held until the GPU has finished it. */
+void comm_gpu_inflight_push(fsdp_work *w);
+bool comm_gpu_inflight(void);
+/* Retires the collectives the GPU finished, watches the oldest other; never blocks. */
+void comm_gpu_poll(void);
+/* Waits until nothing is in flight. */
+void comm_gpu_drain(void);
+/* Launches the group's agreed members kept so far. */
+void comm_gpu_flush_group(void);
+/* Keeps agreed member w for its group's launch (true). */
+bool comm_gpu_group_add(fsdp_work *w);
+/* At issue: whether w joins the calling thread's open group. */
+void comm_gpu_group_mark(fsdp_work *w, bool has_handle);
+/* The bytes a work reads (src) and writes (dst). */
+void comm_work_ranges(const fsdp_work *w, const void **rd, int64_t *rn, const void **wr, int64_t *wn);
 
 /* ---- compressed reduce-scatter (comm_compress.c) ---- */
 

@@ -1,40 +1,21 @@
 /* comm_queue.c: the comm thread and its queue (DESIGN.md, decision 4).
  *
- * Every collective becomes a work item on ONE process-wide comm thread that
- * runs them in issue order. Each rank therefore enters its collectives in
- * exactly the order the caller issued them, and the calling thread blocks
+ * Every collective becomes a work item on a process-wide comm thread that
+ * runs them in issue order: lane 0's, or for a communicator put on the
+ * replica lane, that lane's (see "the lanes"). Each rank therefore enters
+ * each communicator's collectives in exactly the order the caller issued
+ * them, and the calling thread blocks
  * only inside fsdp_work_wait (comm_work.c, with the rest of the caller's
  * side of a work). A work holds its tensors until it completes.
  * Before a work's data moves, comm_agree (comm_debug.c) checks that every
  * rank runs the same collective.
  *
- * bf16 reductions: MPI has no bf16 type, so the comm thread widens the
- * input to an f32 scratch buffer, reduces in f32 and rounds the result back
- * to bf16 once. Sums are thus as exact as f32 sums (one rounding at the end,
- * not one per rank).
- *
- * CUDA tensors (the device backend, comm_nccl.c): the same queue, the same
- * checks, sequence numbers and fingerprints (which include the device), but
- * the comm thread only enqueues, on one comm stream, after an event
- * recorded on the compute stream at issue; a communicator gets its NCCL
- * side on its first CUDA collective. fsdp_work_wait then makes the compute
- * stream wait for the collective's "done" event and returns without
- * stalling the host: whatever consumes the result is a kernel on the
- * compute stream, ordered after it. (With FSDP_NCCL_BLOCKING_WAIT=1 it
- * blocks until the GPU has finished instead, polling under the watchdog:
- * for debugging.) The tensors stay held until the compute stream has been
- * ordered after the collective, or the GPU has finished it, so the caching
- * allocator cannot hand their memory to a kernel that would run before the
- * collective is done. The watchdog covers both halves: the waiting thread
- * measures the time until the comm thread has enqueued the collective (NCCL
- * communicator creation included), and the comm thread polls the events of
- * collectives in flight on the GPU, measuring from the moment the compute
- * stream reached them; either one names the collective and ends the job, as
- * does an asynchronous NCCL error.
+ * Host collectives run here through comm_run_host.c (bf16 widening,
+ * scratch); CUDA collectives through comm_run_gpu.c (the comm stream,
+ * groups, collectives in flight), on lane 0 only.
  */
 #define _POSIX_C_SOURCE 200809L   /* clock_gettime, nanosleep, pthread_condattr_setclock under -std=c11 */
 #include "comm_impl.h"
-#include "cpu_kernels.h"
 #include "trace.h"
 #include <errno.h>
 #include <stdio.h>
@@ -222,145 +203,6 @@ void comm_queue_current(bool *busy, fingerprint *fp, char *comm_name, size_t nam
     pthread_mutex_unlock(&q_mu);
 }
 
-/* ---- host collectives on the comm thread ---- */
-
-static void widen_bf16(float *out, const uint16_t *in, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
-}
-static void narrow_bf16(uint16_t *out, const float *in, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(in[i]);
-}
-static void divide_f32(float *x, int64_t n, int d) {
-    if (d == 1) return;
-    for (int64_t i = 0; i < n; i++) x[i] /= (float)d;
-}
-
-bool comm_overlaps(const void *a, int64_t an, const void *b, int64_t bn) {
-    const char *pa = a, *pb = b;
-    return an > 0 && bn > 0 && pa < pb + bn && pb < pa + an;
-}
-
-/* Scratch on the comm thread, counted under the comm tag. */
-typedef struct { void *p; size_t n; } scratch;
-static fsdp_status scratch_get(scratch *s, size_t nbytes) {
-    s->n = nbytes;
-    return fsdp_alloc(FSDP_DEVICE_CPU, FSDP_TAG_COMM, nbytes, &s->p);
-}
-static void scratch_put(scratch *s) {
-    if (s->p) fsdp_free(FSDP_DEVICE_CPU, FSDP_TAG_COMM, s->p, s->n);
-    s->p = NULL;
-}
-
-static fsdp_status run_all_gather(fsdp_work *w) {
-    fsdp_comm *c = w->comm;
-    size_t esz = fsdp_dtype_size(w->dtype);
-    int64_t block = w->n * (int64_t)esz;
-    char *dst = w->dst;
-    const void *src = w->src;
-    if (src == dst + (int64_t)c->rank * block) return c->be->all_gather(c, dst, NULL, block, esz);
-    if (!comm_overlaps(src, block, dst, block * c->size)) return c->be->all_gather(c, dst, src, block, esz);
-    /* src lies inside dst but not at this rank's block: send a copy. */
-    scratch s = {0};
-    FSDP_TRY(scratch_get(&s, (size_t)block));
-    memcpy(s.p, src, (size_t)block);
-    fsdp_status st = c->be->all_gather(c, dst, s.p, block, esz);
-    scratch_put(&s);
-    return st;
-}
-
-static fsdp_status run_reduce_scatter(fsdp_work *w) {
-    fsdp_comm *c = w->comm;
-    int64_t n = w->n, total = n * c->size;
-    scratch in = {0}, out = {0};
-    fsdp_status st = FSDP_OK;
-    int divide = w->op == FSDP_REDUCE_AVG ? c->size : 1;   /* the average's division, in the backend's pass */
-    if (w->dtype == FSDP_F32) {
-        float *dst = w->dst;
-        /* MPI wants distinct buffers (an accumulating one never aliases: comm.c refuses it) */
-        bool alias = comm_overlaps(w->dst, n * 4, w->src, total * 4);
-        if (alias) st = scratch_get(&out, (size_t)n * 4);
-        float *res = alias ? out.p : dst;
-        if (st == FSDP_OK) st = c->be->reduce_scatter_f32(c, res, w->src, n, divide, w->accumulate);
-        if (st == FSDP_OK && alias) memcpy(dst, res, (size_t)n * 4);
-    } else {   /* bf16: reduce in f32, round once */
-        st = scratch_get(&in, (size_t)total * 4);
-        if (st == FSDP_OK) st = scratch_get(&out, (size_t)n * 4);
-        if (st == FSDP_OK) {
-            widen_bf16(in.p, w->src, total);
-            st = c->be->reduce_scatter_f32(c, out.p, in.p, n, divide, false);
-        }
-        if (st == FSDP_OK) narrow_bf16(w->dst, out.p, n);
-    }
-    scratch_put(&in);
-    scratch_put(&out);
-    return st;
-}
-
-static fsdp_status run_all_reduce(fsdp_work *w) {
-    fsdp_comm *c = w->comm;
-    int op = w->op == FSDP_REDUCE_MAX ? FSDP_REDUCE_MAX : FSDP_REDUCE_SUM;
-    switch (w->dtype) {
-    case FSDP_F32:
-        FSDP_TRY(c->be->all_reduce(c, w->dst, w->n, COMM_RT_F32, op));
-        if (w->op == FSDP_REDUCE_AVG) divide_f32(w->dst, w->n, c->size);
-        return FSDP_OK;
-    case FSDP_BF16: {
-        scratch s = {0};
-        FSDP_TRY(scratch_get(&s, (size_t)w->n * 4));
-        widen_bf16(s.p, w->dst, w->n);
-        fsdp_status st = c->be->all_reduce(c, s.p, w->n, COMM_RT_F32, op);
-        if (st == FSDP_OK) {
-            if (w->op == FSDP_REDUCE_AVG) divide_f32(s.p, w->n, c->size);
-            narrow_bf16(w->dst, s.p, w->n);
-        }
-        scratch_put(&s);
-        return st;
-    }
-    case FSDP_I32: return c->be->all_reduce(c, w->dst, w->n, COMM_RT_I32, op);
-    case FSDP_I64: return c->be->all_reduce(c, w->dst, w->n, COMM_RT_I64, op);
-    default: return fsdp_set_error(FSDP_ERR_DTYPE, "all_reduce: dtype %s", fsdp_dtype_name(w->dtype));
-    }
-}
-
-/* A counting communicator moves nothing, but on a device that stands for
- * the host (the counting device mimicking the CPU) the plan must see the
- * scratch the host path holds: allocated on that device under the comm
- * tag, all of it at once as run_* holds it, and given back. */
-static fsdp_status count_scratch(fsdp_work *w) {
-    fsdp_comm *c = w->comm;
-    int64_t n = w->n, esz = (int64_t)fsdp_dtype_size(w->dtype), sizes[2] = {0, 0};
-    if (w->kind == K_ALL_GATHER) {
-        const char *dst = w->dst;
-        if (w->src != dst + (int64_t)c->rank * n * esz && comm_overlaps(w->src, n * esz, dst, n * esz * c->size))
-            sizes[0] = n * esz;
-    } else if (w->kind == K_REDUCE_SCATTER) {
-        if (w->dtype == FSDP_F32) {
-            if (comm_overlaps(w->dst, n * 4, w->src, n * c->size * 4)) sizes[0] = n * 4;
-        } else {
-            sizes[0] = n * c->size * 4;
-            sizes[1] = n * 4;
-        }
-    } else if (w->kind == K_ALL_REDUCE && w->dtype == FSDP_BF16) {
-        sizes[0] = n * 4;
-    }
-    void *p[2] = {NULL, NULL};
-    fsdp_status st = FSDP_OK;
-    for (int i = 0; i < 2 && st == FSDP_OK; i++)
-        if (sizes[i]) st = fsdp_alloc(w->device, FSDP_TAG_COMM, (size_t)sizes[i], &p[i]);
-    for (int i = 0; i < 2; i++)
-        if (p[i]) fsdp_free(w->device, FSDP_TAG_COMM, p[i], (size_t)sizes[i]);
-    return st;
-}
-
-static fsdp_status run_doubles(fsdp_work *w) {
-    fsdp_comm *c = w->comm;
-    int op = w->op == FSDP_REDUCE_MAX ? FSDP_REDUCE_MAX : FSDP_REDUCE_SUM;
-    FSDP_TRY(c->be->all_reduce(c, w->doubles, w->n, COMM_RT_F64, op));
-    if (w->op == FSDP_REDUCE_AVG)
-        for (int64_t i = 0; i < w->n; i++) w->doubles[i] /= (double)c->size;
-    return FSDP_OK;
-}
-
 /* A parent with an NCCL side gives the child its own by ncclCommSplit, in
  * the split's place in the issue order; every rank of the parent takes
  * part, also one the host split refused or left out (as color -1), so that
@@ -429,97 +271,11 @@ static void drop_orphan(fsdp_work *w) {
     free(child);
 }
 
-/* ---- CUDA collectives on the comm thread ---- */
-
-/* The device call of CUDA work w. */
-static fsdp_status gpu_call_of(const fsdp_work *w, comm_gpu_call *out) {
-    fsdp_comm *c = w->comm;
-    comm_gpu_call call = {
-        .dst = w->dst, .src = w->src, .scratch = w->t_scratch ? tensor_data(w->t_scratch) : NULL, .n = w->n,
-        .dtype = w->dtype, .op = w->op, .root = w->root, .rank = c->rank, .size = c->size, .mpi = c->mpi,
-        .between_ranks = c->be->carries_device && c->dev->between_ranks,
-    };
-    switch (w->kind) {
-    case K_ALL_GATHER: call.kind = COMM_GPU_ALL_GATHER; break;
-    case K_REDUCE_SCATTER: call.kind = COMM_GPU_REDUCE_SCATTER; break;
-    case K_ALL_REDUCE: call.kind = COMM_GPU_ALL_REDUCE; break;
-    case K_BROADCAST: call.kind = COMM_GPU_BROADCAST; break;
-    default: return fsdp_set_error(FSDP_ERR_INVALID, "%s on CUDA tensors", comm_kind_names[w->kind]);
-    }
-    *out = call;
-    return FSDP_OK;
-}
-
-/* Enqueues w on the comm stream (comm_nccl.c); the GPU runs it later. */
-static fsdp_status run_gpu(fsdp_work *w) {
-    comm_gpu_call call;
-    FSDP_TRY(gpu_call_of(w, &call));
-    return w->comm->dev->run(&w->comm->gpu, w->gw, &call);
-}
-
-/* CUDA collectives the GPU has not finished yet, in issue order (one comm
- * stream: they finish in this order). Comm thread only. */
-static fsdp_work *g_inflight, *g_inflight_tail;   /* lane 0's thread only */
-
-/* Whether w's run is communication (fsdp_comm_busy): the collectives, not
- * the queue's bookkeeping (frees, splits, group ends, cancels). */
-static bool counts_busy(const fsdp_work *w) {
-    return w->kind != K_FREE && w->kind != K_SPLIT && w->kind != K_GROUP_END && w->kind != K_CANCEL &&
-           w->status == FSDP_OK;
-}
-
-static void inflight_push(fsdp_work *w) {
-    if (w->launched == 0) w->launched = comm_now();
-    atomic_fetch_add(&w->refs, 1);
-    w->gnext = NULL;
-    if (g_inflight_tail) g_inflight_tail->gnext = w;
-    else g_inflight = w;
-    g_inflight_tail = w;
-}
-
-/* Retires finished collectives (their tensors go back), watches the oldest
- * unfinished one. Never blocks. */
-static void poll_inflight(void) {
-    const comm_backend *dev = comm_device_backend();
-    while (g_inflight) {
-        fsdp_work *w = g_inflight;
-        bool started = false;
-        int r = dev->work_poll(w->gw, &started);
-        if (r < 0) comm_gpu_fatal(w, fsdp_last_error(), 0);
-        if (r > 0) {
-            /* (inflight_push stamped launched before any poll) */
-            if (counts_busy(w)) comm_count_busy(w->started > 0 ? w->started : w->launched, comm_now());
-            g_inflight = w->gnext;
-            if (!g_inflight) g_inflight_tail = NULL;
-            comm_work_drop_tensors(w);
-            comm_work_unref(w);
-            continue;
-        }
-        double now = comm_now();
-        if (started && w->started == 0) w->started = now;
-        /* w->comm lives while w is in flight: freeing a communicator drains first */
-        if (w->comm && dev->gpu_check(w->comm->gpu) != FSDP_OK) comm_gpu_fatal(w, fsdp_last_error(), 0);
-        if (g_cfg.watchdog_s > 0 && w->started > 0 && now - w->started > g_cfg.watchdog_s)
-            comm_gpu_fatal(w, "", now - w->started);
-        break;
-    }
-}
-
-static void drain_inflight(void) {
-    while (g_inflight) {
-        poll_inflight();
-        if (g_inflight) {
-            struct timespec ts = {0, 200000};
-            nanosleep(&ts, NULL);
-        }
-    }
-}
-
 static fsdp_status run_free(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     fsdp_status st = FSDP_OK;
     if (c->dev && t_lane == &g_lanes[COMM_LANE_MAIN]) {   /* (CUDA collectives run on lane 0 only) */
-        drain_inflight();   /* nothing of it may still run on the GPU, NCCL or device copies */
+        comm_gpu_drain();   /* nothing of it may still run on the GPU, NCCL or device copies */
         if (c->gpu) st = c->dev->gpu_destroy(c->gpu);
         c->gpu = NULL;
     }
@@ -533,151 +289,6 @@ static fsdp_status run_free(fsdp_work *w) {
     return st;
 }
 
-/* ---- groups (comm_group_begin/end) ----
- * The comm thread keeps a group's CUDA members once their agreement has
- * passed (in the issue order, as every rank does) and launches them as one
- * NCCL group when the first work that is not a member arrives: the
- * group's end marker, which the caller queues right after its last
- * member, or anything else. Members complete then, as a lone collective
- * completes after its enqueue. */
-enum { GROUP_MAX = 64 };
-static fsdp_work *g_group[GROUP_MAX];   /* comm thread only */
-static int g_group_n;
-static void complete_work(fsdp_work *w);
-
-static void flush_group(void) {
-    int n = g_group_n;
-    if (n == 0) return;
-    g_group_n = 0;
-    fsdp_status st = FSDP_OK;
-    const comm_backend *dev = g_group[0]->comm->dev;
-    bool together = n > 1 && dev->run_group;
-    for (int i = 0; i < n && together; i++) {
-        fsdp_comm *c = g_group[i]->comm;
-        together = c->be->carries_device && c->dev->between_ranks;
-    }
-    if (together) {
-        comm_gpu **gpus[GROUP_MAX];
-        comm_gpu_work *ws[GROUP_MAX];
-        comm_gpu_call calls[GROUP_MAX];
-        for (int i = 0; i < n && st == FSDP_OK; i++) {
-            gpus[i] = &g_group[i]->comm->gpu;
-            ws[i] = g_group[i]->gw;
-            st = gpu_call_of(g_group[i], &calls[i]);
-        }
-        if (st == FSDP_OK) st = dev->run_group(gpus, ws, calls, n);
-        for (int i = 0; i < n; i++) {
-            fsdp_work *w = g_group[i];
-            if (st != FSDP_OK) comm_work_take_error(w, st);
-            else comm_count_traffic(w, w->comm);
-        }
-    } else {   /* one member, or copies of a rank without NCCL: each as it would run alone */
-        for (int i = 0; i < n; i++) {
-            fsdp_work *w = g_group[i];
-            st = run_gpu(w);
-            if (st != FSDP_OK) comm_work_take_error(w, st);
-            else comm_count_traffic(w, w->comm);
-        }
-    }
-    for (int i = 0; i < n; i++) {
-        g_group[i]->deferred = false;
-        complete_work(g_group[i]);
-    }
-}
-
-/* The bytes a CUDA work reads (src) and writes (dst). */
-static void work_ranges(const fsdp_work *w, const void **rd, int64_t *rn, const void **wr, int64_t *wn) {
-    int64_t b = w->n * (int64_t)fsdp_dtype_size(w->dtype), size = w->comm_size;
-    *rd = w->src;
-    *wr = w->dst;
-    switch (w->kind) {
-    case K_ALL_GATHER: *rn = b, *wn = b * size; break;
-    case K_REDUCE_SCATTER: *rn = b * size, *wn = b; break;
-    default: *rd = w->dst, *rn = b, *wn = b; break;   /* in place */
-    }
-}
-
-/* Whether a and b touch the same bytes with at least one writing them:
- * then b depends on a, and a group (whose operations may run together)
- * must not hold both. */
-static bool works_conflict(const fsdp_work *a, const fsdp_work *b) {
-    const void *ar, *aw, *br, *bw;
-    int64_t arn, awn, brn, bwn;
-    work_ranges(a, &ar, &arn, &aw, &awn);
-    work_ranges(b, &br, &brn, &bw, &bwn);
-    return comm_overlaps(aw, awn, bw, bwn) || comm_overlaps(aw, awn, br, brn) || comm_overlaps(ar, arn, bw, bwn);
-}
-
-/* Keeps agreed member w for its group's launch; false when it must run now.
- * A member that depends on an earlier one (their buffers overlap, one
- * writing: the same tensors on every rank, so every rank decides alike)
- * starts a new group after the earlier members' launch, in stream order. */
-static bool group_add(fsdp_work *w) {
-    if (g_group_n == GROUP_MAX) flush_group();   /* a long group: launched in parts */
-    if (g_group_n > 0 && g_group[0]->device != w->device) flush_group();
-    for (int i = 0; i < g_group_n; i++) {
-        if (works_conflict(g_group[i], w)) {
-            flush_group();
-            break;
-        }
-    }
-    g_group[g_group_n++] = w;
-    w->deferred = true;
-    return true;
-}
-
-static _Thread_local int t_group_depth;
-static _Thread_local fsdp_comm *t_group_comm;   /* where the last member went: the end marker follows it */
-static _Thread_local uint64_t t_group_serial;   /* the open group's number on this thread */
-
-void comm_group_begin(void) {
-    if (t_group_depth++ == 0) t_group_comm = NULL;
-}
-
-static fsdp_status enqueue(fsdp_work *w, const uint64_t *only_seq, bool *issued, const char *opname);
-
-/* Queues the end marker of the members issued so far on this thread. */
-static void group_close(void) {
-    fsdp_comm *c = t_group_comm;
-    t_group_comm = NULL;
-    t_group_serial++;
-    if (!c) return;   /* no CUDA member was issued */
-    fsdp_work *w;
-    /* If even the marker cannot be made, the comm thread launches the
-     * members at the next work it meets; nothing here can wait for them. */
-    if (comm_work_new(&w, K_GROUP_END, c, "", 0, DT_NONE, 0, "comm_group_end") != FSDP_OK) return;
-    if (enqueue(w, NULL, NULL, "comm_group_end") != FSDP_OK) {
-        comm_work_unref(w);
-        return;
-    }
-    comm_work_unref(w);   /* the queue holds its own reference */
-}
-
-void comm_group_end(void) {
-    if (t_group_depth <= 0 || --t_group_depth > 0) return;
-    group_close();
-}
-
-/* A wait inside an open group for one of its members: the members so far
- * are launched now (the group ends here, on every rank alike, since every
- * rank waits at the same point), and the group goes on with later ones. */
-void comm_group_before_wait(const fsdp_work *w) {
-    if (t_group_depth > 0 && w->grouped && w->group_serial == t_group_serial && t_group_comm) group_close();
-}
-
-/* At issue: whether w joins the caller's open group. Only CUDA collectives
- * with a handle the caller waits on later, and none that complete at issue
- * (FSDP_COMM_SYNC, a counting communicator). */
-static void group_mark(fsdp_work *w, bool has_handle) {
-    if (t_group_depth <= 0 || !has_handle || w->device != FSDP_DEVICE_CUDA || !w->gw || !w->comm) return;
-    if (comm_cfg()->sync || w->comm->be->local) return;
-    if (w->kind != K_ALL_GATHER && w->kind != K_REDUCE_SCATTER && w->kind != K_ALL_REDUCE && w->kind != K_BROADCAST)
-        return;
-    w->grouped = true;
-    w->group_serial = t_group_serial;
-    t_group_comm = w->comm;
-}
-
 static void run_work(fsdp_work *w) {
     fsdp_comm *c = w->comm;
     set_state(RS_ARRIVING);
@@ -688,8 +299,8 @@ static void run_work(fsdp_work *w) {
         return;
     }
     if (w->device == FSDP_DEVICE_CUDA) {
-        if (w->grouped && group_add(w)) return;   /* launched with its group (flush_group) */
-        st = run_gpu(w);
+        if (w->grouped && comm_gpu_group_add(w)) return;   /* launched with its group (flush_group) */
+        st = comm_gpu_run(w);
         if (st != FSDP_OK) comm_work_take_error(w, st);
         else comm_count_traffic(w, c);
         return;
@@ -698,7 +309,7 @@ static void run_work(fsdp_work *w) {
      * their memory may not be readable from the host. */
     bool touch = !(c && c->be->local && w->device != FSDP_DEVICE_CPU);
     if (!touch && !w->compress && c->be == &comm_count_backend && device_is_host_like(w->device)) {
-        st = count_scratch(w);
+        st = comm_count_scratch(w);
         if (st != FSDP_OK) {
             comm_work_take_error(w, st);
             return;
@@ -706,12 +317,12 @@ static void run_work(fsdp_work *w) {
     }
     size_t esz = fsdp_dtype_size(w->dtype);
     switch (w->kind) {
-    case K_ALL_GATHER: if (touch) st = run_all_gather(w); break;
-    case K_REDUCE_SCATTER: st = w->compress ? comm_compress_run(w, touch) : touch ? run_reduce_scatter(w) : st; break;
-    case K_ALL_REDUCE: if (touch) st = run_all_reduce(w); break;
+    case K_ALL_GATHER: if (touch) st = comm_run_all_gather(w); break;
+    case K_REDUCE_SCATTER: st = w->compress ? comm_compress_run(w, touch) : touch ? comm_run_reduce_scatter(w) : st; break;
+    case K_ALL_REDUCE: if (touch) st = comm_run_all_reduce(w); break;
     case K_BROADCAST: if (touch) st = c->be->broadcast(c, w->dst, w->n * (int64_t)esz, w->root); break;
     case K_BARRIER: st = c->be->barrier(c); break;
-    case K_DOUBLES: st = run_doubles(w); break;
+    case K_DOUBLES: st = comm_run_doubles(w); break;
     case K_SPLIT: st = run_split(w); break;
     case K_FREE: st = run_free(w); break;
     case K_CANCEL:   /* only reached when every rank cancelled: nobody issued it */
@@ -731,7 +342,7 @@ static void run_work(fsdp_work *w) {
 /* w ran (or failed, or was launched with its group): the watchdog's
  * record, the tensors back (a CUDA collective's once the GPU is done with
  * them, not when the handle is freed), the waiter woken. */
-static void complete_work(fsdp_work *w) {
+void comm_queue_complete(fsdp_work *w) {
     if (w->status == FSDP_OK) {
         note_finished(w);
     } else {
@@ -740,7 +351,7 @@ static void complete_work(fsdp_work *w) {
         pthread_mutex_unlock(&q_mu);
     }
     set_state(RS_IDLE);
-    if (comm_work_on_gpu(w)) inflight_push(w);
+    if (comm_work_on_gpu(w)) comm_gpu_inflight_push(w);
     else comm_work_drop_tensors(w);
     pthread_mutex_lock(&w->mu);
     w->done = true;
@@ -783,7 +394,7 @@ static void *comm_thread_main(void *arg) {
     for (;;) {
         if (!L->head) {
             /* stop once the queue is drained and the GPU has finished */
-            bool gpu_busy = main_lane && g_inflight != NULL;
+            bool gpu_busy = main_lane && comm_gpu_inflight();
             if (L->stop && !gpu_busy) break;
             L->busy = false;
             pthread_cond_broadcast(&q_idle);
@@ -795,7 +406,7 @@ static void *comm_thread_main(void *arg) {
                 if (dl.tv_nsec >= 1000000000L) { dl.tv_sec++; dl.tv_nsec -= 1000000000L; }
                 pthread_cond_timedwait(&L->cv, &q_mu, &dl);
                 pthread_mutex_unlock(&q_mu);
-                poll_inflight();
+                comm_gpu_poll();
                 pthread_mutex_lock(&q_mu);
             } else if (g_service && main_lane) {
                 /* answer other ranks' watchdog questions while idle, every 100 ms */
@@ -828,7 +439,7 @@ static void *comm_thread_main(void *arg) {
         pthread_mutex_unlock(&q_mu);
 
         double tt0 = trace_now();
-        if (main_lane && !w->grouped) flush_group();   /* a group ends where its members do */
+        if (main_lane && !w->grouped) comm_gpu_flush_group();   /* a group ends where its members do */
         /* a host collective's run is busy time; a CUDA one's is counted when the GPU finishes it */
         bool moves = w->kind != K_FREE && w->kind != K_SPLIT && w->kind != K_GROUP_END && w->kind != K_CANCEL;
         double t_run = comm_now();
@@ -841,9 +452,9 @@ static void *comm_thread_main(void *arg) {
         if (tt0 > 0)
             trace_event_add(w->lane == COMM_LANE_MAIN ? TRACE_COMM : TRACE_COMM_REPLICA, comm_kind_names[w->kind],
                             w->fp.label, (int64_t)w->fp.bytes, (int64_t)w->fp.seq, tt0, trace_now());
-        if (!w->deferred) complete_work(w);
+        if (!w->deferred) comm_queue_complete(w);
         else set_state(RS_IDLE);
-        if (main_lane && g_inflight) poll_inflight();
+        if (main_lane && comm_gpu_inflight()) comm_gpu_poll();
 
         pthread_mutex_lock(&q_mu);
     }
@@ -859,7 +470,7 @@ static void host_ranges(const fsdp_work *w, const void **rd, int64_t *rn, const 
     *rn = *wn = 0;
     switch (w->kind) {
     case K_ALL_GATHER: case K_REDUCE_SCATTER: case K_ALL_REDUCE: case K_BROADCAST:
-        work_ranges(w, rd, rn, wr, wn);
+        comm_work_ranges(w, rd, rn, wr, wn);
         if (w->t_recv) *rn = INT64_MAX / 4;   /* compressed: src is the packed parts; stay on the safe side */
         break;
     case K_DOUBLES: *rd = *wr = w->doubles, *rn = *wn = w->n * 8; break;
@@ -952,6 +563,8 @@ void comm_set_lane(fsdp_comm *c, int lane_id) {
 
 int comm_lane_of(fsdp_comm *c) { return c ? c->lane : -1; }
 
+fsdp_status comm_enqueue(fsdp_work *w, const char *opname) { return enqueue(w, NULL, NULL, opname); }
+
 fsdp_status comm_issue_if_next(fsdp_work *w, uint64_t seq, bool *issued, const char *opname) {
     fsdp_status st = enqueue(w, &seq, issued, opname);
     comm_work_unref(w);
@@ -998,7 +611,7 @@ static _Thread_local bool t_issue_wait;
 bool comm_waiting_at_issue(void) { return t_issue_wait; }
 
 fsdp_status comm_issue(fsdp_work **out, fsdp_work *w, const char *opname) {
-    group_mark(w, out != NULL);
+    comm_gpu_group_mark(w, out != NULL);
     fsdp_status est = enqueue(w, NULL, NULL, opname);
     if (est != FSDP_OK) {
         comm_work_unref(w);
