@@ -773,10 +773,33 @@ static void test_empty(void) {
     OK(fsdp_tensor_item(o[8], &v));
     test_check(v == 0, "cross_entropy of no rows: loss %g, expected 0", v);
     run_backward(o[8], NULL);
+    /* each output keeps its input's (empty) shape */
+    const int64_t *want[11] = {s03, s03, s03, s03, s03, s03, sq, s03, NULL, s30, st0};
+    const int want_nd[11] = {2, 2, 2, 2, 2, 2, 4, 2, 0, 2, 4};
+    for (int i = 0; i < 11; i++) {
+        int ndim;
+        int64_t sh[8];
+        OK(fsdp_tensor_ndim(o[i], &ndim));
+        OK(fsdp_tensor_shape(o[i], sh));
+        int same = ndim == want_nd[i];
+        for (int d = 0; same && d < ndim; d++) same = sh[d] == want[i][d];
+        test_check(same, "empty op %d: output of %d dims (first %lld), expected %d dims", i, ndim,
+                   ndim ? (long long)sh[0] : -1LL, want_nd[i]);
+    }
+    /* the norms' weight gradient sums over no rows: present, and exactly 0 */
+    fsdp_tensor *dw;
+    OK(fsdp_tensor_grad(w, &dw));
+    test_check(dw != NULL && tnumel(dw) == 3, "empty rows: the norm weight has a gradient of 3 elements");
+    if (dw) {
+        float *g = readf(dw);
+        test_check(g[0] == 0 && g[1] == 0 && g[2] == 0, "empty rows: norm weight gradient %g %g %g, expected 0", g[0],
+                   g[1], g[2]);
+        free(g);
+        OK(fsdp_tensor_release(dw));
+    }
     for (int i = 0; i < 11; i++) OK(fsdp_tensor_release(o[i]));
     for (int i = 0; i < 6; i++) OK(fsdp_tensor_release(in[i]));
     OK(fsdp_tensor_release(t));
-    test_check(1, "empty tensors");
 }
 
 /* ---- error paths ---- */

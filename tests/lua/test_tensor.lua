@@ -305,8 +305,13 @@ local after = fsdp.memory.stats()
 t.ok(after.current <= during.current - nbytes, "current drops after :free()")
 fsdp.memory.reset_peak()
 t.ok(fsdp.memory.stats().peak <= during.current, "reset_peak")
+-- the freed block stays cached (reserved) until empty_cache gives it back
+local cached = fsdp.memory.stats()
+t.ok(cached.reserved >= cached.current + nbytes, "the freed block stays reserved in the cache")
 fsdp.memory.empty_cache()
-t.ok(fsdp.memory.stats().reserved >= 0, "empty_cache")
+local emptied = fsdp.memory.stats()
+t.eq(emptied.reserved, emptied.current, "empty_cache: reserved comes down to current")
+t.ok(cached.reserved - emptied.reserved >= nbytes, "empty_cache gives the freed block back")
 t.ok(fsdp.memory.all().grad ~= nil, "memory.all")
 
 -- ---- :free() ----

@@ -118,7 +118,21 @@ int main(void) {
         fsdp_tensor *rel[] = {src, dst, src2, dst2, big, small, t};
         for (int k = 0; k < 7; k++) fsdp_tensor_release(rel[k]);
     } else {
-        test_check(1, "one rank: nothing to mismatch");
+        /* one rank has no peer to disagree with: in debug mode a gather
+         * under any label, and a reduce-scatter, run and give their values */
+        fsdp_tensor *src = filled(FSDP_F32, 5, 3.0), *dst = filled(FSDP_F32, 5, -1.0), *shard = filled(FSDP_F32, 5, 0);
+        OK(fsdp_all_gather(NULL, world, dst, src, "h.1"));
+        OK(fsdp_all_gather(NULL, world, dst, src, "h.3"));
+        OK(fsdp_reduce_scatter(NULL, world, shard, dst, FSDP_REDUCE_SUM, "h.3"));
+        float v[5] = {0}, r[5] = {0};
+        OK(fsdp_tensor_to_data(dst, v, sizeof v));
+        OK(fsdp_tensor_to_data(shard, r, sizeof r));
+        int right = 1;
+        for (int i = 0; i < 5; i++) right &= v[i] == 3.0f && r[i] == 3.0f;
+        check(right, "one rank in debug mode: gathered %g, reduced %g, expected 3 and 3", v[0], r[0]);
+        fsdp_tensor *rel[] = {src, dst, shard};
+        for (int k = 0; k < 3; k++) fsdp_tensor_release(rel[k]);
+        still_in_step(world, s, "one-rank collectives");
     }
 
     double tot = (double)g_local_fail;
