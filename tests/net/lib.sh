@@ -2,22 +2,16 @@
 # Each test skips (exit 77, with netcluster's one-line reason) where network
 # namespaces cannot be made, counts its checks and fails when one fails.
 set -u
-L=${1:?usage: test_X.sh LAUNCHER SOURCE_DIR}
-SRC=${2:?usage: test_X.sh LAUNCHER SOURCE_DIR}
-cd "$SRC" || exit 1
+source "$(dirname "${BASH_SOURCE[0]}")/../sh/lib.sh" "$@"   # L, ROOT, TMP, ok/bad, finish
+SRC=$ROOT
 NC="$SRC/tools/netcluster"
 export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -np)
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
-finish() { echo "$pass passed, $fail failed"; [ $fail -eq 0 ] && [ $pass -gt 0 ]; exit $?; }
 
 probe=$("$NC" run --nodes=1 -- true 2>&1); rc=$?
 if [ $rc -eq 77 ]; then echo "SKIP: $probe"; exit 77; fi
 [ $rc -eq 0 ] || { echo "FAIL: netcluster cannot run 'true' on one node (exit $rc): $probe"; exit 1; }
 
-TMP=$(mktemp -d)
 # Whatever happens, no run of ours is left: netcluster tears down its own, and
 # `clean` removes those of runs this test killed.
 trap 'rm -rf "$TMP"; "$NC" clean' EXIT

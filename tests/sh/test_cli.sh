@@ -4,19 +4,9 @@
 # (when mpirun works here) an uncaught error ending a two-rank job.
 #   bash tests/sh/test_cli.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_cli.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_cli.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1
 
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
-# has NAME OUTPUT TEXT: OUTPUT contains TEXT (fixed string)
-has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
-code() { if [ "$2" -eq "$3" ]; then ok; else bad "$1: exit code $2, expected $3"; fi; }
 
 # --help / -h
 out=$("$L" --help 2>&1); rc=$?
@@ -170,5 +160,4 @@ if command -v mpirun >/dev/null 2>&1; then
   fi
 fi
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish

@@ -5,14 +5,8 @@
 # says its version.
 #   bash tests/sh/test_install.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_install.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_install.sh <launcher> <repo root>}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 BUILD=$(dirname "$L")
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
 
 out=$(cmake --install "$BUILD" --prefix "$TMP/prefix" 2>&1) && ok || bad "cmake --install" "$out"
 P="$TMP/prefix"
@@ -36,5 +30,4 @@ mv "$P" "$TMP/moved"
 out=$("$TMP/moved/bin/fsdp-lua" -e 'print(fsdp.ones(3):sum():item())' 2>&1)
 grep -qxF "3" <<<"$out" && ok || bad "a moved prefix still runs" "$out"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish

@@ -3,15 +3,8 @@
 # records), then tools/plot draws the file into a PNG.
 #   bash tests/sh/test_metrics.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_metrics.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_metrics.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
 
 out=$("$L" tests/sh/metrics_job.lua "$TMP/one.jsonl" 2>&1) && ok || bad "metrics on 1 rank" "$out"
 MPIRUN=$(command -v mpirun || true)
@@ -69,5 +62,4 @@ out=$(FSDP_PEAK_TFLOPS=fast "$L" -e "$peak" 2>&1); rc=$?
 [ $rc -ne 0 ] && grep -q "FSDP_PEAK_TFLOPS must be a positive number of TFLOP/s per device, as 989 (got 'fast')" \
   <<<"$out" && ok || bad "a bad FSDP_PEAK_TFLOPS is refused" "$out"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish

@@ -3,17 +3,9 @@
 # error naming the value and what was expected, with a non-zero exit.
 #   bash tests/sh/test_recipes.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_recipes.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_recipes.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1
 
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
-has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
 # fails NAME TEXT... -- ARGS: the recipe exits non-zero and prints every TEXT
 fails() {
   local name=$1; shift
@@ -164,5 +156,4 @@ leaks=$(api_leaks recipes/*.lua)
 # (the same check finds the FFI where it is used, so it can fail)
 [ -n "$(api_leaks lua/fsdp/core.lua)" ] && ok || bad "the FFI check finds nothing in lua/fsdp/core.lua"
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish

@@ -2,21 +2,11 @@
 # The REPL, driven through a pipe and through a pseudo-terminal.
 #   bash tests/sh/test_repl.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_repl.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_repl.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1 HOME="$TMP"   # history goes to the temp folder
 
-pass=0 fail=0
 # tensors are made on the engine's default device (cuda where a GPU is)
 DEV=$("$L" -e 'io.write(require("fsdp").default_device())' 2>/dev/null)
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
-has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
-hasnt() { if grep -qF -- "$3" <<<"$2"; then bad "$1: unexpected '$3'" "$2"; else ok; fi; }
-line() { if grep -qxF -- "$3" <<<"$2"; then ok; else bad "$1: no line '$3'" "$2"; fi; }
 
 # ---- through a pipe: no prompts, one result per input ----
 out=$(cat <<'EOF' | "$L" 2>&1
@@ -399,5 +389,4 @@ else
   bad "python3 and mpirun are needed for the REPL tests across ranks"
 fi
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish

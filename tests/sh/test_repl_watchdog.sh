@@ -6,17 +6,8 @@
 # rank ends every rank with a message naming it and its status.
 #   bash tests/sh/test_repl_watchdog.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_repl_watchdog.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_repl_watchdog.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1 HOME="$TMP"
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
-has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
-hasnt() { if grep -qF -- "$3" <<<"$2"; then bad "$1: unexpected '$3'" "$2"; else ok; fi; }
 MPIRUN=$(command -v mpirun || true)
 [ -n "$MPIRUN" ] || { echo "FAIL: mpirun is needed"; exit 1; }
 M=("$MPIRUN" --allow-run-as-root --oversubscribe --mca btl self,vader -np)
@@ -88,5 +79,4 @@ else
   bad "python3 is needed for the pseudo-terminal test"
 fi
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish

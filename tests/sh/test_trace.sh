@@ -3,15 +3,8 @@
 # by tests/sh/check_trace.lua (ranks, tracks, collectives, durations, nesting).
 #   bash tests/sh/test_trace.sh <launcher> <repo root>
 set -u
-L=${1:?usage: test_trace.sh <launcher> <repo root>}
-ROOT=${2:?usage: test_trace.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
 
 # one rank, --trace
 out=$("$L" --trace="$TMP/one.json" tests/sh/trace_job.lua 2>&1)
@@ -46,5 +39,4 @@ fi
 out=$("$L" --trace="$TMP/no/such/dir/t.json" -e 'print(1)' 2>&1); rc=$?
 [ $rc -ne 0 ] && grep -q "cannot write" <<<"$out" && ok || bad "unwritable trace path is an error (rc $rc)" "$out"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+finish

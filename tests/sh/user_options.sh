@@ -4,19 +4,9 @@
 # checkpoint without training, and the first mistakes' messages.
 #   bash tests/sh/user_options.sh <launcher> <repo root>
 set -u
-L=${1:?usage: user_options.sh <launcher> <repo root>}
-ROOT=${2:?usage: user_options.sh <launcher> <repo root>}
-cd "$ROOT" || exit 1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh" "$@"
 export OPENBLAS_NUM_THREADS=1 FSDP_NUM_THREADS=1 LC_ALL=C
 
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $1"; [ -n "${2:-}" ] && printf '  output was:\n%s\n' "$2"; }
-has() { if grep -qF -- "$3" <<<"$2"; then ok; else bad "$1: no '$3'" "$2"; fi; }
-hasnt() { if grep -qF -- "$3" <<<"$2"; then bad "$1: has '$3'" "$2"; else ok; fi; }
-same() { if [ "$2" == "$3" ]; then ok; else bad "$1: '$2' vs '$3'"; fi; }
 # usage NAME TEXT ARGS...: exit status 2 and one line holding TEXT
 usage() {
   local name=$1 want=$2; shift 2
@@ -103,5 +93,4 @@ usage "make_shards typo" "make_shards.lua: unknown option --shard-token (did you
 usage "make_shards val fraction" "--val-fraction must be below 1, got 1" tools/make_shards.lua --input=data/corpus.txt \
   --out="$TMP/s" --val-fraction=1
 
-echo "$pass passed, $fail failed"
-[ $fail -eq 0 ]
+finish
