@@ -149,7 +149,7 @@ void cuda_tmp_free(void *ptr) {
     tmp_release(ptr);   /* the cache was full when it was made */
 }
 
-static void *cuda_raw_alloc(size_t nbytes) {
+void *cuda_raw_alloc(size_t nbytes) {
     CUDA_ENTER();
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, nbytes ? nbytes : 1);
@@ -161,31 +161,31 @@ static void *cuda_raw_alloc(size_t nbytes) {
     return p;
 }
 
-static void cuda_raw_free(void *ptr) {
+void cuda_raw_free(void *ptr) {
     CUDA_ENTER();
     if (ptr) CUDA_CHECK(cudaFree(ptr));
 }
 
-static void cuda_zero(void *dst, size_t nbytes) {
+void cuda_zero(void *dst, size_t nbytes) {
     CUDA_ENTER();
     if (nbytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, nbytes, g_stream));
 }
 
 /* From pageable host memory: cudaMemcpyAsync stages the bytes before it
  * returns, so the caller may reuse host_src at once. */
-static void cuda_copy_from_host(void *dst, const void *host_src, size_t nbytes) {
+void cuda_copy_from_host(void *dst, const void *host_src, size_t nbytes) {
     CUDA_ENTER();
     if (nbytes) CUDA_CHECK(cudaMemcpyAsync(dst, host_src, nbytes, cudaMemcpyHostToDevice, g_stream));
 }
 
-static void cuda_copy_to_host(void *host_dst, const void *src, size_t nbytes) {
+void cuda_copy_to_host(void *host_dst, const void *src, size_t nbytes) {
     CUDA_ENTER();
     if (!nbytes) return;
     CUDA_CHECK(cudaMemcpyAsync(host_dst, src, nbytes, cudaMemcpyDeviceToHost, g_stream));
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
 }
 
-static void cuda_synchronize(void) {
+void cuda_synchronize(void) {
     CUDA_ENTER();
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
 }
@@ -196,7 +196,7 @@ static void cuda_synchronize(void) {
  * it stages the bytes through a driver buffer first, and to pageable memory
  * it returns only when they have arrived. A fence is an event recorded on
  * the compute stream after the copy. */
-static void *cuda_host_alloc(size_t nbytes) {
+void *cuda_host_alloc(size_t nbytes) {
     CUDA_ENTER();
     void *p = NULL;
     cudaError_t e = cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocDefault);
@@ -208,7 +208,7 @@ static void *cuda_host_alloc(size_t nbytes) {
     return p;
 }
 
-static void cuda_host_free(void *ptr) {
+void cuda_host_free(void *ptr) {
     CUDA_ENTER();
     if (ptr) CUDA_CHECK(cudaFreeHost(ptr));
 }
@@ -220,19 +220,19 @@ static void *fence_after_copy(void) {
     return (void *)ev;
 }
 
-static void *cuda_copy_from_host_async(void *dst, const void *pinned_src, size_t nbytes) {
+void *cuda_copy_from_host_async(void *dst, const void *pinned_src, size_t nbytes) {
     CUDA_ENTER();
     if (nbytes) CUDA_CHECK(cudaMemcpyAsync(dst, pinned_src, nbytes, cudaMemcpyHostToDevice, g_stream));
     return fence_after_copy();
 }
 
-static void *cuda_copy_to_host_async(void *pinned_dst, const void *src, size_t nbytes) {
+void *cuda_copy_to_host_async(void *pinned_dst, const void *src, size_t nbytes) {
     CUDA_ENTER();
     if (nbytes) CUDA_CHECK(cudaMemcpyAsync(pinned_dst, src, nbytes, cudaMemcpyDeviceToHost, g_stream));
     return fence_after_copy();
 }
 
-static int cuda_fence_wait(void *fence, int block) {
+int cuda_fence_wait(void *fence, int block) {
     CUDA_ENTER();
     cudaEvent_t ev = (cudaEvent_t)fence;
     if (!ev) return 1;
@@ -250,101 +250,8 @@ static int cuda_fence_wait(void *fence, int block) {
 /* C++20 designated initializers: in the struct's order, or it does not compile. */
 extern "C" const fsdp_device_kernels cuda_device_kernels = {
     .name = "cuda",
-    .raw_alloc = cuda_raw_alloc,
-    .raw_free = cuda_raw_free,
-    .zero = cuda_zero,
-    .copy_from_host = cuda_copy_from_host,
-    .copy_to_host = cuda_copy_to_host,
-    .synchronize = cuda_synchronize,
-    .host_alloc = cuda_host_alloc,
-    .host_free = cuda_host_free,
-    .copy_from_host_async = cuda_copy_from_host_async,
-    .copy_to_host_async = cuda_copy_to_host_async,
-    .fence_wait = cuda_fence_wait,
-    .cast_any = cuda_cast_any,
-    .copy_strided = cuda_copy_strided,
-    .fill_f32 = cuda_fill_f32,
-    .matmul_f32 = cuda_matmul_f32,
-    .matmul_bf16 = cuda_matmul_bf16,
-    .matmul_epilogue_bf16 = cuda_matmul_epilogue_bf16,
-    .binary_f32 = cuda_binary_f32,
-    .scale_f32 = cuda_scale_f32,
-    .add_scalar_f32 = cuda_add_scalar_f32,
-    .axpy_f32 = cuda_axpy_f32,
-    .sum_dim_f32 = cuda_sum_dim_f32,
-    .sum_all_f32 = cuda_sum_all_f32,
-    .sumsq_f32 = cuda_sumsq_f32,
-    .binary_bf16 = cuda_binary_bf16,
-    .scale_bf16 = cuda_scale_bf16,
-    .add_scalar_bf16 = cuda_add_scalar_bf16,
-    .axpy_bf16 = cuda_axpy_bf16,
-    .sum_dim_bf16 = cuda_sum_dim_bf16,
-    .sumsq_many_f32 = cuda_sumsq_many_f32,
-    .axpy_f32_bf16 = cuda_axpy_f32_bf16,
-    .gelu_forward_f32 = cuda_gelu_forward_f32,
-    .gelu_backward_f32 = cuda_gelu_backward_f32,
-    .silu_forward_f32 = cuda_silu_forward_f32,
-    .silu_backward_f32 = cuda_silu_backward_f32,
-    .softmax_forward_f32 = cuda_softmax_forward_f32,
-    .softmax_backward_f32 = cuda_softmax_backward_f32,
-    .log_softmax_forward_f32 = cuda_log_softmax_forward_f32,
-    .log_softmax_backward_f32 = cuda_log_softmax_backward_f32,
-    .gelu_forward_bf16 = cuda_gelu_forward_bf16,
-    .gelu_backward_bf16 = cuda_gelu_backward_bf16,
-    .silu_forward_bf16 = cuda_silu_forward_bf16,
-    .silu_backward_bf16 = cuda_silu_backward_bf16,
-    .softmax_forward_bf16 = cuda_softmax_forward_bf16,
-    .softmax_backward_bf16 = cuda_softmax_backward_bf16,
-    .log_softmax_forward_bf16 = cuda_log_softmax_forward_bf16,
-    .log_softmax_backward_bf16 = cuda_log_softmax_backward_bf16,
-    .layernorm_forward_f32 = cuda_layernorm_forward_f32,
-    .layernorm_backward_f32 = cuda_layernorm_backward_f32,
-    .rmsnorm_forward_f32 = cuda_rmsnorm_forward_f32,
-    .rmsnorm_backward_f32 = cuda_rmsnorm_backward_f32,
-    .layernorm_forward_bf16 = cuda_layernorm_forward_bf16,
-    .layernorm_backward_bf16 = cuda_layernorm_backward_bf16,
-    .rmsnorm_forward_bf16 = cuda_rmsnorm_forward_bf16,
-    .rmsnorm_backward_bf16 = cuda_rmsnorm_backward_bf16,
-    .embedding_forward_f32 = cuda_embedding_forward_f32,
-    .embedding_backward_f32 = cuda_embedding_backward_f32,
-    .cross_entropy_forward_f32 = cuda_cross_entropy_forward_f32,
-    .cross_entropy_backward_f32 = cuda_cross_entropy_backward_f32,
-    .attention_forward_f32 = cuda_attention_forward_f32,
-    .attention_backward_f32 = cuda_attention_backward_f32,
-    .attention_qkv_forward_bf16 = cuda_attention_qkv_forward_bf16,
-    .attention_qkv_backward_bf16 = cuda_attention_qkv_backward_bf16,
-    .attention_flash_forward_bf16 = cuda_attention_flash_forward_bf16,
-    .attention_flash_backward_bf16 = cuda_attention_flash_backward_bf16,
-    .cross_entropy_forward_bf16 = cuda_cross_entropy_forward_bf16,
-    .cross_entropy_backward_bf16 = cuda_cross_entropy_backward_bf16,
-    .classifier_lse_f32 = cuda_classifier_lse_f32,
-    .classifier_finish_f32 = cuda_classifier_finish_f32,
-    .classifier_dlogits_f32 = cuda_classifier_dlogits_f32,
-    .embedding_slice_forward_f32 = cuda_embedding_slice_forward_f32,
-    .embedding_slice_backward_f32 = cuda_embedding_slice_backward_f32,
-    .cross_entropy_rows_f32 = cuda_cross_entropy_rows_f32,
-    .cross_entropy_rows_bf16 = cuda_cross_entropy_rows_bf16,
-    .cross_entropy_fused_f32 = cuda_cross_entropy_fused_f32,
-    .cross_entropy_fused_bf16 = cuda_cross_entropy_fused_bf16,
-    .embedding_backward_bf16 = cuda_embedding_backward_bf16,
-    .embedding_forward_bf16 = cuda_embedding_forward_bf16,
-    .init_normal_f32 = cuda_init_normal_f32,
-    .init_uniform_f32 = cuda_init_uniform_f32,
-    .dropout_f32 = cuda_dropout_f32,
-    .adamw_f32 = cuda_adamw_f32,
-    .sgd_f32 = cuda_sgd_f32,
-    .adamw_many_f32 = cuda_adamw_many_f32,
-    .sum_dim_acc_bf16 = cuda_sum_dim_acc_bf16,
-    .layernorm_backward_acc_bf16 = cuda_layernorm_backward_acc_bf16,
-    .layernorm_backward_addx_bf16 = cuda_layernorm_backward_addx_bf16,
-    .embedding_backward_acc_bf16 = cuda_embedding_backward_acc_bf16,
-    .embedding_backward_acc_f32 = cuda_embedding_backward_acc_f32,
-    .bias_gelu_forward_f32 = cuda_bias_gelu_forward_f32,
-    .bias_gelu_forward_bf16 = cuda_bias_gelu_forward_bf16,
-    .bias_gelu_backward_f32 = cuda_bias_gelu_backward_f32,
-    .bias_gelu_backward_bf16 = cuda_bias_gelu_backward_bf16,
-    .bias_residual_f32 = cuda_bias_residual_f32,
-    .bias_residual_bf16 = cuda_bias_residual_bf16,
+#define FSDP_KERNEL(ret, name, params, has) FSDP_ON_CUDA_##has(.name = cuda_##name, )
+#include "kernels.def"
 };
 
 /* ---- start-up ---- */

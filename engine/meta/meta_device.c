@@ -17,11 +17,11 @@
  * takes on that device (bf16 matmul natively on CUDA, staged through f32 on
  * the CPU, ...).
  *
- * Adding a table entry to device.h: add one line to META_ENTRIES below with
- * its signature and its cost (bytes read, bytes written, FLOPs, launches,
- * host syncs), or, when what it costs depends on whether it runs, one to
- * META_ENTRIES_BY_HAND and its counting function. Until then the meta table has no such entry, which
- * fsdp_meta_mimic reports (and a test fails for the CUDA table). */
+ * Adding a table entry (engine/core/kernels.def): add its cost line,
+ * COST_<name>, below: AUTO and its cost (bytes read, bytes written, FLOPs,
+ * launches, host syncs, result), or, when what it costs depends on whether
+ * it runs, HAND and its counting function meta_<name>. Without one the
+ * build fails. */
 #define _DEFAULT_SOURCE   /* MAP_ANONYMOUS, MAP_NORESERVE under -std=c11 */
 #include "internal.h"
 #include <pthread.h>
@@ -34,7 +34,8 @@
 #include "timeline.h"
 
 /* ---- the cost table ----
- * X(ret, name, family, (params), read, written, flops, launches, syncs, result)
+ * #define COST_<name> AUTO, family, read, written, flops, launches, syncs, result
+ * (the entry's parameters, from kernels.def, are in scope)
  * Bytes are device memory traffic (a copy from the host writes, one to the
  * host reads) in the dtypes the kernel sees: f32 = 4,
  * bf16 = 2, i64 ids = 8. FLOPs count multiply-adds as 2; elementwise
@@ -49,324 +50,227 @@
 #define F32 4
 #define NPB(dw, db) norm_bwd_partial_bytes(rows, cols, dw, db)   /* (in the norm backward lines) */
 #define BF16 2
-#define META_ENTRIES(X)                                                                                             \
-    X(void, zero, "copy", (void *dst, size_t nbytes), 0, nbytes, 0, 1, 0, )                                        \
-    X(void, copy_from_host, "transfer", (void *dst, const void *host_src, size_t nbytes), 0, nbytes, 0, 1, 0, )     \
-    X(void, copy_to_host, "transfer", (void *host_dst, const void *src, size_t nbytes), nbytes, 0, 0, 1, 1,         \
-      memset(host_dst, 0, nbytes))                                                                                 \
-    X(void, synchronize, "sync", (void), 0, 0, 0, 0, 1, )                                                          \
-    X(void, cast_any, "cast", (void *out, int out_dtype, const void *in, int in_dtype, int64_t n),                 \
-      n * dtype_bytes(in_dtype), n * dtype_bytes(out_dtype), 0, 1, 0, )                                            \
-    X(void, copy_strided, "copy", (void *dst, const int64_t *dst_strides, const void *src,                        \
-      const int64_t *src_strides, int ndim, const int64_t *shape, size_t elem_size),                               \
-      distinct_elems(ndim, shape, src_strides) * elem_size, numel_of(ndim, shape) * elem_size, 0, 1, 0, )          \
-    X(void, fill_f32, "copy", (float *out, float v, int64_t n), 0, F32 * n, 0, 1, 0, )                             \
-    X(void, matmul_f32, "gemm_f32", (float *c, const float *a, const float *b, int64_t batch, int64_t M,          \
-      int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a, int64_t stride_b, \
-      int64_t stride_c), F32 * (batch * M * K + (stride_b ? batch : 1) * K * N + (beta != 0) * batch * M * N),     \
-      F32 * batch * M * N, 2 * batch * M * N * K, 1, 0, )                                                          \
-    X(void, matmul_bf16, "gemm_bf16", (uint16_t *c, const uint16_t *a, const uint16_t *b, int64_t batch,          \
-      int64_t M, int64_t N, int64_t K, int trans_a, int trans_b, float alpha, float beta, int64_t stride_a,        \
-      int64_t stride_b, int64_t stride_c),                                                                         \
-      BF16 * (batch * M * K + (stride_b ? batch : 1) * K * N + (beta != 0) * batch * M * N), BF16 * batch * M * N, \
-      2 * batch * M * N * K, 1, 0, )                                                                               \
-    X(void, binary_f32, "elementwise", (int op, float *out, const float *a, const int64_t *a_strides,             \
-      const float *b, const int64_t *b_strides, int ndim, const int64_t *shape),                                   \
-      F32 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)),                     \
-      F32 * numel_of(ndim, shape), numel_of(ndim, shape), 1, 0, )                                                  \
-    X(void, scale_f32, "elementwise", (float *out, const float *a, float s, int64_t n), F32 * n, F32 * n, n, 1, 0, ) \
-    X(void, add_scalar_f32, "elementwise", (float *out, const float *a, float s, int64_t n), F32 * n, F32 * n, n,  \
-      1, 0, )                                                                                                      \
-    X(void, axpy_f32, "elementwise", (float *y, const float *x, float alpha, int64_t n), 2 * F32 * n, F32 * n,     \
-      2 * n, 1, 0, )                                                                                               \
-    X(void, sum_dim_f32, "reduce", (float *out, const float *in, int64_t outer, int64_t red, int64_t inner),       \
-      F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, sum_dim_launches(outer, red, inner, 0),  \
-      0, )                                                                                                         \
-    X(double, sum_all_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, n, 3, 1, 0)                         \
-    X(double, sumsq_f32, "reduce", (const float *in, int64_t n), F32 * n, 0, 2 * n, 3, 1, 0)                       \
-    X(void, binary_bf16, "elementwise", (int op, uint16_t *out, const uint16_t *a, const int64_t *a_strides,      \
-      const uint16_t *b, const int64_t *b_strides, int ndim, const int64_t *shape),                                \
-      BF16 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)),                    \
-      BF16 * numel_of(ndim, shape), numel_of(ndim, shape), 1, 0, )                                                 \
-    X(void, scale_bf16, "elementwise", (uint16_t *out, const uint16_t *a, float s, int64_t n), BF16 * n, BF16 * n, \
-      n, 1, 0, )                                                                                                   \
-    X(void, add_scalar_bf16, "elementwise", (uint16_t *out, const uint16_t *a, float s, int64_t n), BF16 * n,      \
-      BF16 * n, n, 1, 0, )                                                                                         \
-    X(void, axpy_bf16, "elementwise", (uint16_t *y, const uint16_t *x, float alpha, int64_t n), 2 * BF16 * n,      \
-      BF16 * n, 2 * n, 1, 0, )                                                                                     \
-    X(void, sum_dim_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,               \
-      int64_t inner), BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner,                       \
-      sum_dim_launches(outer, red, inner, 0), 0, )                                                                 \
-    X(double, sumsq_many_f32, "reduce", (const float *const *ptrs, const int64_t *counts, int n),                \
-      F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), (n + 13) / 14 + 2, 1, 0)                          \
-    X(void, axpy_f32_bf16, "elementwise", (float *y, const uint16_t *x, float alpha, int64_t n),                 \
-      (F32 + BF16) * n, F32 * n, 2 * n, 1, 0, )                                                                    \
-    X(void, gelu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 8 * n, 1, 0, ) \
-    X(void, gelu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
-      2 * F32 * n, F32 * n, 12 * n, 1, 0, )                                                                        \
-    X(void, silu_forward_f32, "activation", (float *out, const float *x, int64_t n), F32 * n, F32 * n, 4 * n, 1, 0, ) \
-    X(void, silu_backward_f32, "activation", (float *dx, const float *x, const float *dout, int64_t n),           \
-      2 * F32 * n, F32 * n, 8 * n, 1, 0, )                                                                         \
-    X(void, softmax_forward_f32, "softmax", (float *out, const float *x, int64_t rows, int64_t cols),             \
-      F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0, )                                               \
-    X(void, softmax_backward_f32, "softmax", (float *dx, const float *y, const float *dy, int64_t rows,           \
-      int64_t cols), 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, 0, )                            \
-    X(void, log_softmax_forward_f32, "softmax", (float *out, const float *x, int64_t rows, int64_t cols),         \
-      F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0, )                                               \
-    X(void, log_softmax_backward_f32, "softmax", (float *dx, const float *y, const float *dy, int64_t rows,       \
-      int64_t cols), 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, 0, )                            \
-    X(void, gelu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, int64_t n), BF16 * n, BF16 * n,   \
-      8 * n, 1, 0, )                                                                                               \
-    X(void, gelu_backward_bf16, "activation", (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), \
-      2 * BF16 * n, BF16 * n, 12 * n, 1, 0, )                                                                      \
-    X(void, silu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, int64_t n), BF16 * n, BF16 * n,   \
-      4 * n, 1, 0, )                                                                                               \
-    X(void, silu_backward_bf16, "activation", (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), \
-      2 * BF16 * n, BF16 * n, 8 * n, 1, 0, )                                                                       \
-    X(void, softmax_forward_bf16, "softmax", (uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols),      \
-      BF16 * rows * cols, BF16 * rows * cols, 5 * rows * cols, 1, 0, )                                             \
-    X(void, softmax_backward_bf16, "softmax", (uint16_t *dx, const uint16_t *y, const uint16_t *dy, int64_t rows, \
-      int64_t cols), 2 * BF16 * rows * cols, BF16 * rows * cols, 4 * rows * cols, 1, 0, )                          \
-    X(void, log_softmax_forward_bf16, "softmax", (uint16_t *out, const uint16_t *x, int64_t rows, int64_t cols),  \
-      BF16 * rows * cols, BF16 * rows * cols, 5 * rows * cols, 1, 0, )                                             \
-    X(void, log_softmax_backward_bf16, "softmax", (uint16_t *dx, const uint16_t *y, const uint16_t *dy,           \
-      int64_t rows, int64_t cols), 2 * BF16 * rows * cols, BF16 * rows * cols, 4 * rows * cols, 1, 0, )            \
-    X(void, layernorm_forward_f32, "norm", (float *out, float *mean, float *rstd, const float *x,                 \
-      const float *weight, const float *bias, int64_t rows, int64_t cols, float eps),                              \
-      F32 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), F32 * (rows * cols + 2 * rows),       \
-      8 * rows * cols, 1, 0, )                                                                                     \
-    X(void, layernorm_backward_f32, "norm", (float *dx, float *dweight, float *dbias, const float *dout,          \
-      const float *x, const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t cols),     \
-      F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows) +                                               \
-      norm_bwd_reread(cols, dweight, dbias) * F32 * 2 * rows * cols + NPB(dweight, dbias),                         \
-      F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),               \
-      12 * rows * cols,                                                                                            \
-      norm_bwd_launches(rows, cols, dweight, dbias, 0), 0, )                                                       \
-    X(void, rmsnorm_forward_f32, "norm", (float *out, float *rstd, const float *x, const float *weight,           \
-      int64_t rows, int64_t cols, float eps), F32 * (rows * cols + (weight != NULL) * cols),                       \
-      F32 * (rows * cols + rows), 5 * rows * cols, 1, 0, )                                                         \
-    X(void, rmsnorm_backward_f32, "norm", (float *dx, float *dweight, const float *dout, const float *x,          \
-      const float *weight, const float *rstd, int64_t rows, int64_t cols),                                         \
-      F32 * (2 * rows * cols + (weight != NULL) * cols + rows) +                                                   \
-      norm_bwd_reread(cols, dweight, NULL) * F32 * 2 * rows * cols + NPB(dweight, NULL),                           \
-      F32 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols,                        \
-      norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
-    X(void, layernorm_forward_bf16, "norm", (uint16_t *out, float *mean, float *rstd, const uint16_t *x,         \
-      const uint16_t *weight, const uint16_t *bias, int64_t rows, int64_t cols, float eps),                        \
-      BF16 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), BF16 * rows * cols + F32 * 2 * rows, \
-      8 * rows * cols, 1, 0, )                                                                                     \
-    X(void, layernorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,                 \
-      const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
-      int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
-      norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias),                        \
-      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
-      12 * rows * cols,                                                                                            \
-      norm_bwd_launches(rows, cols, dweight, dbias, 0), 0, )                                                       \
-    X(void, rmsnorm_forward_bf16, "norm", (uint16_t *out, float *rstd, const uint16_t *x, const uint16_t *weight, \
-      int64_t rows, int64_t cols, float eps), BF16 * (rows * cols + (weight != NULL) * cols),                      \
-      BF16 * rows * cols + F32 * rows, 5 * rows * cols, 1, 0, )                                                    \
-    X(void, rmsnorm_backward_bf16, "norm", (uint16_t *dx, uint16_t *dweight, const uint16_t *dout,              \
-      const uint16_t *x, const uint16_t *weight, const float *rstd, int64_t rows, int64_t cols),                  \
-      BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows +                                            \
-      norm_bwd_reread(cols, dweight, NULL) * BF16 * 2 * rows * cols + NPB(dweight, NULL),                          \
-      BF16 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols,                       \
-      norm_bwd_launches(rows, cols, dweight, NULL, 0), 0, )                                                        \
-    X(void, embedding_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n, const float *table,   \
-      int64_t dim), 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                               \
-    /* cuda_embedding.cu: a memset of the table, then the scatter's read-modify-write of the ids' rows */     \
-    X(void, embedding_backward_f32, "embedding", (float *dtable, int64_t vocab, const int64_t *ids, int64_t n,    \
-      const float *dout, int64_t dim), 8 * n + 2 * F32 * n * dim,                                                  \
-      (vocab > 0 && dim > 0) * F32 * (vocab * dim + n * dim), n * dim,                                             \
-      (vocab > 0 && dim > 0) * (1 + (n > 0)), 0, )                                                                 \
-    X(int64_t, cross_entropy_forward_f32, "loss", (float *losses, float *lse, const float *logits,                \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                          \
-    X(void, cross_entropy_backward_f32, "loss", (float *dlogits, const float *logits, const float *lse,           \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
-      int64_t count), F32 * N * V + F32 * N + 8 * N + F32, F32 * N * V, 3 * N * valid_v, 1, 0, )                   \
-    X(int64_t, cross_entropy_forward_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,           \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, ignore_index == 0 ? 0 : N)                         \
-    X(void, cross_entropy_backward_bf16, "loss", (uint16_t *dlogits, const uint16_t *logits, const float *lse,    \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, const float *dloss,     \
-      int64_t count), BF16 * N * V + F32 * N + 8 * N + F32, BF16 * N * V, 3 * N * valid_v, 1, 0, )                 \
-    X(void, cross_entropy_rows_f32, "loss", (float *losses, float *lse, const float *logits,                     \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0, )                                                   \
-    X(void, cross_entropy_rows_bf16, "loss", (float *losses, float *lse, const uint16_t *logits,                  \
-      const int64_t *targets, int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index),                        \
-      BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0, )                                                  \
-    /* the fused classifier: the logits read once (a block's second visit of its row is served from \
-     * L2: 1024 threads a row, 2 blocks an SM, 264 rows of 100 KB at GPT-2's vocabulary in flight on an  \
-     * H200, 26 MB of its 50 MB L2), dlogits written over them */                                          \
-    X(void, cross_entropy_fused_f32, "loss", (float *losses, float *logits, const int64_t *targets, int64_t N,   \
-      int64_t V, int64_t valid_v, int64_t ignore_index, int64_t count), F32 * N * V + 8 * N, F32 * N * V + F32 * N, \
-      7 * N * valid_v, 1, 0, )                                                                                     \
-    X(void, cross_entropy_fused_bf16, "loss", (float *losses, uint16_t *logits, const int64_t *targets,           \
-      int64_t N, int64_t V, int64_t valid_v, int64_t ignore_index, int64_t count), BF16 * N * V + 8 * N,           \
-      BF16 * N * V + F32 * N, 7 * N * valid_v, 1, 0, )                                                             \
-    X(void, embedding_backward_bf16, "embedding", (uint16_t *dtable, int64_t vocab, const int64_t *ids,         \
-      int64_t n, const uint16_t *dout, int64_t dim), EMB_SORTED_READ(n, dim, BF16),                               \
-      BF16 * vocab * dim + EMB_SORTED_WRITTEN(n, dim, BF16), n * dim,                                             \
-      (vocab > 0 && dim > 0) + EMB_SORTED_LAUNCHES(n, dim), 0, )                                                   \
-    X(void, embedding_forward_bf16, "embedding", (uint16_t *out, const int64_t *ids, int64_t n,                 \
-      const uint16_t *table, int64_t dim), 8 * n + BF16 * n * dim, BF16 * n * dim, 0, 1, 0, )                      \
-    X(void, attention_forward_f32, "attention", (float *out, float *lse, const float *q, const float *k,          \
-      const float *v, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                        \
-      3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), (causal ? 2 : 4) * B * H * T * T * D, 1, 0, )   \
-    X(void, attention_backward_f32, "attention", (float *dq, float *dk, float *dv, const float *dout,             \
-      const float *q, const float *k, const float *v, const float *out, const float *lse, int64_t B, int64_t H,   \
-      int64_t T, int64_t D, int causal, float scale), F32 * (5 * B * H * T * D + B * H * T),                       \
-      3 * F32 * B * H * T * D, (causal ? 5 : 10) * B * H * T * T * D, 1, 0, )                                      \
-    /* packed bf16 attention on the tensor cores (cuda_attention_gemm.cu): a pointer-array kernel, the \
-     * batched GEMMs over all T x T scores (the causal mask is applied after them; FLOPs count the useful \
-     * half, as above), the row kernels */                                                                   \
-    X(void, attention_qkv_forward_bf16, "attention_bf16", (uint16_t *out, uint16_t *probs, float *scores,        \
-      const uint16_t *qkv, int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                 \
-      BF16 * 3 * B * H * T * D + (causal ? F32 / 2 : F32) * B * H * T * T + BF16 * B * H * T * T,               \
-      BF16 * B * H * T * D + (F32 + BF16) * B * H * T * T + 6 * 8 * B * H, (causal ? 2 : 4) * B * H * T * T * D,  \
-      4, 0, )                                                                                                     \
-    X(void, attention_qkv_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *dprobs, uint16_t *dscores,    \
-      const uint16_t *dout, const uint16_t *qkv, const uint16_t *probs, int64_t B, int64_t H, int64_t T,         \
-      int64_t D, int causal, float scale),                                                                       \
-      BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T,                                               \
-      BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D,  \
-      6, 0, )                                                                                                     \
-    /* fused flash attention (cuda_attention_flash.cu): q once and k, v once per query tile walked (the      \
-     * recompute reads); the backward: the Drow and dQ kernel (q, dO, O, lse once, k, v per query tile       \
-     * walked; writes Drow), then the dK, dV kernel (k, v once, q, dO, lse, Drow per key tile walked).       \
-     * Bytes read count every read; record_l2 the re-reads flash_l2_holds serves from L2. FLOPs: the        \
-     * model's, as the GEMM path counts them; the backward computes the scores and dP twice (once per        \
-     * kernel), which tools/gpu_model.lua prices */                                                        \
-    X(void, attention_flash_forward_bf16, "attention_bf16", (uint16_t *out, float *lse, const uint16_t *qkv,   \
-      int64_t B, int64_t H, int64_t T, int64_t D, int causal, float scale),                                     \
-      BF16 * B * H * D * (T + 2 * flash_walked_rows(T, causal)), BF16 * B * H * T * D + F32 * B * H * T,        \
-      (causal ? 2 : 4) * B * H * T * T * D, 1, 0,                                                              \
-      record_l2(E_attention_flash_forward_bf16, flash_fwd_l2(B, H, T, D, causal)))                              \
-    X(void, attention_flash_backward_bf16, "attention_bf16", (uint16_t *dqkv, float *drow,                    \
-      const uint16_t *dout, const uint16_t *qkv, const uint16_t *out, const float *lse, int64_t B, int64_t H,  \
-      int64_t T, int64_t D, int causal, float scale),                                                          \
-      B * H * (BF16 * 3 * T * D + F32 * T + flash_walked_rows(T, causal) * BF16 * 2 * D +                     \
-      BF16 * 2 * T * D + flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32)),                              \
-      B * H * (F32 * T + BF16 * 3 * T * D), (causal ? 4 : 8) * B * H * T * T * D, 2, 0,                        \
-      record_l2(E_attention_flash_backward_bf16, flash_bwd_l2(B, H, T, D, causal)))                             \
-    X(void, classifier_lse_f32, "loss", (float *m, float *s, float *tlogit, const float *logits,                \
-      const int64_t *targets, int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,   \
-      int64_t valid_v, int64_t ignore_index), F32 * N * blocks * block_rows + 8 * N + 3 * F32 * N, 3 * F32 * N,     \
-      4 * N * blocks * block_rows, 1, 0, )                                                                         \
-    X(int64_t, classifier_finish_f32, "loss", (float *lse, float *losses, const float *m, const float *s,         \
-      const float *tlogit, const int64_t *targets, int64_t N, int64_t ignore_index), 3 * F32 * N + 8 * N,          \
-      2 * F32 * N, 4 * N, 3, 1, ignore_index == 0 ? 0 : N)                                                         \
-    X(void, classifier_dlogits_f32, "loss", (float *dlogits, const float *logits, const float *lse,              \
-      const int64_t *targets, int64_t N, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0,   \
-      int64_t valid_v, int64_t ignore_index, const float *dloss, int64_t count),                                   \
-      F32 * N * blocks * block_rows + F32 * N + 8 * N + F32, F32 * N * blocks * block_rows,                        \
-      3 * N * blocks * block_rows, 1, 0, )                                                                         \
-    X(void, embedding_slice_forward_f32, "embedding", (float *out, const int64_t *ids, int64_t n,               \
-      const float *rows, int64_t dim, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0),     \
-      8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0, )                                                             \
-    X(void, embedding_slice_backward_f32, "embedding", (float *drows, const int64_t *ids, int64_t n,            \
-      const float *dout, int64_t dim, int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0),     \
-      8 * n + F32 * n * dim, F32 * blocks * block_rows * dim, n * dim, 2, 0, )                                     \
-    X(void, init_normal_f32, "init", (float *out, int64_t n, float mean, float std, uint64_t seed,                \
-      uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
-    X(void, init_uniform_f32, "init", (float *out, int64_t n, float low, float high, uint64_t seed,               \
-      uint64_t stream, int64_t offset), 0, F32 * n, 0, 1, 0, )                                                     \
-    X(void, dropout_f32, "elementwise", (float *out, const float *x, int64_t n, float p, uint64_t seed,           \
-      int64_t offset), F32 * n, F32 * n, 2 * n, 1, 0, )                                                            \
-    X(void, adamw_f32, "optimizer", (float *p, const float *g, float *m, float *v, int64_t n, float beta1,        \
-      float beta2, float eps, float decay, float step_size, float inv_sqrt_bc2, float grad_scale), 4 * F32 * n,     \
-      3 * F32 * n, 13 * n, 1, 0, )                                                                                                      \
-    X(void, sgd_f32, "optimizer", (float *p, const float *g, float *buf, int64_t n, float lr, float momentum,     \
-      float dampening, float weight_decay, int nesterov, int first), F32 * n * (buf ? 3 : 2),                     \
-      F32 * n * (buf ? 2 : 1), 4 * n, 1, 0, )                                                                      \
-    X(void, adamw_many_f32, "optimizer", (float *const *p, uint16_t *const *pb, const float *const *g,           \
-      float *const *m, float *const *v, const int64_t *counts, const float *decay, const float *step_size,        \
-      const float *inv_sqrt_bc2, int n, float beta1, float beta2, float eps, float grad_scale),                   \
-      4 * F32 * sum_counts(counts, n),                                                                             \
-      3 * F32 * sum_counts(counts, n) + BF16 * sum_counts_with(counts, (void *const *)pb, n),                      \
-      13 * sum_counts(counts, n), (nonempty(counts, n) + 55) / 56, 0, )                                            \
-    X(void, sum_dim_acc_bf16, "reduce", (uint16_t *out, const uint16_t *in, int64_t outer, int64_t red,           \
-      int64_t inner), BF16 * (outer * red * inner + outer * inner), BF16 * outer * inner, outer * red * inner,     \
-      sum_dim_launches(outer, red, inner, 1), 0, )                                                                 \
-    X(void, layernorm_backward_acc_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,             \
-      const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
-      int64_t rows, int64_t cols), BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +           \
-      norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias) +                       \
-      BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,                                                          \
-      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
-      12 * rows * cols,                                                                                            \
-      norm_bwd_launches(rows, cols, dweight, dbias, 1), 0, )                                                       \
-    X(void, layernorm_backward_addx_bf16, "norm", (uint16_t *dx, uint16_t *dweight, uint16_t *dbias,            \
-      const uint16_t *dout, const uint16_t *x, const uint16_t *weight, const float *mean, const float *rstd,      \
-      int64_t rows, int64_t cols, int acc), BF16 * (3 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows +  \
-      norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias) +                       \
-      acc * BF16 * ((dweight != NULL) + (dbias != NULL)) * cols,                                                    \
-      BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias),              \
-      13 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, acc), 0, )                                   \
-    X(void, embedding_backward_acc_bf16, "embedding", (uint16_t *dtable, const int64_t *ids, int64_t n,         \
-      const uint16_t *dout, int64_t dim), EMB_SORTED_READ(n, dim, BF16), EMB_SORTED_WRITTEN(n, dim, BF16),         \
-      n * dim, EMB_SORTED_LAUNCHES(n, dim), 0, )                                                                   \
-    X(void, embedding_backward_acc_f32, "embedding", (float *dtable, const int64_t *ids, int64_t n,              \
-      const float *dout, int64_t dim), EMB_SORTED_READ(n, dim, F32), EMB_SORTED_WRITTEN(n, dim, F32), n * dim,     \
-      EMB_SORTED_LAUNCHES(n, dim), 0, )                                                                            \
-    X(void, bias_gelu_forward_f32, "activation", (float *out, const float *x, const float *bias, int64_t rows,    \
-      int64_t cols), F32 * (rows * cols + cols), F32 * rows * cols, 9 * rows * cols, rows > 0 && cols > 0, 0, )     \
-    X(void, bias_gelu_forward_bf16, "activation", (uint16_t *out, const uint16_t *x, const uint16_t *bias,       \
-      int64_t rows, int64_t cols), BF16 * (rows * cols + cols), BF16 * rows * cols, 9 * rows * cols,               \
-      rows > 0 && cols > 0, 0, )                                                                                   \
-    X(void, bias_gelu_backward_f32, "activation", (float *dx, float *dbias, const float *dout, const float *x,    \
-      const float *bias, int64_t rows, int64_t cols, int acc),                                                     \
-      F32 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, F32, dbias),     \
-      F32 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, F32, dbias),               \
-      14 * rows * cols, gelu_bwd_launches(rows, cols, F32, dbias, acc), 0, )                                      \
-    X(void, bias_gelu_backward_bf16, "activation", (uint16_t *dx, uint16_t *dbias, const uint16_t *dout,        \
-      const uint16_t *x, const uint16_t *bias, int64_t rows, int64_t cols, int acc),                               \
-      BF16 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias),   \
-      BF16 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias),             \
-      14 * rows * cols, gelu_bwd_launches(rows, cols, BF16, dbias, acc), 0, )                                     \
-    X(void, bias_residual_f32, "elementwise", (float *out, const float *x, const float *bias, const float *res,  \
-      int64_t rows, int64_t cols), F32 * (2 * rows * cols + cols), F32 * rows * cols, 2 * rows * cols,             \
-      rows > 0 && cols > 0, 0, )                                                                                   \
-    X(void, bias_residual_bf16, "elementwise", (uint16_t *out, const uint16_t *x, const uint16_t *bias,          \
-      const uint16_t *res, int64_t rows, int64_t cols), BF16 * (2 * rows * cols + cols), BF16 * rows * cols,       \
-      2 * rows * cols, rows > 0 && cols > 0, 0, )
+#define COST_zero AUTO, "copy", 0, nbytes, 0, 1, 0,
+#define COST_copy_from_host AUTO, "transfer", 0, nbytes, 0, 1, 0,
+#define COST_copy_to_host AUTO, "transfer", nbytes, 0, 0, 1, 1, memset(host_dst, 0, nbytes)
+#define COST_synchronize AUTO, "sync", 0, 0, 0, 0, 1,
+#define COST_cast_any AUTO, "cast", n * dtype_bytes(in_dtype), n * dtype_bytes(out_dtype), 0, 1, 0,
+#define COST_copy_strided AUTO, "copy", distinct_elems(ndim, shape, src_strides) * elem_size, \
+    numel_of(ndim, shape) * elem_size, 0, 1, 0,
+#define COST_fill_f32 AUTO, "copy", 0, F32 * n, 0, 1, 0,
+#define COST_matmul_f32 AUTO, "gemm_f32", \
+    F32 * (batch * M * K + (stride_b ? batch : 1) * K * N + (beta != 0) * batch * M * N), F32 * batch * M * N, \
+    2 * batch * M * N * K, 1, 0,
+#define COST_matmul_bf16 AUTO, "gemm_bf16", \
+    BF16 * (batch * M * K + (stride_b ? batch : 1) * K * N + (beta != 0) * batch * M * N), BF16 * batch * M * N, \
+    2 * batch * M * N * K, 1, 0,
+#define COST_binary_f32 AUTO, "elementwise", \
+    F32 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)), \
+    F32 * numel_of(ndim, shape), numel_of(ndim, shape), 1, 0,
+#define COST_scale_f32 AUTO, "elementwise", F32 * n, F32 * n, n, 1, 0,
+#define COST_add_scalar_f32 AUTO, "elementwise", F32 * n, F32 * n, n, 1, 0,
+#define COST_axpy_f32 AUTO, "elementwise", 2 * F32 * n, F32 * n, 2 * n, 1, 0,
+#define COST_sum_dim_f32 AUTO, "reduce", F32 * outer * red * inner, F32 * outer * inner, outer * red * inner, \
+    sum_dim_launches(outer, red, inner, 0), 0,
+#define COST_sum_all_f32 AUTO, "reduce", F32 * n, 0, n, 3, 1, 0
+#define COST_sumsq_f32 AUTO, "reduce", F32 * n, 0, 2 * n, 3, 1, 0
+#define COST_binary_bf16 AUTO, "elementwise", \
+    BF16 * (distinct_elems(ndim, shape, a_strides) + distinct_elems(ndim, shape, b_strides)), \
+    BF16 * numel_of(ndim, shape), numel_of(ndim, shape), 1, 0,
+#define COST_scale_bf16 AUTO, "elementwise", BF16 * n, BF16 * n, n, 1, 0,
+#define COST_add_scalar_bf16 AUTO, "elementwise", BF16 * n, BF16 * n, n, 1, 0,
+#define COST_axpy_bf16 AUTO, "elementwise", 2 * BF16 * n, BF16 * n, 2 * n, 1, 0,
+#define COST_sum_dim_bf16 AUTO, "reduce", BF16 * outer * red * inner, BF16 * outer * inner, outer * red * inner, \
+    sum_dim_launches(outer, red, inner, 0), 0,
+#define COST_sumsq_many_f32 AUTO, "reduce", F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), \
+    (n + 13) / 14 + 2, 1, 0
+#define COST_axpy_f32_bf16 AUTO, "elementwise", (F32 + BF16) * n, F32 * n, 2 * n, 1, 0,
+#define COST_gelu_forward_f32 AUTO, "activation", F32 * n, F32 * n, 8 * n, 1, 0,
+#define COST_gelu_backward_f32 AUTO, "activation", 2 * F32 * n, F32 * n, 12 * n, 1, 0,
+#define COST_silu_forward_f32 AUTO, "activation", F32 * n, F32 * n, 4 * n, 1, 0,
+#define COST_silu_backward_f32 AUTO, "activation", 2 * F32 * n, F32 * n, 8 * n, 1, 0,
+#define COST_softmax_forward_f32 AUTO, "softmax", F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0,
+#define COST_softmax_backward_f32 AUTO, "softmax", 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, 0,
+#define COST_log_softmax_forward_f32 AUTO, "softmax", F32 * rows * cols, F32 * rows * cols, 5 * rows * cols, 1, 0,
+#define COST_log_softmax_backward_f32 AUTO, "softmax", 2 * F32 * rows * cols, F32 * rows * cols, 4 * rows * cols, 1, \
+    0,
+#define COST_gelu_forward_bf16 AUTO, "activation", BF16 * n, BF16 * n, 8 * n, 1, 0,
+#define COST_gelu_backward_bf16 AUTO, "activation", 2 * BF16 * n, BF16 * n, 12 * n, 1, 0,
+#define COST_silu_forward_bf16 AUTO, "activation", BF16 * n, BF16 * n, 4 * n, 1, 0,
+#define COST_silu_backward_bf16 AUTO, "activation", 2 * BF16 * n, BF16 * n, 8 * n, 1, 0,
+#define COST_softmax_forward_bf16 AUTO, "softmax", BF16 * rows * cols, BF16 * rows * cols, 5 * rows * cols, 1, 0,
+#define COST_softmax_backward_bf16 AUTO, "softmax", 2 * BF16 * rows * cols, BF16 * rows * cols, 4 * rows * cols, 1, \
+    0,
+#define COST_log_softmax_forward_bf16 AUTO, "softmax", BF16 * rows * cols, BF16 * rows * cols, 5 * rows * cols, 1, \
+    0,
+#define COST_log_softmax_backward_bf16 AUTO, "softmax", 2 * BF16 * rows * cols, BF16 * rows * cols, 4 * rows * cols, \
+    1, 0,
+#define COST_layernorm_forward_f32 AUTO, "norm", \
+    F32 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), F32 * (rows * cols + 2 * rows), \
+    8 * rows * cols, 1, 0,
+#define COST_layernorm_backward_f32 AUTO, "norm", \
+    F32 * (2 * rows * cols + (weight != NULL) * cols + 2 * rows) + \
+        norm_bwd_reread(cols, dweight, dbias) * F32 * 2 * rows * cols + NPB(dweight, dbias), \
+    F32 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias), 12 * rows * cols, \
+    norm_bwd_launches(rows, cols, dweight, dbias, 0), 0,
+#define COST_rmsnorm_forward_f32 AUTO, "norm", F32 * (rows * cols + (weight != NULL) * cols), \
+    F32 * (rows * cols + rows), 5 * rows * cols, 1, 0,
+#define COST_rmsnorm_backward_f32 AUTO, "norm", \
+    F32 * (2 * rows * cols + (weight != NULL) * cols + rows) + \
+        norm_bwd_reread(cols, dweight, NULL) * F32 * 2 * rows * cols + NPB(dweight, NULL), \
+    F32 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols, \
+    norm_bwd_launches(rows, cols, dweight, NULL, 0), 0,
+#define COST_layernorm_forward_bf16 AUTO, "norm", \
+    BF16 * (rows * cols + (weight != NULL) * cols + (bias != NULL) * cols), BF16 * rows * cols + F32 * 2 * rows, \
+    8 * rows * cols, 1, 0,
+#define COST_layernorm_backward_bf16 AUTO, "norm", \
+    BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows + \
+        norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias), \
+    BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias), \
+    12 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, 0), 0,
+#define COST_rmsnorm_forward_bf16 AUTO, "norm", BF16 * (rows * cols + (weight != NULL) * cols), \
+    BF16 * rows * cols + F32 * rows, 5 * rows * cols, 1, 0,
+#define COST_rmsnorm_backward_bf16 AUTO, "norm", \
+    BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * rows + \
+        norm_bwd_reread(cols, dweight, NULL) * BF16 * 2 * rows * cols + NPB(dweight, NULL), \
+    BF16 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols, \
+    norm_bwd_launches(rows, cols, dweight, NULL, 0), 0,
+#define COST_embedding_forward_f32 AUTO, "embedding", 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0,
+/* cuda_embedding.cu: a memset of the table, then the scatter's read-modify-write of the ids' rows */
+#define COST_embedding_backward_f32 AUTO, "embedding", 8 * n + 2 * F32 * n * dim, \
+    (vocab > 0 && dim > 0) * F32 * (vocab * dim + n * dim), n * dim, (vocab > 0 && dim > 0) * (1 + (n > 0)), 0,
+#define COST_cross_entropy_forward_f32 AUTO, "loss", F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, \
+    ignore_index == 0 ? 0 : N
+#define COST_cross_entropy_backward_f32 AUTO, "loss", F32 * N * V + F32 * N + 8 * N + F32, F32 * N * V, \
+    3 * N * valid_v, 1, 0,
+#define COST_cross_entropy_forward_bf16 AUTO, "loss", BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, \
+    ignore_index == 0 ? 0 : N
+#define COST_cross_entropy_backward_bf16 AUTO, "loss", BF16 * N * V + F32 * N + 8 * N + F32, BF16 * N * V, \
+    3 * N * valid_v, 1, 0,
+#define COST_cross_entropy_rows_f32 AUTO, "loss", F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0,
+#define COST_cross_entropy_rows_bf16 AUTO, "loss", BF16 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 1, 0,
+/* the fused classifier: the logits read once (a block's second visit of its row is served from L2: 1024 threads
+ * a row, 2 blocks an SM, 264 rows of 100 KB at GPT-2's vocabulary in flight on an H200, 26 MB of its 50 MB L2),
+ * dlogits written over them */
+#define COST_cross_entropy_fused_f32 AUTO, "loss", F32 * N * V + 8 * N, F32 * N * V + F32 * N, 7 * N * valid_v, 1, \
+    0,
+#define COST_cross_entropy_fused_bf16 AUTO, "loss", BF16 * N * V + 8 * N, BF16 * N * V + F32 * N, 7 * N * valid_v, \
+    1, 0,
+#define COST_embedding_backward_bf16 AUTO, "embedding", EMB_SORTED_READ(n, dim, BF16), \
+    BF16 * vocab * dim + EMB_SORTED_WRITTEN(n, dim, BF16), n * dim, \
+    (vocab > 0 && dim > 0) + EMB_SORTED_LAUNCHES(n, dim), 0,
+#define COST_embedding_forward_bf16 AUTO, "embedding", 8 * n + BF16 * n * dim, BF16 * n * dim, 0, 1, 0,
+#define COST_attention_forward_f32 AUTO, "attention", 3 * F32 * B * H * T * D, F32 * (B * H * T * D + B * H * T), \
+    (causal ? 2 : 4) * B * H * T * T * D, 1, 0,
+#define COST_attention_backward_f32 AUTO, "attention", F32 * (5 * B * H * T * D + B * H * T), \
+    3 * F32 * B * H * T * D, (causal ? 5 : 10) * B * H * T * T * D, 1, 0,
+/* packed bf16 attention on the tensor cores (cuda_attention_gemm.cu): a pointer-array kernel, the batched GEMMs
+ * over all T x T scores (the causal mask is applied after them; FLOPs count the useful half, as above), the row
+ * kernels */
+#define COST_attention_qkv_forward_bf16 AUTO, "attention_bf16", \
+    BF16 * 3 * B * H * T * D + (causal ? F32 / 2 : F32) * B * H * T * T + BF16 * B * H * T * T, \
+    BF16 * B * H * T * D + (F32 + BF16) * B * H * T * T + 6 * 8 * B * H, (causal ? 2 : 4) * B * H * T * T * D, 4, 0,
+#define COST_attention_qkv_backward_bf16 AUTO, "attention_bf16", \
+    BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T, \
+    BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D, \
+    6, 0,
+/* fused flash attention (cuda_attention_flash.cu): q once and k, v once per query tile walked (the recompute
+ * reads); the backward: the Drow and dQ kernel (q, dO, O, lse once, k, v per query tile walked; writes Drow),
+ * then the dK, dV kernel (k, v once, q, dO, lse, Drow per key tile walked). Bytes read count every read;
+ * record_l2 the re-reads flash_l2_holds serves from L2. FLOPs: the model's, as the GEMM path counts them; the
+ * backward computes the scores and dP twice (once per kernel), which tools/gpu_model.lua prices */
+#define COST_attention_flash_forward_bf16 AUTO, "attention_bf16", \
+    BF16 * B * H * D * (T + 2 * flash_walked_rows(T, causal)), BF16 * B * H * T * D + F32 * B * H * T, \
+    (causal ? 2 : 4) * B * H * T * T * D, 1, 0, \
+    record_l2(E_attention_flash_forward_bf16, flash_fwd_l2(B, H, T, D, causal))
+#define COST_attention_flash_backward_bf16 AUTO, "attention_bf16", \
+    B * H * (BF16 * 3 * T * D + F32 * T + flash_walked_rows(T, causal) * BF16 * 2 * D + BF16 * 2 * T * D + \
+        flash_walked_rows(T, causal) * (BF16 * 2 * D + 2 * F32)), \
+    B * H * (F32 * T + BF16 * 3 * T * D), (causal ? 4 : 8) * B * H * T * T * D, 2, 0, \
+    record_l2(E_attention_flash_backward_bf16, flash_bwd_l2(B, H, T, D, causal))
+#define COST_classifier_lse_f32 AUTO, "loss", F32 * N * blocks * block_rows + 8 * N + 3 * F32 * N, 3 * F32 * N, \
+    4 * N * blocks * block_rows, 1, 0,
+#define COST_classifier_finish_f32 AUTO, "loss", 3 * F32 * N + 8 * N, 2 * F32 * N, 4 * N, 3, 1, \
+    ignore_index == 0 ? 0 : N
+#define COST_classifier_dlogits_f32 AUTO, "loss", F32 * N * blocks * block_rows + F32 * N + 8 * N + F32, \
+    F32 * N * blocks * block_rows, 3 * N * blocks * block_rows, 1, 0,
+#define COST_embedding_slice_forward_f32 AUTO, "embedding", 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0,
+#define COST_embedding_slice_backward_f32 AUTO, "embedding", 8 * n + F32 * n * dim, F32 * blocks * block_rows * dim, \
+    n * dim, 2, 0,
+#define COST_init_normal_f32 AUTO, "init", 0, F32 * n, 0, 1, 0,
+#define COST_init_uniform_f32 AUTO, "init", 0, F32 * n, 0, 1, 0,
+#define COST_dropout_f32 AUTO, "elementwise", F32 * n, F32 * n, 2 * n, 1, 0,
+#define COST_adamw_f32 AUTO, "optimizer", 4 * F32 * n, 3 * F32 * n, 13 * n, 1, 0,
+#define COST_sgd_f32 AUTO, "optimizer", F32 * n * (buf ? 3 : 2), F32 * n * (buf ? 2 : 1), 4 * n, 1, 0,
+#define COST_adamw_many_f32 AUTO, "optimizer", 4 * F32 * sum_counts(counts, n), \
+    3 * F32 * sum_counts(counts, n) + BF16 * sum_counts_with(counts, (void *const *)pb, n), \
+    13 * sum_counts(counts, n), (nonempty(counts, n) + 55) / 56, 0,
+#define COST_sum_dim_acc_bf16 AUTO, "reduce", BF16 * (outer * red * inner + outer * inner), BF16 * outer * inner, \
+    outer * red * inner, sum_dim_launches(outer, red, inner, 1), 0,
+#define COST_layernorm_backward_acc_bf16 AUTO, "norm", \
+    BF16 * (2 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows + \
+        norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias) + \
+        BF16 * ((dweight != NULL) + (dbias != NULL)) * cols, \
+    BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias), \
+    12 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, 1), 0,
+#define COST_layernorm_backward_addx_bf16 AUTO, "norm", \
+    BF16 * (3 * rows * cols + (weight != NULL) * cols) + F32 * 2 * rows + \
+        norm_bwd_reread(cols, dweight, dbias) * BF16 * 2 * rows * cols + NPB(dweight, dbias) + \
+        acc * BF16 * ((dweight != NULL) + (dbias != NULL)) * cols, \
+    BF16 * (rows * cols + (dweight != NULL) * cols + (dbias != NULL) * cols) + NPB(dweight, dbias), \
+    13 * rows * cols, norm_bwd_launches(rows, cols, dweight, dbias, acc), 0,
+#define COST_embedding_backward_acc_bf16 AUTO, "embedding", EMB_SORTED_READ(n, dim, BF16), \
+    EMB_SORTED_WRITTEN(n, dim, BF16), n * dim, EMB_SORTED_LAUNCHES(n, dim), 0,
+#define COST_embedding_backward_acc_f32 AUTO, "embedding", EMB_SORTED_READ(n, dim, F32), \
+    EMB_SORTED_WRITTEN(n, dim, F32), n * dim, EMB_SORTED_LAUNCHES(n, dim), 0,
+#define COST_bias_gelu_forward_f32 AUTO, "activation", F32 * (rows * cols + cols), F32 * rows * cols, \
+    9 * rows * cols, rows > 0 && cols > 0, 0,
+#define COST_bias_gelu_forward_bf16 AUTO, "activation", BF16 * (rows * cols + cols), BF16 * rows * cols, \
+    9 * rows * cols, rows > 0 && cols > 0, 0,
+#define COST_bias_gelu_backward_f32 AUTO, "activation", \
+    F32 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, F32, dbias), \
+    F32 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, F32, dbias), 14 * rows * cols, \
+    gelu_bwd_launches(rows, cols, F32, dbias, acc), 0,
+#define COST_bias_gelu_backward_bf16 AUTO, "activation", \
+    BF16 * (2 * rows * cols + cols + (dbias && acc) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias), \
+    BF16 * (rows * cols + (dbias != NULL) * cols) + gelu_bwd_partial_bytes(rows, cols, BF16, dbias), \
+    14 * rows * cols, gelu_bwd_launches(rows, cols, BF16, dbias, acc), 0,
+#define COST_bias_residual_f32 AUTO, "elementwise", F32 * (2 * rows * cols + cols), F32 * rows * cols, \
+    2 * rows * cols, rows > 0 && cols > 0, 0,
+#define COST_bias_residual_bf16 AUTO, "elementwise", BF16 * (2 * rows * cols + cols), BF16 * rows * cols, \
+    2 * rows * cols, rows > 0 && cols > 0, 0,
 
-/* Entries whose counts depend on whether the device would run them: their
- * counting functions are written out below (the cost columns here unused). */
-#define META_ENTRIES_BY_HAND(X)                                                                                     \
-    X(int, matmul_epilogue_bf16, "gemm_bf16", (void), 0, 0, 0, 0, 0, )                                             \
-    X(void *, host_alloc, "memory", (void), 0, 0, 0, 0, 0, )                                                      \
-    X(void, host_free, "memory", (void), 0, 0, 0, 0, 0, )                                                         \
-    X(void *, copy_from_host_async, "transfer", (void), 0, 0, 0, 0, 0, )                                          \
-    X(void *, copy_to_host_async, "transfer", (void), 0, 0, 0, 0, 0, )                                            \
-    X(int, fence_wait, "sync", (void), 0, 0, 0, 0, 0, )
+/* Entries whose counts depend on whether the device would run them (and its
+ * memory): their counting functions are written out below. */
+#define COST_raw_alloc HAND, "memory"
+#define COST_raw_free HAND, "memory"
+#define COST_matmul_epilogue_bf16 HAND, "gemm_bf16"
+#define COST_host_alloc HAND, "memory"
+#define COST_host_free HAND, "memory"
+#define COST_copy_from_host_async HAND, "transfer"
+#define COST_copy_to_host_async HAND, "transfer"
+#define COST_fence_wait HAND, "sync"
 
 /* ---- counters ---- */
 
-enum {
-    E_RAW_ALLOC, E_RAW_FREE,
-#define X_ENUM(ret, name, ...) E_##name,
-    META_ENTRIES(X_ENUM)
-    META_ENTRIES_BY_HAND(X_ENUM)
-#undef X_ENUM
+/* COST_<name>'s family */
+#define META_FAMILY(c) META_FAMILY_(c)
+#define META_FAMILY_(kind, family, ...) family
+
+enum {   /* one counter set per entry, in the table's order */
+#define FSDP_KERNEL(ret, name, params, has) E_##name,
+#include "kernels.def"
     E_COUNT
 };
 
 static const char *const entry_names[E_COUNT] = {
-    "raw_alloc", "raw_free",
-#define X_NAME(ret, name, ...) #name,
-    META_ENTRIES(X_NAME)
-    META_ENTRIES_BY_HAND(X_NAME)
-#undef X_NAME
+#define FSDP_KERNEL(ret, name, params, has) #name,
+#include "kernels.def"
 };
 
 static const char *const entry_families[E_COUNT] = {
-    "memory", "memory",
-#define X_FAMILY(ret, name, family, ...) family,
-    META_ENTRIES(X_FAMILY)
-    META_ENTRIES_BY_HAND(X_FAMILY)
-#undef X_FAMILY
+#define FSDP_KERNEL(ret, name, params, has) META_FAMILY(COST_##name),
+#include "kernels.def"
 };
 
 typedef struct {
@@ -452,7 +356,7 @@ static size_t blocks_take(void *p) {
 }
 
 static void *meta_raw_alloc(size_t nbytes) {
-    record(E_RAW_ALLOC, 0, 0, 0, 0, 0);
+    record(E_raw_alloc, 0, 0, 0, 0, 0);
     size_t len = nbytes ? nbytes : 1;
     void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return NULL;   /* the allocator reports it as out of memory */
@@ -468,7 +372,7 @@ static void *meta_raw_alloc(size_t nbytes) {
 
 /* cudaFree waits for the device: a sync where the meta device mimics one. */
 static void meta_raw_free(void *ptr) {
-    record(E_RAW_FREE, 0, 0, 0, 0, 1);
+    record(E_raw_free, 0, 0, 0, 0, 1);
     if (!ptr) return;
     pthread_mutex_lock(&blocks_mu);
     size_t len = blocks_take(ptr);
@@ -485,13 +389,17 @@ static void meta_raw_free(void *ptr) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #endif
-#define X_FN(ret, name, family, params, rd, wr, fl, launches, syncs, result)                                        \
+/* an AUTO entry's counting function from its cost line; a HAND one's is written out below */
+#define META_FN(ret, name, params, c) META_FN_(ret, name, params, c)
+#define META_FN_(ret, name, params, kind, ...) META_FN_##kind(ret, name, params, __VA_ARGS__)
+#define META_FN_HAND(...)
+#define META_FN_AUTO(ret, name, params, family, rd, wr, fl, launches, syncs, result)                               \
     static ret meta_##name params {                                                                               \
         record(E_##name, (int64_t)(rd), (int64_t)(wr), (int64_t)(fl), launches, syncs);                             \
         META_RETURN_##ret(result);                                                                                \
     }
-META_ENTRIES(X_FN)
-#undef X_FN
+#define FSDP_KERNEL(ret, name, params, has) META_FN(ret, name, params, COST_##name)
+#include "kernels.def"
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
@@ -589,23 +497,15 @@ static int meta_fence_wait(void *fence, int block) {
 /* Every entry this file knows. */
 static const fsdp_device_kernels meta_full = {
     .name = "meta",
-    .raw_alloc = meta_raw_alloc,
-    .raw_free = meta_raw_free,
-#define X_INIT(ret, name, ...) .name = meta_##name,
-    META_ENTRIES(X_INIT)
-    META_ENTRIES_BY_HAND(X_INIT)
-#undef X_INIT
+#define FSDP_KERNEL(ret, name, params, has) .name = meta_##name,
+#include "kernels.def"
 };
 
 /* What the device offers now: meta_full less what the mimicked device lacks. */
 fsdp_device_kernels meta_device_kernels = {
     .name = "meta",
-    .raw_alloc = meta_raw_alloc,
-    .raw_free = meta_raw_free,
-#define X_INIT(ret, name, ...) .name = meta_##name,
-    META_ENTRIES(X_INIT)
-    META_ENTRIES_BY_HAND(X_INIT)
-#undef X_INIT
+#define FSDP_KERNEL(ret, name, params, has) .name = meta_##name,
+#include "kernels.def"
 };
 
 static int g_mimic = FSDP_DEVICE_CPU;
@@ -632,12 +532,8 @@ static void slot_set(fsdp_device_kernels *k, size_t i, slot_fn f) {
  * file knows (for messages about entries it does not). */
 static const char *slot_name(size_t i, bool *exact) {
     static const struct { const char *name; size_t off; } known[] = {
-        {"raw_alloc", offsetof(fsdp_device_kernels, raw_alloc)},
-        {"raw_free", offsetof(fsdp_device_kernels, raw_free)},
-#define X_OFF(ret, name, ...) {#name, offsetof(fsdp_device_kernels, name)},
-        META_ENTRIES(X_OFF)
-        META_ENTRIES_BY_HAND(X_OFF)
-#undef X_OFF
+#define FSDP_KERNEL(ret, name, params, has) {#name, offsetof(fsdp_device_kernels, name)},
+#include "kernels.def"
     };
     size_t off = offsetof(fsdp_device_kernels, raw_alloc) + i * sizeof(slot_fn), best = 0;
     const char *name = "name";
@@ -691,25 +587,7 @@ fsdp_status fsdp_meta_mimic(fsdp_device device) {
     if (!target)
         return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "fsdp_meta_mimic: the CUDA kernel table is not built into this "
                               "engine (no nvcc at build time), so the meta device cannot take its kernel set");
-    /* entries the target has but this file has no cost for */
-    char missing[512] = "";
-    size_t k = 0;
-    int n_missing = 0;
-    for (size_t i = 0; i < N_SLOTS; i++) {
-        if (!slot_get(target, i) || slot_get(&meta_full, i)) continue;
-        bool exact;
-        const char *near = slot_name(i, &exact);
-        if (k < sizeof missing)
-            k += (size_t)snprintf(missing + k, sizeof missing - k, "%sthe entry after %s", n_missing ? ", " : "",
-                                  near);
-        n_missing++;
-    }
-    if (n_missing)
-        return fsdp_set_error(FSDP_ERR_UNSUPPORTED, "fsdp_meta_mimic(%s): %d entr%s of the %s table ha%s no cost "
-                              "formula on the meta device (%s); add %s to META_ENTRIES in engine/meta/meta_device.c",
-                              fsdp_device_name(device), n_missing, n_missing == 1 ? "y" : "ies",
-                              fsdp_device_name(device), n_missing == 1 ? "s" : "ve", missing,
-                              n_missing == 1 ? "a line" : "one line each");
+    /* every entry has a counting function here (kernels.def: a missing COST_ line fails the build) */
     for (size_t i = 0; i < N_SLOTS; i++) {
         bool exact;
         const char *nm = slot_name(i, &exact);
