@@ -7,7 +7,7 @@
  * device and rank. Nothing here terminates the process on bad input.
  *
  * The Lua binding (lua/fsdp/cdef.lua) is generated from the region between
- * the FFI markers by tools/gen_binding.lua; a test fails when they drift.
+ * the FFI markers by tools/dev/gen_binding.lua; a test fails when they drift.
  *
  * Ownership: every fsdp_tensor** out-parameter receives a new reference,
  * which the caller gives back with fsdp_tensor_release().

@@ -2,7 +2,7 @@
 -- Hugging Face GPT-2 names and layouts (Conv1D weights transposed, wte cut
 -- to vocab_size rows), unit by unit; read back into sharded models of
 -- another policy and into an unsharded module. Also writes input ids and the
--- engine's logits, which tools/check_export.py compares with PyTorch.
+-- engine's logits, which tools/dev/check_export.py compares with PyTorch.
 --   mpirun -np 2 fsdp-lua tests/distributed/test_ckpt_export.lua --dir=build/ckpt_test_export
 package.path = "tests/lua/?.lua;tests/distributed/?.lua;" .. package.path
 local t = require "testlib"

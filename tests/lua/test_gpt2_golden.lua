@@ -1,4 +1,4 @@
--- The GPT against PyTorch: tools/gpt2_torch.py built the same model from
+-- The GPT against PyTorch: tools/dev/gpt2_torch.py built the same model from
 -- tests/fixtures/gpt2_tiny_init.safetensors and stored its logits, loss,
 -- every parameter gradient, and 10 AdamW steps (with clipping) computed in
 -- float64. The engine, in f32, must agree to a relative error of 1e-4:

@@ -1,6 +1,6 @@
 -- The GPT in bf16 compute against PyTorch's bf16 autocast on the same init
 -- weights and batch (tests/fixtures/gpt2_tiny_golden_bf16.safetensors, from
--- tools/gpt2_torch.py --golden-bf16). The two are not the same arithmetic:
+-- tools/dev/gpt2_torch.py --golden-bf16). The two are not the same arithmetic:
 -- autocast runs matmuls in bf16 but LayerNorm, softmax and the loss in f32,
 -- while the engine keeps every activation in bf16 (statistics in f32). So
 -- the bound is a bf16 one: for every tensor ||engine - autocast|| /

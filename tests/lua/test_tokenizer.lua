@@ -1,6 +1,6 @@
 -- Tests for fsdp.tokenizer: GPT-2's BPE against reference tokenizations made
 -- by the npm package gpt-3-encoder under node and GPT-2's rule under Python
--- regex (tests/fixtures/gpt2_tokens.json, see tools/make_tokenizer_fixture.py),
+-- regex (tests/fixtures/gpt2_tokens.json, see tools/dev/make_tokenizer_fixture.py),
 -- exact round trips of any bytes, errors, and make_shards --tokenizer=gpt2.
 
 package.path = (arg and arg[0] and arg[0]:match("^(.*/)") or "./") .. "?.lua;" .. package.path

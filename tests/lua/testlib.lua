@@ -194,7 +194,7 @@ function M.train_sharded(model, sharded, opt, batch, steps, each)
   return { losses = losses, grads = grads, params = params }
 end
 
---- The tiny GPT-2 of the PyTorch fixtures (tools/gpt2_torch.py) -> model,
+--- The tiny GPT-2 of the PyTorch fixtures (tools/dev/gpt2_torch.py) -> model,
 -- cfg: an nn.GPT with the weights of tests/fixtures/gpt2_tiny_init.safetensors
 -- and the config its metadata gives. Paths are from the repository root.
 function M.gpt2_tiny_fixture()

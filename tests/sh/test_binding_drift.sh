@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# lua/fsdp/cdef.lua must be what tools/gen_binding.lua makes from
+# lua/fsdp/cdef.lua must be what tools/dev/gen_binding.lua makes from
 # engine/include/fsdp.h (DESIGN.md, decision 1: no hand-kept copy).
 #   bash tests/sh/test_binding_drift.sh <launcher> <repo root>
 set -u
@@ -11,14 +11,14 @@ trap 'rm -rf "$TMP"' EXIT
 
 # The generator is plain Lua: luajit when installed, else the launcher.
 if command -v luajit >/dev/null 2>&1; then RUN=luajit; else RUN=$L; fi
-if ! "$RUN" tools/gen_binding.lua "$TMP/cdef.lua"; then
-  echo "FAIL: tools/gen_binding.lua did not run"
+if ! "$RUN" tools/dev/gen_binding.lua "$TMP/cdef.lua"; then
+  echo "FAIL: tools/dev/gen_binding.lua did not run"
   exit 1
 fi
 
 if ! diff -u lua/fsdp/cdef.lua "$TMP/cdef.lua"; then
   echo "FAIL: lua/fsdp/cdef.lua is out of date with engine/include/fsdp.h."
-  echo "Regenerate it with:  luajit tools/gen_binding.lua   (from the repository root)"
+  echo "Regenerate it with:  luajit tools/dev/gen_binding.lua   (from the repository root)"
   exit 1
 fi
 

@@ -1,5 +1,5 @@
 # bench_lib.sh: what the A/B benchmark scripts share (sourced from the repo
-# root by tools/bench_gpt2.sh and tools/bench_compute_copy.sh): the medians,
+# root by tools/dev/bench_gpt2.sh and tools/dev/bench_compute_copy.sh): the medians,
 # the CPU seconds of a run, and the interleaved rounds. Every configuration
 # runs once per round, the order rotating each round, so a shared host's
 # drift and load hit every configuration alike; the figures are medians over

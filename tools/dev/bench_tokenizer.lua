@@ -1,7 +1,7 @@
 -- bench_tokenizer.lua: GPT-2 encoding and decoding speed of fsdp.tokenizer.
 --
---   fsdp-lua tools/bench_tokenizer.lua [FILE ...]     (default data/corpus.txt)
---   fsdp-lua tools/bench_tokenizer.lua --pretoken=20,200,400,4096
+--   fsdp-lua tools/dev/bench_tokenizer.lua [FILE ...]     (default data/corpus.txt)
+--   fsdp-lua tools/dev/bench_tokenizer.lua --pretoken=20,200,400,4096
 --
 -- --pretoken=KB,...: seconds to encode one pre-token of that many KiB of
 -- seeded random lowercase letters (no spaces), once each.

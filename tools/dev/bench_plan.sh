@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# tools/bench_plan.sh [ROUNDS] [STEPS]: the planner's predicted step against
+# tools/dev/bench_plan.sh [ROUNDS] [STEPS]: the planner's predicted step against
 # measured steps of the same recipe options, on this host. Calibrates first
 # (kernels alone, then one host's collectives under mpirun) into a cache of
 # its own, predicts each configuration once (`--plan --rank=0`), then runs
 # each for real ROUNDS times, interleaved (the order rotates, each run under
 # the bench lock), and prints predicted against the median of the rounds'
 # median step (steps 3..STEPS, from --metrics).
-#   tools/bench_plan.sh 3 12
+#   tools/dev/bench_plan.sh 3 12
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source tools/bench_lib.sh
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source tools/dev/bench_lib.sh
 rounds=${1:-3}
 steps=${2:-12}
 work=$(mktemp -d)

@@ -3,10 +3,10 @@
 
 Run with Debian's system interpreter, which is the one that has torch:
 
-    /usr/bin/python3 tools/gpt2_torch.py --golden tests/fixtures
-    /usr/bin/python3 tools/gpt2_torch.py --golden-bf16 tests/fixtures
-    /usr/bin/python3 tools/gpt2_torch.py --bench --batch 4 --ctx 64 --threads 2
-    /usr/bin/python3 tools/gpt2_torch.py --bench --dtype bf16 --threads 2
+    /usr/bin/python3 tools/dev/gpt2_torch.py --golden tests/fixtures
+    /usr/bin/python3 tools/dev/gpt2_torch.py --golden-bf16 tests/fixtures
+    /usr/bin/python3 tools/dev/gpt2_torch.py --bench --batch 4 --ctx 64 --threads 2
+    /usr/bin/python3 tools/dev/gpt2_torch.py --bench --dtype bf16 --threads 2
 
 The model is written from scratch here (no `transformers`), but its parameter
 names and layouts follow Hugging Face's GPT-2 checkpoints exactly, so the
@@ -371,7 +371,7 @@ def golden(outdir):
                 steps="10",
                 adamw_losses="loss before each step's update",
                 grad_norms="total grad L2 norm before clipping",
-                generator="/usr/bin/python3 tools/gpt2_torch.py --golden tests/fixtures")
+                generator="/usr/bin/python3 tools/dev/gpt2_torch.py --golden tests/fixtures")
     save_safetensors(os.path.join(outdir, "gpt2_tiny_golden.safetensors"),
                      out, meta)
 
@@ -409,7 +409,7 @@ def golden_bf16(outdir):
     meta.update(batch=str(B), seq_len=str(T), ignore_index="-100",
                 reference_dtype="bf16 autocast (torch.autocast cpu bfloat16), f32 master weights",
                 torch_version=torch.__version__,
-                generator="/usr/bin/python3 tools/gpt2_torch.py --golden-bf16 tests/fixtures")
+                generator="/usr/bin/python3 tools/dev/gpt2_torch.py --golden-bf16 tests/fixtures")
     save_safetensors(os.path.join(outdir, "gpt2_tiny_golden_bf16.safetensors"), out, meta)
     print(f"bf16 autocast: loss={float(loss):.6f}; wrote {outdir}/gpt2_tiny_golden_bf16.safetensors")
 

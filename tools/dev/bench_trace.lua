@@ -1,8 +1,8 @@
 -- bench_trace.lua: what the timeline costs. A small GPT (many small ops per
 -- step, so per-op costs show) trains N steps; prints the median wall and
 -- CPU (os.clock: the process, all threads) ms/step after the first 5.
---   fsdp-lua tools/bench_trace.lua [--steps=30]                 (tracing off)
---   fsdp-lua --trace=/tmp/t.json tools/bench_trace.lua [--steps=30]   (on)
+--   fsdp-lua tools/dev/bench_trace.lua [--steps=30]                 (tracing off)
+--   fsdp-lua --trace=/tmp/t.json tools/dev/bench_trace.lua [--steps=30]   (on)
 -- Compare against a build without the hooks in the same session, runs
 -- interleaved (docs/performance.md, "Timeline").
 local fsdp = require "fsdp"

@@ -1,6 +1,6 @@
 -- bench_ckpt.lua: save and load throughput of sharded checkpoints (driven
--- by tools/bench_ckpt.sh, which measures the raw disk next to it).
---   mpirun -np 2 fsdp-lua tools/bench_ckpt.lua --dir=build/bench_ckpt --preset=small --reps=3
+-- by tools/dev/bench_ckpt.sh, which measures the raw disk next to it).
+--   mpirun -np 2 fsdp-lua tools/dev/bench_ckpt.lua --dir=build/bench_ckpt --preset=small --reps=3
 -- The model is GPT-2 (small: 124M) sharded with full_shard over the ranks,
 -- with AdamW state (one step on zero gradients creates it): parameters and
 -- both moments, 12 bytes per parameter in all. Times are the slowest rank's,

@@ -1,12 +1,12 @@
 #!/usr/bin/python3
 """Checks an fsdp-lua GPT-2 export against PyTorch.
 
-    /usr/bin/python3 tools/check_export.py MODEL.safetensors LOGITS.safetensors
+    /usr/bin/python3 tools/dev/check_export.py MODEL.safetensors LOGITS.safetensors
 
 MODEL is what `fsdp.checkpoint.export(path, sharded, {hf = true})` wrote:
 Hugging Face GPT-2 names and layouts, the model config in the metadata.
 LOGITS holds `input_ids` (B, T) and the engine's `logits` (B, T, padded
-vocab) for them. The script builds the GPT-2 of tools/gpt2_torch.py from
+vocab) for them. The script builds the GPT-2 of tools/dev/gpt2_torch.py from
 MODEL with load_state_dict(strict=True), runs the ids through it and
 compares the logits of the real vocabulary with the engine's: within 1e-4.
 

@@ -3,11 +3,11 @@
 # (124M, full_shard, 2 ranks) next to the raw write speed of the same disk
 # (dd if=/dev/zero ... conv=fsync), measured in the same run: standalone
 # before and after, and between the checkpoint repetitions for the same
-# byte count (tools/bench_ckpt.lua). Results go in docs/performance.md, "Checkpoints".
-#   tools/bench_ckpt.sh                      # build/, 5 repetitions, 2 ranks
-#   BUILD=build REPS=3 NP=2 DIR=/mnt/fast/bench tools/bench_ckpt.sh
+# byte count (tools/dev/bench_ckpt.lua). Results go in docs/performance.md, "Checkpoints".
+#   tools/dev/bench_ckpt.sh                      # build/, 5 repetitions, 2 ranks
+#   BUILD=build REPS=3 NP=2 DIR=/mnt/fast/bench tools/dev/bench_ckpt.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 DIR=${DIR:-$BUILD/bench_ckpt}
 REPS=${REPS:-5}
@@ -29,7 +29,7 @@ echo "== $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores; $(df
 echo "== raw disk before: dd if=/dev/zero bs=1M count=$MIB conv=fsync"
 raw
 echo "== checkpoints: $NP ranks, $REPS repetitions (median; each run listed)"
-mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -np "$NP" "$BUILD/fsdp-lua" tools/bench_ckpt.lua \
+mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -np "$NP" "$BUILD/fsdp-lua" tools/dev/bench_ckpt.lua \
   --dir="$DIR/run" --reps="$REPS" --preset="$PRESET"
 echo "== raw disk after"
 raw

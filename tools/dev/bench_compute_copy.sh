@@ -8,12 +8,12 @@
 # the figures are medians over rounds of each run's median step (steps 2..)
 # and of its CPU seconds (user + system, /usr/bin/time), which a shared
 # host's load moves far less than wall time.
-# Usage: tools/bench_compute_copy.sh [steps] [rounds]   (from the repo root, after building)
+# Usage: tools/dev/bench_compute_copy.sh [steps] [rounds]   (from the repo root, after building)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEPS=${1:-6}
 ROUNDS=${2:-3}
-source tools/bench_lib.sh
+source tools/dev/bench_lib.sh
 common=(--preset=small --dtype=bf16 --batch=4 --ctx=64 --steps="$STEPS" --eval-every=0 --sample=0 --log-every=1
         --warmup=1)
 out=$(mktemp -d)

@@ -4,7 +4,7 @@
 # in turn, and the figure is the median over rounds of each run's median
 # step (steps 2..). The host may be shared, so drift and other load hit
 # every configuration alike.
-#   engine vs PyTorch (tools/gpt2_torch.py --bench), one process, 2 threads,
+#   engine vs PyTorch (tools/dev/gpt2_torch.py --bench), one process, 2 threads,
 #   the small preset (GPT-2 124M), batch 4, context 64, AdamW with clipping:
 #     engine f32, engine bf16 compute, PyTorch f32, PyTorch bf16 autocast;
 #   FSDP: 2 ranks x 1 thread (full_shard, per-block units) vs 1 rank x 2
@@ -13,12 +13,12 @@
 # the engine, the matmuls' share of its steps (FSDP_MATMUL_STATS: the wall
 # time inside matmul calls over the sum of the steps' times, all steps, the
 # first included; FSDP_PEAK_TFLOPS skips the MFU calibration's matmuls).
-# Usage: tools/bench_gpt2.sh [steps] [rounds]   (from the repo root, after building)
+# Usage: tools/dev/bench_gpt2.sh [steps] [rounds]   (from the repo root, after building)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEPS=${1:-6}
 ROUNDS=${2:-3}
-source tools/bench_lib.sh
+source tools/dev/bench_lib.sh
 common=(--batch=4 --ctx=64 --steps="$STEPS" --eval-every=0 --sample=0 --log-every=1 --warmup=1)
 # per-product matmul statistics at exit; a stated peak instead of the MFU
 # calibration (whose matmuls would count as the steps')
@@ -44,7 +44,7 @@ run_one() {   # name round -> appends "ms rss" to $out/name
   local name=$1 log=$out/$1.$2.log ms share
   # PyTorch gets the OpenMP wait policy the engine uses by default (workers
   # sleep when idle), which on a shared host is its faster setting
-  local torch=(env OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 tools/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2
+  local torch=(env OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 tools/dev/gpt2_torch.py --bench --preset small --batch 4 --ctx 64 --threads 2
                --steps "$((STEPS - 1))")
   case $name in
     engine_f32)  /usr/bin/time -v env "${stats[@]}" FSDP_NUM_THREADS=2 $LAUNCHER recipes/gpt2.lua --preset=small "${common[@]}" ;;

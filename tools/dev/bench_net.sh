@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tools/bench_net.sh [ROUNDS] [STEPS]: FSDP over a network link. The same
+# tools/dev/bench_net.sh [ROUNDS] [STEPS]: FSDP over a network link. The same
 # recipe on 2 ranks, on one host (shared memory) and on two nodes of
 # tools/netcluster (TCP over a veth link shaped with tc), forward prefetch
 # on (the default) and off; then hybrid_shard on 2 nodes x 2 ranks. Per
@@ -8,11 +8,11 @@
 # compute waiting for one) and the share hidden, each the median over the
 # rounds, which run interleaved. Names after STEPS pick configurations
 # (default: all but the compressed and the one-lane ones). Needs root (network namespaces).
-#   tools/bench_net.sh 2 8
-#   tools/bench_net.sh 2 8 1gbit 1gbit_int8 100mbit 100mbit_int8
+#   tools/dev/bench_net.sh 2 8
+#   tools/dev/bench_net.sh 2 8 1gbit 1gbit_int8 100mbit 100mbit_int8
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source tools/bench_lib.sh
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source tools/dev/bench_lib.sh
 rounds=${1:-1}
 steps=${2:-10}
 work=$(mktemp -d)

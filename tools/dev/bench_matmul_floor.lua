@@ -7,8 +7,8 @@
 -- a warm-up, the slowest rank's), GFLOP/s per rank, and the CPU ms per
 -- step of all ranks together (os.clock: every thread of a process), which
 -- a loaded host moves less than the wall time.
---   FSDP_NUM_THREADS=2 fsdp-lua tools/bench_matmul_floor.lua --rows=256
---   FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -np 2 fsdp-lua tools/bench_matmul_floor.lua --rows=128
+--   FSDP_NUM_THREADS=2 fsdp-lua tools/dev/bench_matmul_floor.lua --rows=256
+--   FSDP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -np 2 fsdp-lua tools/dev/bench_matmul_floor.lua --rows=128
 -- (ranks start each rep together, after a barrier). Batch 4 x 64 is 256 rows.
 local fsdp = require "fsdp"
 local timer = require "fsdp.timer"
