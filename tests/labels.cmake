@@ -18,7 +18,7 @@ set(FSDP_TEST_SUBJECTS
   kernels     "^(c\\.test_(kernels_|matmul_paths|classifier)|lua\\.test_(fused|bf16_ops|attention_qkv|linear|chunked_head|classifier_loss)$)"
   autograd    "^(c\\.test_grad_|lua\\.test_(autograd|grad_accumulate)$)"
   model       "^(c\\.test_optim|lua\\.test_(nn|gpt2_golden|gpt2_golden_bf16|sample|tokenizer|data|training_helpers|shard)$|fuzz\\.shards)"
-  core        "^(c\\.test_(core|io|sched)|lua\\.test_(tensor|device|errors|io|no_follow|strict_inputs|one_rank|config|progress)$|fuzz\\.options)"
+  core        "^(arch\\.|c\\.test_(core|io|sched)|lua\\.test_(tensor|device|errors|io|no_follow|strict_inputs|one_rank|config|progress)$|fuzz\\.options)"
   tools       "^(sh|docs|tests)\\."
 )
 

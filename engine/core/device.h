@@ -9,6 +9,8 @@
 #ifndef FSDP_DEVICE_H
 #define FSDP_DEVICE_H
 
+#include "fsdp.h"
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -86,7 +88,18 @@ static inline int attention_flash_covers(int64_t B, int64_t H, int64_t T, int64_
 
 /* The table of a device, or NULL when it is not built or has no hardware. */
 const fsdp_device_kernels *device_kernels(int device);
-/* Makes a device's table available (called by a backend at start-up). */
+/* Makes a device's table available (a backend, at load or at start-up). */
 void device_register(int device, const fsdp_device_kernels *k);
+
+/* What a backend says of its device, registered at load (a constructor)
+ * whether or not the device is usable: info answers fsdp_device_info
+ * (*available, a one-line description in desc of size bytes); host_like
+ * says whether host code may read and write the device's memory in place
+ * (the CPU, and the meta device while it mimics the CPU). */
+typedef struct device_backend {
+    fsdp_status (*info)(int *available, char *desc, int64_t size);
+    bool (*host_like)(void);
+} device_backend;
+void device_register_backend(int device, const device_backend *b);
 
 #endif

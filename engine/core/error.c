@@ -39,3 +39,8 @@ const char *fsdp_device_name(int device) {
     return device >= 0 && device < FSDP_DEVICE_COUNT ? device_names[device] : "?device";
 }
 const char *fsdp_tag_name(int tag) { return tag >= 0 && tag < FSDP_TAG_COUNT ? tag_names[tag] : "?tag"; }
+
+/* This process's rank, as the runtime set it at init (engine/runtime). */
+static int g_current_rank = 0;
+int fsdp_current_rank(void) { return g_current_rank; }
+void fsdp_set_current_rank(int rank) { g_current_rank = rank; }

@@ -34,6 +34,7 @@ const char *fsdp_tag_name(int tag);
 size_t fsdp_dtype_size(int dtype);
 bool fsdp_dtype_is_float(int dtype);
 int fsdp_current_rank(void);   /* for messages; 0 before runtime init */
+void fsdp_set_current_rank(int rank);   /* the runtime, at init */
 
 /* ---- allocator (alloc.c) ---- */
 /* Caching allocator per device with statistics per tag and an optional cap. */

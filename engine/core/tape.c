@@ -11,7 +11,6 @@
  * the outer backward is paused. */
 #include "internal.h"
 #include "trace.h"
-#include "cpu_kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

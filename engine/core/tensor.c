@@ -1,7 +1,7 @@
 /* tensor.c: reference-counted storage, tensors as strided views of it, and
  * the public calls that make, inspect, fill and copy tensors. */
 #include "internal.h"
-#include "cpu_kernels.h"
+#include "convert.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -285,7 +285,8 @@ fsdp_status fsdp_tensor_to_data(fsdp_tensor *t, void *dst, int64_t nbytes) {
     int64_t strides[FSDP_MAX_DIMS];
     contiguous_strides(t->ndim, t->shape, strides);
     if (tensor_device(t) == FSDP_DEVICE_CPU) {
-        cpu_copy_strided(dst, strides, tensor_data(t), t->strides, t->ndim, t->shape, fsdp_dtype_size(t->dtype));
+        device_kernels(FSDP_DEVICE_CPU)->copy_strided(dst, strides, tensor_data(t), t->strides, t->ndim, t->shape,
+                                                      fsdp_dtype_size(t->dtype));
         return FSDP_OK;
     }
     /* another device: make it contiguous there, then one copy to the host */

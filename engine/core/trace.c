@@ -1,4 +1,4 @@
-/* trace.c: the timeline (DESIGN.md, decision 9). Ops, backward nodes,
+/* trace.c: the timeline's events (DESIGN.md, decision 9). Ops, backward nodes,
  * collectives and the waits for them are recorded as Chrome trace events
  * ("ph": "X", microseconds) and written as one JSON file that Perfetto and
  * chrome://tracing open: one process per rank, one track (thread) per
@@ -10,16 +10,15 @@
  * Off by default: every hook is one test of a global flag. On:
  * fsdp_trace_start, or FSDP_TRACE=FILE for any program (the runtime starts
  * it at init and writes it at finalize); fsdp-lua --trace=FILE sets that.
- * Each rank keeps its events in memory; at the end every rank sends them to
- * rank 0 (MPI_Gatherv on the world), which writes the file. Times are
- * CLOCK_MONOTONIC from a start all ranks take after a barrier.
+ * Each rank keeps its events in memory here; engine/runtime/trace_file.c
+ * starts a trace after a barrier and at the end gathers every rank's events
+ * on rank 0, which writes the file. Times are CLOCK_MONOTONIC from the start.
  *
  * On the CUDA path an op's event spans the host's enqueue, not the GPU's
  * run: the kernels are asynchronous. */
 #define _POSIX_C_SOURCE 200809L
 #include "internal.h"
 #include "trace.h"
-#include <mpi.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -125,32 +124,8 @@ void trace_op_end(trace_scope *s) {
     trace_event_add(TRACE_COMPUTE, s->name, current_unit(), bytes, -1, s->t0, mono_us());
 }
 
-static int mpi_world(int *rank, int *size) {
-    int inited = 0, finalized = 0;
-    MPI_Initialized(&inited);
-    MPI_Finalized(&finalized);
-    *rank = 0;
-    *size = 1;
-    if (!inited || finalized) return 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, rank);
-    MPI_Comm_size(MPI_COMM_WORLD, size);
-    return 1;
-}
-
-fsdp_status fsdp_trace_start(const char *path) {
-    if (!path || !*path) return fsdp_set_error(FSDP_ERR_INVALID, "fsdp_trace_start: path is empty");
-    if (fsdp_trace_on) return fsdp_set_error(FSDP_ERR_STATE, "fsdp_trace_start: a trace (to '%s') is already on", g_path);
-    int rank, size;
-    if (mpi_world(&rank, &size) && size > 1) MPI_Barrier(MPI_COMM_WORLD);
-    if (rank == 0) {   /* say now, not at the end, that the file cannot be written */
-        fsdp_file *f;   /* never through a link planted at the name */
-        if (fsdp_file_open(&f, path, FSDP_FILE_CREATE) != FSDP_OK) {
-            char why[512];
-            snprintf(why, sizeof why, "%s", fsdp_last_error());
-            return fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_start: cannot write '%s': %s", path, why);
-        }
-        fsdp_file_close(f);
-    }
+/* A new trace: the events so far dropped, the clock's start now. */
+void trace_begin(const char *path) {
     const char *m = getenv("FSDP_TRACE_MAX_EVENTS");
     if (m && atol(m) > 0) g_max = (size_t)atol(m);
     snprintf(g_path, sizeof g_path, "%s", path);
@@ -160,8 +135,9 @@ fsdp_status fsdp_trace_start(const char *path) {
     g_last_mark = g_t0;
     g_mark_n = 0;
     fsdp_trace_on = 1;
-    return FSDP_OK;
 }
+
+const char *trace_path(void) { return g_path; }
 
 /* The comm queue's own entries, which move no data. */
 static bool queue_bookkeeping(const char *name) {
@@ -235,7 +211,7 @@ static void put_json(FILE *f, const char *s) {
 }
 
 /* This rank's events as JSON objects, each followed by ",\n". */
-static char *events_json(int rank, size_t *len) {
+char *trace_events_json(int rank, size_t *len) {
     char *buf = NULL;
     size_t n = 0;
     FILE *f = open_memstream(&buf, &n);
@@ -272,57 +248,10 @@ static char *events_json(int rank, size_t *len) {
     return buf;
 }
 
-fsdp_status fsdp_trace_stop(void) {
-    if (!fsdp_trace_on) return FSDP_OK;
+/* The events' memory given back (after trace_events_json). */
+void trace_end(void) {
     fsdp_trace_on = 0;
-    int rank, size;
-    int mpi = mpi_world(&rank, &size) && size > 1;
-    size_t len = 0;
-    char *mine = events_json(rank, &len);
-    if (!mine) return fsdp_set_error(FSDP_ERR_OOM, "fsdp_trace_stop: no memory for the events");
-    fsdp_status st = FSDP_OK;
-    char *all = mine;
-    long long total = (long long)len;
-    int *lens = NULL, *offs = NULL;
-    if (mpi) {
-        int l = (int)len;
-        lens = calloc((size_t)size, sizeof *lens);
-        offs = calloc((size_t)size, sizeof *offs);
-        if (!lens || !offs) st = fsdp_set_error(FSDP_ERR_OOM, "fsdp_trace_stop: no memory");
-        MPI_Gather(&l, 1, MPI_INT, lens, 1, MPI_INT, 0, MPI_COMM_WORLD);
-        total = 0;
-        if (rank == 0)
-            for (int r = 0; r < size; r++) offs[r] = (int)total, total += lens[r];
-        all = rank == 0 ? malloc((size_t)total + 1) : NULL;
-        MPI_Gatherv(mine, l, MPI_CHAR, all, lens, offs, MPI_CHAR, 0, MPI_COMM_WORLD);
-    }
-    if (rank == 0 && st == FSDP_OK) {
-        static const char head[] = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
-        char tail[128];
-        int nt = snprintf(tail, sizeof tail, "{\"ph\":\"M\",\"pid\":0,\"name\":\"trace_end\",\"args\":{\"ranks\":%d}}\n]}\n", size);
-        size_t nh = sizeof head - 1, n = nh + (size_t)total + (size_t)nt;
-        char *text = all ? malloc(n) : NULL;
-        if (!text) {
-            st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: cannot write '%s'", g_path);
-        } else {
-            memcpy(text, head, nh);
-            memcpy(text + nh, all, (size_t)total);
-            memcpy(text + nh + (size_t)total, tail, (size_t)nt);
-            /* a fresh temporary renamed into place: a link at the name is replaced, not followed */
-            if (fsdp_file_write_atomic(g_path, text, (int64_t)n) != FSDP_OK) {
-                char why[512];
-                snprintf(why, sizeof why, "%s", fsdp_last_error());
-                st = fsdp_set_error(FSDP_ERR_IO, "fsdp_trace_stop: writing '%s' failed: %s", g_path, why);
-            }
-            free(text);
-        }
-    }
-    if (all != mine) free(all);
-    free(mine);
-    free(lens);
-    free(offs);
     free(g_ev);
     g_ev = NULL;
     g_n = g_cap = 0;
-    return st;
 }

@@ -4,6 +4,7 @@
 #define FSDP_TRACE_H
 
 #include "fsdp.h"
+#include <stddef.h>
 #include <stdint.h>
 
 /* TRACE_COMM_REPLICA: the replica lane's collectives (hybrid_shard on the CPU) */
@@ -33,6 +34,15 @@ typedef struct {
     double t0;
 } trace_scope;
 void trace_op_end(trace_scope *s);
+/* For the trace's file (engine/runtime/trace_file.c): a new trace to path
+ * (recording on, clock started), its path, this rank's events as JSON
+ * objects each followed by ",\n" (malloc'd; NULL without memory), and the
+ * end (recording off, events freed). */
+void trace_begin(const char *path);
+const char *trace_path(void);
+char *trace_events_json(int rank, size_t *len);
+void trace_end(void);
+
 #define TRACE_OP(name_, out_)                                                                     \
     __attribute__((cleanup(trace_op_end))) trace_scope trace_scope_ = {                          \
         (name_), (out_), __builtin_expect(fsdp_trace_on, 0) ? trace_now() : 0}

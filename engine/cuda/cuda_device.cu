@@ -272,8 +272,12 @@ extern "C" const fsdp_device_kernels cuda_device_kernels = {
                                   local_rank, cublasGetStatusString(s_));                                   \
     } while (0)
 
+static bool cuda_host_like(void) { return false; }
+static const device_backend cuda_backend = {cuda_device_info, cuda_host_like};
+
 extern "C" fsdp_status cuda_backend_init(int local_rank) {
     if (g_device >= 0) return FSDP_OK;
+    device_register_backend(FSDP_DEVICE_CUDA, &cuda_backend);   /* says why when there is no GPU */
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {

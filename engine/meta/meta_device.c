@@ -647,3 +647,21 @@ fsdp_status fsdp_meta_entry(int i, const char **name, const char **family, int *
     }
     return FSDP_OK;
 }
+
+/* ---- the device as it registers itself ---- */
+
+static fsdp_status meta_info(int *available, char *desc, int64_t size) {
+    *available = 1;
+    if (desc && size > 0)
+        snprintf(desc, (size_t)size, "meta (counts, computes nothing; the %s kernel set)", fsdp_device_name(g_mimic));
+    return FSDP_OK;
+}
+/* host code may touch its memory only as the CPU's: when it mimics the CPU
+ * (its buffers are never read then: PROT_NONE pages fault at once) */
+static bool meta_host_like(void) { return g_mimic == FSDP_DEVICE_CPU; }
+static const device_backend meta_backend = {meta_info, meta_host_like};
+
+__attribute__((constructor)) static void meta_device_register(void) {
+    device_register(FSDP_DEVICE_META, &meta_device_kernels);
+    device_register_backend(FSDP_DEVICE_META, &meta_backend);
+}

@@ -1,5 +1,7 @@
-/* runtime.c: process set-up. MPI is initialized only when the process was
- * started by an MPI launcher, so `fsdp-lua recipe.lua` needs no mpirun. */
+/* runtime.c: process set-up and shutdown, above every engine part (it
+ * starts MPI, the CUDA backend, the comm thread and the trace, and sets the
+ * CPU threads). MPI is initialized only when the process was started by an
+ * MPI launcher, so `fsdp-lua recipe.lua` needs no mpirun. */
 #include "internal.h"
 #include "cpu_kernels.h"
 #include "comm_internal.h"
@@ -21,8 +23,6 @@ static volatile int g_aborting = 0;
 static void finalize_at_exit(void) {
     if (!g_aborting) fsdp_runtime_finalize();
 }
-
-int fsdp_current_rank(void) { return g_rank; }
 
 static const char *mpi_error_string(long code) {
     static _Thread_local char buf[MPI_MAX_ERROR_STRING];
@@ -63,6 +63,7 @@ fsdp_status fsdp_runtime_init(int *rank, int *world) {
         MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
         FSDP_CHECK_CALL(MPI_Comm_rank(MPI_COMM_WORLD, &g_rank), rc_ == MPI_SUCCESS, mpi_error_string);
         FSDP_CHECK_CALL(MPI_Comm_size(MPI_COMM_WORLD, &g_world), rc_ == MPI_SUCCESS, mpi_error_string);
+        fsdp_set_current_rank(g_rank);
     }
     static int local_known = 0;   /* a collective: once, in the first init, on every rank */
     if (inited && !local_known) {
