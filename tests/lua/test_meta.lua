@@ -257,7 +257,8 @@ end
 -- Zeroing a bf16 tensor on a device is one memset: no f32 staging copy of
 -- twice its size (which a Llama's bf16 flat head gradient made: 2 GiB of
 -- "other" at 128K vocabulary); another value still stages through f32.
-do
+-- (The CUDA kernel set only: a CPU-only build has none to mimic.)
+if ok then
   meta.mimic("cuda")
   local x = fsdp.empty({ 1000, 33 }, { dtype = "bf16", device = "meta", tag = "grad" })
   fsdp.memory.reset_peak("meta")
