@@ -12,6 +12,7 @@
 #include <lua.h>
 #include <lauxlib.h>
 
+#include "fsdp_repl.h"
 #include "repl_launcher.h"
 
 void fsdp_repl_free(char *p) { free(p); }
@@ -73,7 +74,6 @@ int fsdp_repl_sigint(int mode) {
 /* Tab completion: the REPL registers a Lua function (an FFI callback) that
  * is given the line and the word's start and end, and calls
  * fsdp_repl_add_completion for each candidate. */
-typedef void (*fsdp_repl_completer)(const char *line, int start, int end);
 static fsdp_repl_completer g_completer;
 static char **g_cands;
 static int g_ncand, g_capcand, g_nextcand;

@@ -1,6 +1,5 @@
-/* repl_launcher.h: what the launcher's files share for the REPL (the
- * fsdp_repl_* functions themselves are reached from Lua through ffi.C and
- * declared there, in lua/fsdp/repl.lua). */
+/* repl_launcher.h: what the launcher's files share for the REPL among
+ * themselves (what Lua reaches, the fsdp_repl_* functions, is fsdp_repl.h). */
 #ifndef FSDP_REPL_LAUNCHER_H
 #define FSDP_REPL_LAUNCHER_H
 
@@ -17,6 +16,5 @@ void repl_interrupt_chunk(void);
 /* repl_terminal.c: the guard process's body (the executable started with
  * FSDP_REPL_TERMINAL_GUARD set); rank 0's terminal back as it was. */
 int repl_terminal_guard(void);
-void fsdp_repl_tty_end(void);
 
 #endif

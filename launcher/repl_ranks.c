@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "fsdp.h"
+#include "fsdp_repl.h"
 #include "repl_launcher.h"
 
 static double now_s(void) {

@@ -27,6 +27,7 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include "fsdp_repl.h"
 #include "repl_launcher.h"
 
 extern char **environ;

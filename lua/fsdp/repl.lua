@@ -40,39 +40,14 @@ local M = {}
 
 ffi.cdef [[ int isatty(int fd); ]]
 
--- The launcher's readline wrappers, absent when built without readline.
-local rl = pcall(function()
-  ffi.cdef [[
-    char *fsdp_repl_readline(const char *prompt, int *interrupted);
-    void fsdp_repl_add_history(const char *line);
-    void fsdp_repl_free(char *line);
-    int fsdp_repl_read_history(const char *path);
-    int fsdp_repl_write_history(const char *path);
-    void fsdp_repl_set_completer(void (*f)(const char *line, int start, int end));
-    void fsdp_repl_add_completion(const char *s);
-  ]]
-  return ffi.C.fsdp_repl_readline
-end) and ffi.C or nil
-
--- The launcher's Ctrl-C handling and the channel between ranks.
-local launcher = pcall(function()
-  ffi.cdef [[
-    void fsdp_repl_free(char *line);
-    int fsdp_repl_sigint(int mode);
-    int fsdp_repl_ctl_start(void);
-    void fsdp_repl_ctl_stop(void);
-    int fsdp_repl_bcast(const char *in, int64_t n, char **out, int64_t *out_n);
-    void fsdp_repl_chunk_begin(long long chunk);
-    int fsdp_repl_chunk_end(const char *err, const char *record, int64_t record_n, char **out, int64_t *out_n);
-    int64_t fsdp_repl_rejoin(double timeout_s);
-    int fsdp_repl_tty_begin(void);
-    void fsdp_repl_tty_end(void);
-    char *fsdp_repl_tty_readline(const char *prompt, int *interrupted);
-    void fsdp_repl_ctl_barrier(void);
-    void fsdp_repl_set_watchdog(double seconds);
-  ]]
-  return ffi.C.fsdp_repl_ctl_start
-end) and ffi.C or nil
+-- The launcher's functions (launcher/fsdp_repl.h, through the generated
+-- lua/fsdp/repl_cdef.lua); a host program other than fsdp-lua has none.
+pcall(ffi.cdef, require "fsdp.repl_cdef")
+local function has(name) return pcall(function() return ffi.C[name] end) end
+-- the readline wrappers: absent when the launcher was built without readline
+local rl = has("fsdp_repl_readline") and ffi.C or nil
+-- Ctrl-C handling and the channel between ranks
+local launcher = has("fsdp_repl_ctl_start") and ffi.C or nil
 local SIGINT_DEFAULT, SIGINT_CHUNK, SIGINT_READING = 0, 1, 2
 
 -- How long the ranks may take to bring their collectives back in step
