@@ -23,7 +23,7 @@
  * error in its probability); probabilities and dS are bf16, the operands of
  * the tensor cores, as in a bf16 PyTorch or llm.c model. The CPU reference
  * is engine/cpu/attention.c (f32, flash-style) on the unpacked q, k, v.
- * The (T, T) buffers are the op layer's (engine/ops/nn.c), so the engine's
+ * The (T, T) buffers are the op layer's (engine/ops/attention.c), so the engine's
  * allocator counts them. */
 #include "cuda_internal.h"
 #include <limits.h>

@@ -51,11 +51,6 @@ static fsdp_status check_fused(const char *op, void *out, int n, const char *con
     return FSDP_OK;
 }
 
-static void rows_cols(const fsdp_tensor *x, int64_t *rows, int64_t *cols) {
-    *cols = x->shape[x->ndim - 1];
-    *rows = *cols ? tensor_numel(x) / *cols : 0;
-}
-
 /* ---- bias + GELU ---- */
 
 static fsdp_status bias_gelu_backward(fsdp_node *node) {

@@ -190,4 +190,36 @@ static inline fsdp_status op_done(fsdp_tensor **out, fsdp_node **node_out, fsdp_
     return FSDP_OK;
 }
 
+/* The row and elementwise helpers of activation.c, softmax.c and norm.c
+ * take a kernel as its slot in the device table (SLOT: an offsetof), so the
+ * tensors' device picks the implementation; slot16 is the bf16 entry's,
+ * used when the tensors are bf16 and the device has that optional entry. */
+#define SLOT(name) offsetof(fsdp_device_kernels, name)
+#define KERNEL_AT(t, type, slot) (*(const type *)((const char *)KERNELS(t) + (slot)))
+typedef void (*kernel_slot_fn)(void);
+/* Is there a bf16 entry at slot16 for tensors like t? */
+static inline bool bf16_at(const fsdp_tensor *t, size_t slot16) {
+    return t->dtype == FSDP_BF16 && KERNEL_AT(t, kernel_slot_fn, slot16) != NULL;
+}
+
+/* (rows, cols) view over the last dim; a 0-dim tensor is one row of one. */
+static inline void rows_cols(const fsdp_tensor *x, int64_t *rows, int64_t *cols) {
+    *cols = x->ndim ? x->shape[x->ndim - 1] : 1;
+    *rows = *cols ? tensor_numel(x) / *cols : 0;
+}
+
+/* t as the kernel reads it: contiguous in its dtype (native: the device has
+ * the kernel in that dtype), else a contiguous f32 copy; NULL stays NULL. */
+static inline fsdp_status stage(fsdp_tensor **out, fsdp_tensor *t, bool native) {
+    *out = NULL;
+    if (!t) return FSDP_OK;
+    return native ? tensor_contiguous(out, t) : tensor_as_f32(out, t);
+}
+
+/* indices.c: "[1,2]", the multi-index of flat position pos in shape (for
+ * messages); the first position of ids (i64, contiguous) outside [0, limit)
+ * (with has_skip, the value skip is allowed too), or -1, its value in *value. */
+const char *index_str(int ndim, const int64_t *shape, int64_t pos, char *buf, size_t size);
+int64_t first_bad_index(const fsdp_tensor *ids, int64_t limit, bool has_skip, int64_t skip, int64_t *value);
+
 #endif

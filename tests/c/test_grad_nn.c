@@ -1,4 +1,5 @@
-/* test_grad_nn.c: the NN ops (engine/ops/nn.c) through the public API only:
+/* test_grad_nn.c: the NN ops (engine/ops: activation, softmax, norm,
+ * embedding, loss, random, attention) through the public API only:
  * gradients from the tape against central differences of the op's own
  * forward, bf16 against f32, and the error paths.
  *
