@@ -18,7 +18,7 @@
 --   f32 GEMM        50 TFLOP/s (SGEMM on the CUDA cores; TF32 off, as the
 --                   engine sets cuBLAS by default; 67 TFLOP/s peak)
 --   bf16 attention  790 TFLOP/s for its batched GEMMs (B x H of T x T x D)
---   flash attention the fused kernels of cuda_attention_flash.cu: 25% of
+--   flash attention the fused kernels of attention_flash.cu: 25% of
 --                   790 TFLOP/s forward, 20% backward, for the products they
 --                   compute (see compute_rate)
 --   f32 attention   8 TFLOP/s (the engine's CUDA-core attention kernels:
@@ -39,7 +39,7 @@
 --   are adjacent in the grid (so they run together), and the rows of all
 --   the heads the blocks in flight touch fit in half the L2 (25 MiB; half,
 --   because the H200's L2 is two partitions and other traffic shares it)
--- It holds for cuda_attention_flash.cu, whose block b takes head b / tiles
+-- It holds for attention_flash.cu, whose block b takes head b / tiles
 -- and re-reads only that head's k, v (forward, dQ) or q, dO, lse, Drow
 -- (dK, dV): at GPT-2's shape (T 1024, head dim 64) a head's rows are
 -- 384 KiB (forward: q, k, v) and 648 KiB (backward: q, k, v, dO, O, lse,

@@ -51,7 +51,7 @@ typedef struct fsdp_device_kernels {
  * does not fit (a cap), the entry returns 0: the unfused ops run. */
 #define FSDP_EPILOGUE_WORKSPACE_BYTES ((size_t)32 << 20)
 
-/* What the CUDA matmul_epilogue_bf16 fuses (engine/cuda/cuda_matmul_lt.cu), so
+/* What the CUDA matmul_epilogue_bf16 fuses (engine/cuda/matmul_lt.cu), so
  * that the counting device takes the path a GPU takes: M, N, K from 1 to
  * 2^31 - 1; every buffer it touches (a, b, d, c when beta != 0, bias, aux,
  * dbias) 16-byte aligned, the alignment its cuBLASLt algorithms are chosen

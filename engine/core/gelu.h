@@ -1,5 +1,5 @@
 /* gelu.h: GELU in its tanh form, one element at a time, as the CPU kernels
- * (activation.c, fused.c), the CUDA kernels (cuda_nn.cu, cuda_fused.cu: host
+ * (activation.c, fused.c), the CUDA kernels (activation.cu, fused.cu: host
  * and device code) and the CUDA emulation all compute it (vec512.h has the
  * 16-lane twin). C, C++ and CUDA. One formula makes the plain and the
  * bias-fused kernels of one device agree bit for bit. It does not make

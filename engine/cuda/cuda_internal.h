@@ -254,7 +254,7 @@ void cuda_fail(const char *op, const char *file, int line, const char *call, con
 void *cuda_tmp_alloc(size_t nbytes);
 void cuda_tmp_free(void *ptr);
 
-/* out[i] = (float) sum_s partial[s * n + i], s in order (cuda_reduce.cu);
+/* out[i] = (float) sum_s partial[s * n + i], s in order (reduce.cu);
  * bf16: rounded once more, to bf16; acc: out[i] += that sum instead. */
 void cuda_sum_slices(float *out, const double *partial, int64_t slices, int64_t n, int acc = 0);
 void cuda_sum_slices(uint16_t *out, const double *partial, int64_t slices, int64_t n, int acc = 0);
@@ -339,6 +339,10 @@ __device__ __forceinline__ float block_max_f(float v, float *scratch) {
     return warp_max_f(v);
 }
 
+/* Row launches: one block per row, rows beyond the grid looped over. */
+static inline unsigned cuda_row_blocks(int64_t rows) { return (unsigned)cuda_min64(rows, (int64_t)1 << 30); }
+#define FOR_ROWS(r, rows) for (int64_t r = blockIdx.x; r < (rows); r += gridDim.x)
+
 /* Threads per row for the row-wise kernels: a warp for short rows, up to 256. */
 static inline int cuda_row_threads(int64_t cols) {
     int t = 32;
@@ -347,13 +351,13 @@ static inline int cuda_row_threads(int64_t cols) {
 }
 
 /* ---- the table's entries (kernels.def), declared as cuda_<name>; one
- * family per file (cuda_elementwise.cu, cuda_matmul.cu, cuda_reduce.cu,
- * cuda_fused.cu, cuda_nn.cu, cuda_embedding.cu, cuda_classifier.cu, the
- * three attention files, cuda_random.cu, cuda_optim.cu; memory and copies
- * in cuda_device.cu) ---- */
+ * family per file, named as in engine/cpu (elementwise.cu, matmul.cu,
+ * reduce.cu, fused.cu, activation.cu, softmax.cu, norm.cu, loss.cu,
+ * embedding.cu, classifier.cu, the three attention files, random.cu,
+ * optim.cu; memory and copies in cuda_device.cu) ---- */
 #define FSDP_KERNEL(ret, name, params, has) FSDP_ON_CUDA_##has(ret cuda_##name params;)
 #include "kernels.def"
-/* cuda_matmul_lt.cu: the cuBLASLt handle and workspace (start-up: NULL, or
+/* matmul_lt.cu: the cuBLASLt handle and workspace (start-up: NULL, or
  * what failed), and the GEMM with a fused epilogue */
 const char *cuda_lt_init(void);
 

@@ -48,7 +48,7 @@ static int64_t nonempty(const int64_t *counts, int n) {
     return k;
 }
 
-/* GPU operations of engine/cuda's sum_dim (cuda_reduce.cu): one kernel, and
+/* GPU operations of engine/cuda's sum_dim (reduce.cu): one kernel, and
  * a second that adds the slices when few outputs make it cut the reduced
  * dim; a memset for an empty reduction (nothing when it accumulates). */
 static int64_t sum_dim_launches(int64_t outer, int64_t red, int64_t inner, int acc) {
@@ -65,7 +65,7 @@ static int64_t sum_dim_launches(int64_t outer, int64_t red, int64_t inner, int a
     return slices > 1 ? 2 : 1;
 }
 
-/* ... and of its norm backward (cuda_nn.cu): with weight or bias
+/* ... and of its norm backward (norm.cu): with weight or bias
  * gradients and a row of at most 2048 columns, one kernel that writes dx
  * and the gradients' partial sums per chunk of rows (some 2 blocks per SM:
  * 132 SMs, the H200 tools/gpu-model prices; the partials in double, written
@@ -95,7 +95,7 @@ static int64_t norm_bwd_launches(int64_t rows, int64_t cols, const void *dweight
     return n + 2;
 }
 
-/* Rows of K and V the flash attention (cuda_attention_flash.cu) reads: each
+/* Rows of K and V the flash attention (attention_flash.cu) reads: each
  * query tile of 64 rows walks the key tiles up to its diagonal (causal) or
  * all of them; the backward's dQ kernel walks the same, its dK, dV kernel
  * walks the query tiles from its diagonal on (or all): as many rows. */
@@ -116,7 +116,7 @@ static int64_t flash_walked_rows(int64_t T, int causal) {
  * threads; registers may allow fewer, so this is the larger, cautious count),
  * and, since causal blocks of one head finish at different times, the live
  * blocks are taken to span twice that many grid indices, plus one head on
- * either side. The shared memory per block is cuda_attention_flash.cu's
+ * either side. The shared memory per block is attention_flash.cu's
  * fa_dims (keep them in step). */
 #define FLASH_L2_BYTES (50ll << 20)
 #define FLASH_SMS 132
@@ -149,7 +149,7 @@ static int64_t flash_bwd_l2(int64_t B, int64_t H, int64_t T, int64_t D, int caus
     return B * H * (flash_walked_rows(T, causal) - T) * ((2 * 2 * D + 2 * 4) + 2 * 2 * D);
 }
 
-/* ... and of its bias + GELU backward (cuda_fused.cu): one kernel over
+/* ... and of its bias + GELU backward (fused.cu): one kernel over
  * tiles of 32 packs of columns (16 bytes a pack when cols allows) by chunks
  * of rows, some 4 blocks per SM (132 SMs: the H200 tools/gpu-model prices),
  * then one that adds the chunks' partial bias sums (double, written and read
@@ -172,7 +172,7 @@ static int64_t gelu_bwd_launches(int64_t rows, int64_t cols, int64_t elem, const
     return 1 + (dbias && gelu_bwd_chunks(rows, cols, elem) > 1);
 }
 
-/* ... and of its embedding backward by sorted ids (cuda_embedding.cu): the
+/* ... and of its embedding backward by sorted ids (embedding.cu): the
  * ids read once into (id, position) keys of 16 bytes sorted in tiles of
  * 1024, then one merge pass per sixteenfold of the run length up to n (each
  * reads and writes the n keys; its binary searches re-read keys from L2, not

@@ -136,7 +136,7 @@
     BF16 * (rows * cols + (dweight != NULL) * cols) + NPB(dweight, NULL), 8 * rows * cols, \
     norm_bwd_launches(rows, cols, dweight, NULL, 0), 0,
 #define COST_embedding_forward_f32 AUTO, "embedding", 8 * n + F32 * n * dim, F32 * n * dim, 0, 1, 0,
-/* cuda_embedding.cu: a memset of the table, then the scatter's read-modify-write of the ids' rows */
+/* embedding.cu: a memset of the table, then the scatter's read-modify-write of the ids' rows */
 #define COST_embedding_backward_f32 AUTO, "embedding", 8 * n + 2 * F32 * n * dim, \
     (vocab > 0 && dim > 0) * F32 * (vocab * dim + n * dim), n * dim, (vocab > 0 && dim > 0) * (1 + (n > 0)), 0,
 #define COST_cross_entropy_forward_f32 AUTO, "loss", F32 * N * V + 8 * N, 2 * F32 * N, 4 * N * valid_v, 3, 1, \
@@ -164,7 +164,7 @@
     (causal ? 2 : 4) * B * H * T * T * D, 1, 0,
 #define COST_attention_backward_f32 AUTO, "attention", F32 * (5 * B * H * T * D + B * H * T), \
     3 * F32 * B * H * T * D, (causal ? 5 : 10) * B * H * T * T * D, 1, 0,
-/* packed bf16 attention on the tensor cores (cuda_attention_gemm.cu): a pointer-array kernel, the batched GEMMs
+/* packed bf16 attention on the tensor cores (attention_gemm.cu): a pointer-array kernel, the batched GEMMs
  * over all T x T scores (the causal mask is applied after them; FLOPs count the useful half, as above), the row
  * kernels */
 #define COST_attention_qkv_forward_bf16 AUTO, "attention_bf16", \
@@ -174,7 +174,7 @@
     BF16 * 5 * B * H * T * D + (F32 + 4 * BF16) * B * H * T * T, \
     BF16 * 3 * B * H * T * D + (F32 + BF16) * B * H * T * T + 10 * 8 * B * H, (causal ? 4 : 8) * B * H * T * T * D, \
     6, 0,
-/* fused flash attention (cuda_attention_flash.cu): q once and k, v once per query tile walked (the recompute
+/* fused flash attention (attention_flash.cu): q once and k, v once per query tile walked (the recompute
  * reads); the backward: the Drow and dQ kernel (q, dO, O, lse once, k, v per query tile walked; writes Drow),
  * then the dK, dV kernel (k, v once, q, dO, lse, Drow per key tile walked). Bytes read count every read;
  * record_l2 the re-reads flash_l2_holds serves from L2. FLOPs: the model's, as the GEMM path counts them; the

@@ -1,5 +1,5 @@
 /* activation.c: GELU and SiLU, elementwise (the kernels: cpu/activation.c,
- * cuda/cuda_nn.cu).
+ * cuda/activation.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
  * stages float inputs to contiguous f32 (or runs the device's bf16 kernel),

@@ -1,5 +1,5 @@
 /* embedding.c: the embedding lookup and its gradient (the kernels:
- * cpu/embedding.c, cuda/cuda_embedding.cu).
+ * cpu/embedding.c, cuda/embedding.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
  * stages float inputs to contiguous f32 (or runs the device's bf16 kernel),

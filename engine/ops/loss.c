@@ -1,5 +1,5 @@
 /* loss.c: cross-entropy over the last dim, with ignored rows (the kernels:
- * cpu/loss.c, cuda/cuda_nn.cu).
+ * cpu/loss.c, cuda/loss.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
  * stages float inputs to contiguous f32 (or runs the device's bf16 kernel),

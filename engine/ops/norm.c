@@ -1,5 +1,5 @@
 /* norm.c: LayerNorm and RMSNorm over the last dim (the kernels: cpu/norm.c,
- * cuda/cuda_nn.cu).
+ * cuda/norm.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
  * stages float inputs to contiguous f32 (or runs the device's bf16 kernel),

@@ -1,5 +1,5 @@
 /* random.c: dropout, its mask drawn from (seed, offset) by the counter-based
- * RNG (the kernels: cpu/random.c, cuda/cuda_random.cu).
+ * RNG (the kernels: cpu/random.c, cuda/random.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
  * stages float inputs to contiguous f32 (or runs the device's bf16 kernel),

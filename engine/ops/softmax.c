@@ -1,5 +1,5 @@
 /* softmax.c: softmax and log-softmax over the last dim (the kernels:
- * cpu/softmax.c, cuda/cuda_nn.cu).
+ * cpu/softmax.c, cuda/softmax.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
  * stages float inputs to contiguous f32 (or runs the device's bf16 kernel),

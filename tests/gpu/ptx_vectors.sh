@@ -34,24 +34,24 @@ while read -r file kernel need; do
   if [ $ok = 1 ]; then echo "ok: $kernel ($file.cu): $lv 16-byte loads, $sv 16-byte stores"; pass=$((pass + 1))
   else echo "FAIL: $kernel ($file.cu): $lv 16-byte loads, $sv 16-byte stores ($need expected)"; fail=$((fail + 1)); fi
 done <<'EOF'
-cuda_elementwise binary_contig_bf16x8_kernel ld+st
-cuda_elementwise axpy_bf16x8_kernel ld+st
-cuda_elementwise axpy_f32_bf16x8_kernel ld+st
-cuda_fused bias_gelu_fwd_kernelItLi8 ld+st
-cuda_fused bias_gelu_fwd_kernelIfLi4 ld+st
-cuda_fused bias_gelu_bwd_kernelItLi8 ld+st
-cuda_fused bias_gelu_bwd_kernelIfLi4 ld+st
-cuda_fused bias_residual_kernelItLi8 ld+st
-cuda_fused bias_residual_kernelIfLi4 ld+st
-cuda_nn ce_fwd_kernelItLi8 ld
-cuda_nn ce_fwd_kernelIfLi4 ld
-cuda_nn ce_fused_kernelItLi8 ld+st
-cuda_nn ce_fused_kernelIfLi4 ld+st
-cuda_attention_flash fa_forward_kernelILi64 ld+st
-cuda_attention_flash fa_dq_kernelILi64 ld+st
-cuda_attention_flash fa_dkdv_kernelILi64 ld+st
-cuda_embedding emb_accumulate_kernelItLi8 ld+st
-cuda_embedding emb_accumulate_kernelIfLi4 ld+st
+elementwise binary_contig_bf16x8_kernel ld+st
+elementwise axpy_bf16x8_kernel ld+st
+elementwise axpy_f32_bf16x8_kernel ld+st
+fused bias_gelu_fwd_kernelItLi8 ld+st
+fused bias_gelu_fwd_kernelIfLi4 ld+st
+fused bias_gelu_bwd_kernelItLi8 ld+st
+fused bias_gelu_bwd_kernelIfLi4 ld+st
+fused bias_residual_kernelItLi8 ld+st
+fused bias_residual_kernelIfLi4 ld+st
+loss ce_fwd_kernelItLi8 ld
+loss ce_fwd_kernelIfLi4 ld
+loss ce_fused_kernelItLi8 ld+st
+loss ce_fused_kernelIfLi4 ld+st
+attention_flash fa_forward_kernelILi64 ld+st
+attention_flash fa_dq_kernelILi64 ld+st
+attention_flash fa_dkdv_kernelILi64 ld+st
+embedding emb_accumulate_kernelItLi8 ld+st
+embedding emb_accumulate_kernelIfLi4 ld+st
 EOF
 echo "$pass passed, $fail failed"
 [ $fail = 0 ]

@@ -130,7 +130,7 @@ void test_attention_qkv(void) {
         }
 }
 
-/* Flash attention (cuda_attention_flash.cu) against attention in double
+/* Flash attention (attention_flash.cu) against attention in double
  * precision on the same bf16 values, and against the GEMM path above.
  * Tolerance (bf16): P is rounded to bf16 (2^-9 relative) before P V and
  * every result once more, so

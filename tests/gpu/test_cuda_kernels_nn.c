@@ -149,7 +149,7 @@ void test_norms(void) {
         }
 }
 
-/* The fused bias entries (cuda_fused.cu) against the CPU's (fused.c, itself
+/* The fused bias entries (fused.cu) against the CPU's (fused.c, itself
  * checked against the unfused kernels and a double reference in
  * tests/c/test_kernels_fused.c), f32 and bf16: the 16-byte paths (rows of a
  * multiple of 8 bf16 or 4 f32), the element paths (odd rows, a pointer off

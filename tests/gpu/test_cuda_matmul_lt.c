@@ -1,5 +1,5 @@
 /* test_cuda_matmul_lt.c: the CUDA table's matmul_epilogue_bf16 (cuBLASLt,
- * engine/cuda/cuda_matmul_lt.cu) against a double-precision reference, the
+ * engine/cuda/matmul_lt.cu) against a double-precision reference, the
  * cases it must refuse (return 0, nothing written), its plan cache, the
  * counting device's line for it, and (emulated build) the rules the
  * emulated cuBLASLt enforces as the real library does.

@@ -26,7 +26,7 @@ static int64_t ulp_diff(float a, float b) {
     return llabs(ki - kj);
 }
 
-/* host versions of the GPU kernels' loops (cuda_random.cu) */
+/* host versions of the GPU kernels' loops (random.cu) */
 static void host_normal(float *out, int64_t n, float mean, float std, uint64_t seed, uint64_t stream, int64_t offset) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t w0, w1;

@@ -1,5 +1,5 @@
 /* cublasLt.h (emulation): the cuBLASLt calls of the engine
- * (engine/cuda/cuda_matmul_lt.cu), on the host (tests/gpu/emu/cublaslt_emu.cpp);
+ * (engine/cuda/matmul_lt.cu), on the host (tests/gpu/emu/cublaslt_emu.cpp);
  * emu_ symbols behind macros, as in cuda_runtime.h. The names, enum values,
  * attribute types and status codes are the real header's (CUDA 12/13).
  *

@@ -1,4 +1,4 @@
-/* cuda_random.cu: parameter init and dropout from Philox4x32-10, element i
+/* random.cu: parameter init and dropout from Philox4x32-10, element i
  * taking counter (offset + i), so a value depends only on (seed, stream,
  * offset + i): the same values as engine/cpu/random.c, whatever the split
  * into ranks, blocks or threads. The per-element math lives in

@@ -1,4 +1,4 @@
-/* cuda_embedding.cu: the embedding's row gather (forward) and scatter-add
+/* embedding.cu: the embedding's row gather (forward) and scatter-add
  * (backward), with the semantics of engine/cpu/embedding.c. No atomics on
  * floats: every sum is taken in position order, so results repeat bit for
  * bit and equal the CPU's.

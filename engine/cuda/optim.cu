@@ -1,4 +1,4 @@
-/* cuda_optim.cu: fused optimizer updates, one pass over flat buffers, with
+/* optim.cu: fused optimizer updates, one pass over flat buffers, with
  * the float expressions of engine/cpu/optim_kernels.c. */
 #include "cuda_internal.h"
 

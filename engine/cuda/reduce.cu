@@ -1,4 +1,4 @@
-/* cuda_reduce.cu: sums, as engine/cpu/reduce.c: everything accumulates in
+/* reduce.cu: sums, as engine/cpu/reduce.c: everything accumulates in
  * double. Work is cut into pieces whose boundaries depend only on the sizes
  * (never on the GPU model or timing), and partial sums are combined in a
  * fixed order with no atomics, so a result is the same bit for bit run

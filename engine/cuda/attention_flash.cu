@@ -1,9 +1,9 @@
-/* cuda_attention_flash.cu: fused (flash-style) attention on the tensor
+/* attention_flash.cu: fused (flash-style) attention on the tensor
  * cores, straight from the packed qkv buffer of a fused projection.
  *
  * qkv (B, T, 3C) holds, per token, the heads of q, then of k, then of v
  * (head h at columns h D, C + h D, 2C + h D; C = H D), as for
- * cuda_attention_gemm.cu; out (B, T, C) and dqkv (B, T, 3C) are laid out
+ * attention_gemm.cu; out (B, T, C) and dqkv (B, T, 3C) are laid out
  * the same way. Unlike the GEMM path no (T, T) matrix ever reaches device
  * memory: scores, probabilities and their gradients live in shared memory,
  * one 64 x 64 tile at a time, and only lse (B, H, T) f32 is kept for the

@@ -1,9 +1,9 @@
-/* cuda_matmul_lt.cu: matmul_epilogue_bf16 on cuBLASLt, a bf16 GEMM with
+/* matmul_lt.cu: matmul_epilogue_bf16 on cuBLASLt, a bf16 GEMM with
  * what follows it done in the GEMM's epilogue (after llm.c): the bias add,
  * bias + GELU keeping the GELU input, the GELU backward with its bias
  * gradient, and a weight-gradient GEMM's bias gradient.
  *
- * Row-major to column-major as in cuda_matmul.cu: row-major D (M, N) is
+ * Row-major to column-major as in matmul.cu: row-major D (M, N) is
  * column-major D^T (N, M) = op(B)^T op(A)^T, so cuBLASLt's A is our B, its
  * B our A, m = N, n = M, and each operand keeps its own transpose flag.
  * Then our epilogues are cuBLASLt's, on the swapped problem:

@@ -1,4 +1,4 @@
-/* cuda_attention_gemm.cu: attention on the tensor cores, straight from the
+/* attention_gemm.cu: attention on the tensor cores, straight from the
  * packed qkv buffer of a fused projection.
  *
  * qkv (B, T, 3C) holds, per token, the heads of q, then of k, then of v:
@@ -73,7 +73,7 @@ static void attg_add(attg_ptr_specs &s, const void *base, int64_t sb, int64_t sh
 /* Row-major C (M, N) = alpha op(A) op(B) + beta C for every head, A, B, C
  * from the pointer arrays; lda, ldb, ldc are the row strides as stored.
  * Column-major cuBLAS sees the transposes, so B goes first (as in
- * cuda_matmul.cu). */
+ * matmul.cu). */
 static void attg_gemm(const void *const *A, cudaDataType_t at, int lda, const void *const *Bp, cudaDataType_t bt,
                       int ldb, void *const *Cp, cudaDataType_t ct, int ldc, int64_t BH, int64_t M, int64_t N,
                       int64_t K, int trans_a, int trans_b, float alpha, float beta) {

@@ -1,4 +1,4 @@
-/* cuda_classifier.cu: the vocabulary-chunked classifier and embedding
+/* classifier.cu: the vocabulary-chunked classifier and embedding
  * (CPU reference and slice geometry: engine/cpu/classifier.c). A block per
  * row of logits; the online log-sum-exp keeps the running max and sum in
  * f32 as the CPU does (the block's sum of the slice in double). The
@@ -6,8 +6,6 @@
  * are bit-equal to the CPU's. */
 #include "cuda_internal.h"
 
-#define FOR_ROWS(r, rows) for (int64_t r = blockIdx.x; r < (rows); r += gridDim.x)
-static unsigned cls_row_blocks(int64_t rows) { return (unsigned)cuda_min64(rows, (int64_t)1 << 30); }
 
 /* Table row of slice row i, and the slice row of table row g (-1: not in the slice). */
 __device__ __forceinline__ int64_t cls_table_row(int64_t i, int64_t br, int64_t stride, int64_t row0) {
@@ -54,7 +52,7 @@ void cuda_classifier_lse_f32(float *m, float *s, float *tlogit, const float *log
                              int64_t valid_v, int64_t ignore_index) {
     CUDA_ENTER();
     if (N <= 0 || blocks * block_rows <= 0) return;
-    LAUNCH(cls_lse_kernel, cls_row_blocks(N), cuda_row_threads(blocks * block_rows), 0)(
+    LAUNCH(cls_lse_kernel, cuda_row_blocks(N), cuda_row_threads(blocks * block_rows), 0)(
         m, s, tlogit, logits, targets, N, blocks, block_rows, block_stride, row0, valid_v, ignore_index);
     CUDA_CHECK_LAUNCH();
 }
@@ -115,7 +113,7 @@ void cuda_classifier_dlogits_f32(float *dlogits, const float *logits, const floa
                                  int64_t valid_v, int64_t ignore_index, const float *dloss, int64_t count) {
     CUDA_ENTER();
     if (N <= 0 || blocks * block_rows <= 0) return;
-    LAUNCH(cls_dlogits_kernel, cls_row_blocks(N), cuda_row_threads(blocks * block_rows), 0)(
+    LAUNCH(cls_dlogits_kernel, cuda_row_blocks(N), cuda_row_threads(blocks * block_rows), 0)(
         dlogits, logits, lse, targets, N, blocks, block_rows, block_stride, row0, valid_v, ignore_index, dloss,
         count);
     CUDA_CHECK_LAUNCH();
@@ -136,7 +134,7 @@ void cuda_embedding_slice_forward_f32(float *out, const int64_t *ids, int64_t n,
                                       int64_t blocks, int64_t block_rows, int64_t block_stride, int64_t row0) {
     CUDA_ENTER();
     if (n <= 0 || dim <= 0) return;
-    LAUNCH(emb_slice_fwd_kernel, cls_row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, rows, dim, blocks,
+    LAUNCH(emb_slice_fwd_kernel, cuda_row_blocks(n), cuda_row_threads(dim), 0)(out, ids, n, rows, dim, blocks,
                                                                              block_rows, block_stride, row0);
     CUDA_CHECK_LAUNCH();
 }

@@ -1,4 +1,4 @@
-/* cuda_matmul.cu: batched C = alpha * op(A) @ op(B) + beta * C on cuBLAS.
+/* matmul.cu: batched C = alpha * op(A) @ op(B) + beta * C on cuBLAS.
  *
  * Everything is row-major; cuBLAS is column-major. A row-major (r, c)
  * matrix is, read column-major, its transpose (c, r) with the same leading

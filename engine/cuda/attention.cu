@@ -1,4 +1,4 @@
-/* cuda_attention.cu: scaled dot-product attention over (B, H, T, D) with an
+/* attention.cu: scaled dot-product attention over (B, H, T, D) with an
  * optional causal mask, fused flash-style, as engine/cpu/attention.c.
  *
  * A block of 256 threads takes one (batch*head, tile of BT rows). Tiles of

@@ -1,4 +1,4 @@
-/* cuda_elementwise.cu: dtype casts, strided copies, fill, broadcasting
+/* elementwise.cu: dtype casts, strided copies, fill, broadcasting
  * binary ops, scale / add-scalar / axpy. Same semantics as engine/cpu
  * cast.c, copy.c and elementwise.c.
  *

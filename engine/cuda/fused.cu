@@ -1,4 +1,4 @@
-/* cuda_fused.cu: a Linear's bias with the op that follows it, in one pass
+/* fused.cu: a Linear's bias with the op that follows it, in one pass
  * (after llm.c), with the semantics of engine/cpu/fused.c:
  *   bias_gelu_forward   out = gelu(x + bias)                      (B, T, 4C)
  *   bias_gelu_backward  dx = dout gelu'(x + bias), dbias = sum_rows dx
@@ -9,7 +9,7 @@
  * (rounded) dx in double: per block a tile of columns over a chunk of rows,
  * then the chunks in order (cuda_sum_slices), so results repeat bit for bit. */
 #include "cuda_internal.h"
-#include "gelu.h"   /* gelu, gelu_grad: the tanh form, as cuda_nn.cu and fused.c */
+#include "gelu.h"   /* gelu, gelu_grad: the tanh form, as activation.cu and fused.c */
 
 /* V elements of T in one access (16 bytes, or one element) */
 template <class T, int V> struct alignas(sizeof(T) * V) pack_t {
