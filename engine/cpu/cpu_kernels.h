@@ -126,7 +126,7 @@ void cpu_philox4x32(uint64_t seed, uint64_t stream, uint64_t counter, uint32_t o
  * untouched); _backward: drows (blocks * block_rows, dim) zeroed, then the
  * dout rows whose ids the slice holds scatter-added. */
 
-/* ---- optimizers (optim_kernels.c) ---- */
+/* ---- optimizers (optim.c) ---- */
 /* adamw_f32, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),
  * with decay = 1 - lr*wd, step_size = lr / (1 - beta1^t), inv_sqrt_bc2 = 1/sqrt(1 - beta2^t),
  * on the gradient g * grad_scale (a clip coefficient; 1 reads g as it is). */

@@ -1,5 +1,5 @@
 /* optim.cu: fused optimizer updates, one pass over flat buffers, with
- * the float expressions of engine/cpu/optim_kernels.c. */
+ * the float expressions of engine/cpu/optim.c. */
 #include "cuda_internal.h"
 
 /* AdamW, PyTorch's update: p = p*decay - step_size * m / (sqrt(v)*inv_sqrt_bc2 + eps),

@@ -1,4 +1,4 @@
-/* optim_kernels.c: fused optimizer updates, one pass over flat buffers. */
+/* optim.c: fused optimizer updates, one pass over flat buffers. */
 #include "cpu_kernels.h"
 #include <math.h>
 
