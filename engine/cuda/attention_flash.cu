@@ -49,10 +49,6 @@
 
 using namespace nvcuda;
 
-#ifdef FSDP_CUDA_EMU
-#define __align__(n) alignas(n)
-#endif
-
 #define FA_TILE 64                    /* query rows and key rows per block tile */
 #define FA_WARPS 4                    /* warps per block; each owns 16 rows */
 #define FA_THREADS (FA_WARPS * 32)
@@ -87,12 +83,7 @@ typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> fa_frag_c;
 __device__ __forceinline__ const __nv_bfloat16 *fa_h(const uint16_t *p) { return (const __nv_bfloat16 *)p; }
 
 /* the block's dynamic shared memory, 128-byte aligned (wmma needs 32) */
-#ifdef FSDP_CUDA_EMU
-#define FA_SMEM() ((unsigned char *)emu_dyn_smem())
-#else
-extern __shared__ __align__(128) unsigned char fa_smem_[];
-#define FA_SMEM() fa_smem_
-#endif
+#define FA_SMEM() CUDA_DYN_SMEM_128()
 
 /* 8 bf16, one 16-byte access */
 struct __align__(16) fa_vec8 {

@@ -282,12 +282,39 @@ FSDP_HD int64_t cuda_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
  * GPU. The emulation's window is 128-byte aligned and cannot show it. */
 #ifdef FSDP_CUDA_EMU
 #define CUDA_DYN_SMEM() ((float *)emu_dyn_smem())
+#define CUDA_DYN_SMEM_128() ((unsigned char *)emu_dyn_smem())
 #else
 #define CUDA_DYN_SMEM() cuda_dyn_smem_()
 __device__ __forceinline__ float *cuda_dyn_smem_(void) {
     extern __shared__ __align__(16) float fsdp_dyn_smem[];
     return fsdp_dyn_smem;
 }
+/* the same window, promised 128-byte alignment (wmma tiles need 32) */
+#define CUDA_DYN_SMEM_128() cuda_dyn_smem_128_()
+__device__ __forceinline__ unsigned char *cuda_dyn_smem_128_(void) {
+    extern __shared__ __align__(128) unsigned char fsdp_dyn_smem_128[];
+    return fsdp_dyn_smem_128;
+}
+#endif
+
+/* What else the emulation does differently, so that no .cu file names it:
+ * CUDA_PTX_STORES (1: inline PTX vector stores; the host has none);
+ * FSDP_CUBLASLT_H (the cuBLASLt header: the emulation's own, or CUDA's);
+ * __align__ (alignas on the host); and emu_ptr_list, through which a kernel
+ * taking pointers inside a struct argument names them for the emulation's
+ * memory guard (an overload of emu_kernel_ptrs; nothing on a GPU). */
+#ifdef FSDP_CUDA_EMU
+#define CUDA_PTX_STORES 0
+#define FSDP_CUBLASLT_H "cublasLt.h"
+#ifndef __align__
+#define __align__(n) alignas(n)
+#endif
+#else
+#define CUDA_PTX_STORES 1
+#define FSDP_CUBLASLT_H <cublasLt.h>
+struct emu_ptr_list {
+    void add(const void *) {}
+};
 #endif
 
 /* ---- bf16 in memory, f32 in registers ----

@@ -25,7 +25,7 @@ __device__ __forceinline__ uint32_t pack_word(const uint16_t *h) { return (uint3
 __device__ __forceinline__ uint32_t pack_word(const float *f) { return __float_as_uint(f[0]); }
 
 template <class T, int V> __device__ __forceinline__ void store_pack(pack_t<T, V> *dst, const pack_t<T, V> &v) {
-#ifndef FSDP_CUDA_EMU
+#if CUDA_PTX_STORES
     if constexpr (sizeof(T) * V == 16) {
         constexpr int per = 4 / (int)sizeof(T);   /* elements a 32-bit word */
         asm volatile("st.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(pack_word(v.v)), "r"(pack_word(v.v + per)),

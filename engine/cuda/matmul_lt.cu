@@ -41,11 +41,7 @@
  * sequence) would otherwise add a heuristic query and four descriptors a
  * call, never freed. */
 #include "cuda_internal.h"
-#ifdef FSDP_CUDA_EMU
-#include "cublasLt.h"
-#else
-#include <cublasLt.h>
-#endif
+#include FSDP_CUBLASLT_H
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>

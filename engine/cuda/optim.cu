@@ -41,9 +41,8 @@ struct adam_group {
 };
 static_assert(sizeof(adam_group) <= 4000, "adam_group must fit the 4 KiB of kernel parameters");
 
-#ifdef FSDP_CUDA_EMU
 /* the emulation opens the memory a kernel reaches through a struct argument */
-static inline void emu_kernel_ptrs(const adam_group &a, emu_ptr_list &list) {
+[[maybe_unused]] static inline void emu_kernel_ptrs(const adam_group &a, emu_ptr_list &list) {
     for (int k = 0; k < a.count; k++) {
         list.add(a.p[k]);
         if (a.pb[k]) list.add(a.pb[k]);
@@ -52,7 +51,6 @@ static inline void emu_kernel_ptrs(const adam_group &a, emu_ptr_list &list) {
         list.add(a.v[k]);
     }
 }
-#endif
 
 __global__ void adamw_group_kernel(adam_group a, float beta1, float beta2, float eps, float grad_scale) {
     int lo = 0, hi = a.count - 1;   /* the last k with block0[k] <= blockIdx.x */

@@ -72,12 +72,10 @@ struct sq_group {
     int count;
 };
 
-#ifdef FSDP_CUDA_EMU
 /* the emulation opens the memory a kernel reaches through a struct argument */
-static inline void emu_kernel_ptrs(const sq_group &g, emu_ptr_list &list) {
+[[maybe_unused]] static inline void emu_kernel_ptrs(const sq_group &g, emu_ptr_list &list) {
     for (int k = 0; k < g.count; k++) list.add(g.p[k]);
 }
-#endif
 
 __global__ void sumsq_group_kernel(double *partial, sq_group g) {
     __shared__ double scratch[32];
