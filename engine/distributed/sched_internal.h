@@ -163,8 +163,8 @@ void sched_unit_clear(unit *u);
 bool sched_compresses(const fsdp_sched *s, const unit *u);
 fsdp_status sched_reduce_compressed(fsdp_sched *s, unit *u, fsdp_tensor *src, fsdp_tensor **dst, fsdp_work **w);
 
-/* sched.c's pieces that sched_control.c (unshard on request, resharding,
- * FSDP2 controls, settings) builds on */
+/* sched.c's and sched_gather.c's pieces that sched_control.c (unshard on
+ * request, resharding, FSDP2 controls, settings) and sched_backward.c build on */
 extern pthread_mutex_t sched_live_mu;   /* guards sched_live */
 extern struct fsdp_sched *sched_live;   /* every schedule not yet freed */
 fsdp_status sched_check_unit(const char *op, fsdp_sched *s, int k);
@@ -172,6 +172,8 @@ fsdp_status sched_wait_gather(fsdp_sched *s, unit *u);
 fsdp_status sched_issue_gather(fsdp_sched *s, unit *u, bool from_part);
 fsdp_status sched_gather_now(fsdp_sched *s, unit *u, bool from_part);
 fsdp_status sched_reshard_unit(fsdp_sched *s, unit *u);
+/* hpZ: keep this rank's part of the gathered unit for the backward's regather */
+fsdp_status sched_keep_secondary(fsdp_sched *s, unit *u);
 void sched_drop_secondary(unit *u);
 void sched_unlink_grads(unit *u);
 
