@@ -88,6 +88,27 @@ static void silu_bwd_range(void *p, int64_t begin, int64_t end) {
     }
 }
 
+/* ReLU; a NaN input passes through (x > 0 is false, and max would drop it) */
+static void relu_fwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) c->out[i] = c->x[i] > 0.0f ? c->x[i] : (c->x[i] != c->x[i] ? c->x[i] : 0.0f);
+}
+
+static void relu_bwd_range(void *p, int64_t begin, int64_t end) {
+    act_ctx *c = p;
+    for (int64_t i = begin; i < end; i++) c->out[i] = c->x[i] > 0.0f ? c->dout[i] : 0.0f;
+}
+
+void cpu_relu_forward_f32(float *out, const float *x, int64_t n) {
+    act_ctx c = {out, x, NULL};
+    cpu_parallel_for(n, GRAIN, relu_fwd_range, &c);
+}
+
+void cpu_relu_backward_f32(float *dx, const float *x, const float *dout, int64_t n) {
+    act_ctx c = {dx, x, dout};
+    cpu_parallel_for(n, GRAIN, relu_bwd_range, &c);
+}
+
 void cpu_gelu_forward_f32(float *out, const float *x, int64_t n) {
     act_ctx c = {out, x, NULL};
     cpu_parallel_for(n, GRAIN, gelu_fwd_range, &c);

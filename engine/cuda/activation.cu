@@ -40,6 +40,19 @@ __global__ void silu_bwd_kernel(T *__restrict__ dx, const T *__restrict__ x, con
     }
 }
 
+/* ReLU, as engine/cpu/activation.c: a NaN passes through */
+template <class T> __global__ void relu_fwd_kernel(T *__restrict__ out, const T *__restrict__ x, int64_t n) {
+    GRID_STRIDE(i, n) {
+        float v = ldf(x[i]);
+        stf(out + i, v > 0.0f ? v : (v != v ? v : 0.0f));
+    }
+}
+
+template <class T>
+__global__ void relu_bwd_kernel(T *__restrict__ dx, const T *__restrict__ x, const T *__restrict__ dout, int64_t n) {
+    GRID_STRIDE(i, n) stf(dx + i, ldf(x[i]) > 0.0f ? ldf(dout[i]) : 0.0f);
+}
+
 #define ELEMENTWISE_ENTRY(name, kernel, params, args)                                   \
     void name params {                                                                  \
         CUDA_ENTER();                                                                   \
@@ -60,4 +73,11 @@ ELEMENTWISE_ENTRY(cuda_gelu_backward_bf16, gelu_bwd_kernel<uint16_t>,
 ELEMENTWISE_ENTRY(cuda_silu_forward_bf16, silu_fwd_kernel<uint16_t>, (uint16_t *out, const uint16_t *x, int64_t n),
                   (out, x, n))
 ELEMENTWISE_ENTRY(cuda_silu_backward_bf16, silu_bwd_kernel<uint16_t>,
+                  (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_relu_forward_f32, relu_fwd_kernel<float>, (float *out, const float *x, int64_t n), (out, x, n))
+ELEMENTWISE_ENTRY(cuda_relu_backward_f32, relu_bwd_kernel<float>,
+                  (float *dx, const float *x, const float *dout, int64_t n), (dx, x, dout, n))
+ELEMENTWISE_ENTRY(cuda_relu_forward_bf16, relu_fwd_kernel<uint16_t>, (uint16_t *out, const uint16_t *x, int64_t n),
+                  (out, x, n))
+ELEMENTWISE_ENTRY(cuda_relu_backward_bf16, relu_bwd_kernel<uint16_t>,
                   (uint16_t *dx, const uint16_t *x, const uint16_t *dout, int64_t n), (dx, x, dout, n))

@@ -358,6 +358,7 @@ fsdp_status fsdp_mean(fsdp_tensor **out, fsdp_tensor *t, int ndims, const int *d
 fsdp_status fsdp_matmul(fsdp_tensor **out, fsdp_tensor *a, fsdp_tensor *b, int trans_a, int trans_b);
 fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x);                     /* tanh form */
 fsdp_status fsdp_silu(fsdp_tensor **out, fsdp_tensor *x);
+fsdp_status fsdp_relu(fsdp_tensor **out, fsdp_tensor *x);                     /* max(x, 0); a NaN stays NaN */
 fsdp_status fsdp_softmax(fsdp_tensor **out, fsdp_tensor *x);                  /* over the last dim */
 fsdp_status fsdp_log_softmax(fsdp_tensor **out, fsdp_tensor *x);              /* over the last dim */
 /* weight and bias (C) may be NULL. */

@@ -85,6 +85,10 @@
 #define COST_sumsq_many_f32 AUTO, "reduce", F32 * sum_counts(counts, n), 0, 2 * sum_counts(counts, n), \
     (n + 13) / 14 + 2, 1, 0
 #define COST_axpy_f32_bf16 AUTO, "elementwise", (F32 + BF16) * n, F32 * n, 2 * n, 1, 0,
+#define COST_relu_forward_f32 AUTO, "activation", F32 * n, F32 * n, n, 1, 0,
+#define COST_relu_backward_f32 AUTO, "activation", 2 * F32 * n, F32 * n, n, 1, 0,
+#define COST_relu_forward_bf16 AUTO, "activation", BF16 * n, BF16 * n, n, 1, 0,
+#define COST_relu_backward_bf16 AUTO, "activation", 2 * BF16 * n, BF16 * n, n, 1, 0,
 #define COST_gelu_forward_f32 AUTO, "activation", F32 * n, F32 * n, 8 * n, 1, 0,
 #define COST_gelu_backward_f32 AUTO, "activation", 2 * F32 * n, F32 * n, 12 * n, 1, 0,
 #define COST_silu_forward_f32 AUTO, "activation", F32 * n, F32 * n, 4 * n, 1, 0,

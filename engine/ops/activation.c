@@ -1,4 +1,4 @@
-/* activation.c: GELU and SiLU, elementwise (the kernels: cpu/activation.c,
+/* activation.c: ReLU, GELU and SiLU, elementwise (the kernels: cpu/activation.c,
  * cuda/activation.cu).
  *
  * Each op checks its arguments (messages name the op and every tensor),
@@ -71,6 +71,15 @@ static fsdp_status gelu_backward(fsdp_node *node) {
 }
 static fsdp_status silu_backward(fsdp_node *node) {
     return unary_backward(node, SLOT(silu_backward_f32), SLOT(silu_backward_bf16));
+}
+
+static fsdp_status relu_backward(fsdp_node *node) {
+    return unary_backward(node, SLOT(relu_backward_f32), SLOT(relu_backward_bf16));
+}
+
+fsdp_status fsdp_relu(fsdp_tensor **out, fsdp_tensor *x) {
+    TRACE_OP("relu", out);
+    return unary_forward(out, x, "fsdp_relu", "relu", SLOT(relu_forward_f32), SLOT(relu_forward_bf16), relu_backward);
 }
 
 fsdp_status fsdp_gelu(fsdp_tensor **out, fsdp_tensor *x) {

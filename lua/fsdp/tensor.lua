@@ -276,6 +276,7 @@ local function unary(name)
 end
 methods.gelu = unary("fsdp_gelu")
 methods.silu = unary("fsdp_silu")
+methods.relu = unary("fsdp_relu")
 methods.softmax = unary("fsdp_softmax")
 methods.log_softmax = unary("fsdp_log_softmax")
 
@@ -465,6 +466,12 @@ function M.rmsnorm(x, w, eps) return methods.rmsnorm(T(x, "rmsnorm"), w, eps) en
 function M.dropout(x, p, seed, offset) return methods.dropout(T(x, "dropout"), p, seed, offset) end
 function M.gelu(x) return methods.gelu(T(x, "gelu")) end
 function M.silu(x) return methods.silu(T(x, "silu")) end
+function M.relu(x) return methods.relu(T(x, "relu")) end
+--- fsdp.mse_loss(pred, target): mean((pred - target)^2) over every element (PyTorch's default reduction)
+function M.mse_loss(pred, target)
+  local d = T(pred, "mse_loss") - T(target, "mse_loss target")
+  return (d * d):mean()
+end
 function M.softmax(x) return methods.softmax(T(x, "softmax")) end
 function M.log_softmax(x) return methods.log_softmax(T(x, "log_softmax")) end
 --- fsdp.bias_gelu(x (..., C), bias (C)): gelu(x + bias) in one pass (a Linear's bias and the GELU after it)

@@ -21,6 +21,14 @@ void ref_gelu_backward(double *dx, const double *x, const double *dout, int64_t 
     }
 }
 
+void ref_relu(double *out, const double *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] > 0 ? x[i] : 0.0;
+}
+
+void ref_relu_backward(double *dx, const double *x, const double *dout, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? dout[i] : 0.0;
+}
+
 void ref_silu(double *out, const double *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0 + exp(-x[i]));
 }

@@ -9,6 +9,8 @@
 
 void ref_gelu(double *out, const double *x, int64_t n);   /* tanh form */
 void ref_gelu_backward(double *dx, const double *x, const double *dout, int64_t n);
+void ref_relu(double *out, const double *x, int64_t n);
+void ref_relu_backward(double *dx, const double *x, const double *dout, int64_t n);
 void ref_silu(double *out, const double *x, int64_t n);
 void ref_silu_backward(double *dx, const double *x, const double *dout, int64_t n);
 

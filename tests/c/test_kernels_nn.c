@@ -122,6 +122,15 @@ static void test_activations(prec p) {
         cpu_silu_backward_f32(out, x, dout, n);
         ref_silu_backward(want, xd, dd, n);
         check("silu_bwd", shape, out, want, n, p);
+
+        out = fnan(n);
+        cpu_relu_forward_f32(out, x, n);
+        ref_relu(want, xd, n);
+        check("relu", shape, out, want, n, p);
+        out = fnan(n);
+        cpu_relu_backward_f32(out, x, dout, n);
+        ref_relu_backward(want, xd, dd, n);
+        check("relu_bwd", shape, out, want, n, p);
         free_all();
     }
 }

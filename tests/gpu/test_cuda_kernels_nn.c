@@ -17,9 +17,10 @@ void test_activations(void) {
     struct { const char *name; unary_fn gf, cf; unary_bwd_fn gb, cb; } acts[] = {
         {"gelu", G->gelu_forward_f32, C->gelu_forward_f32, G->gelu_backward_f32, C->gelu_backward_f32},
         {"silu", G->silu_forward_f32, C->silu_forward_f32, G->silu_backward_f32, C->silu_backward_f32},
+        {"relu", G->relu_forward_f32, C->relu_forward_f32, G->relu_backward_f32, C->relu_backward_f32},
     };
     int64_t sizes[] = {1, 7, 4099};
-    for (int a = 0; a < 2; a++)
+    for (int a = 0; a < 3; a++)
         for (int s = 0; s < 3; s++) {
             int64_t n = sizes[s];
             float *x = hrand(n, 4), *dout = hrand(n, 1);
@@ -270,8 +271,9 @@ void test_bf16_nn(void) {
     struct { const char *name; unary16_fn gf; unary_fn cf; unary16_bwd_fn gb; unary_bwd_fn cb; } acts[] = {
         {"gelu", G->gelu_forward_bf16, C->gelu_forward_f32, G->gelu_backward_bf16, C->gelu_backward_f32},
         {"silu", G->silu_forward_bf16, C->silu_forward_f32, G->silu_backward_bf16, C->silu_backward_f32},
+        {"relu", G->relu_forward_bf16, C->relu_forward_f32, G->relu_backward_bf16, C->relu_backward_f32},
     };
-    for (int a = 0; a < 2; a++)
+    for (int a = 0; a < 3; a++)
         for (int64_t n = 1; n <= 5000; n = n * 71 + 2) {
             float *x = hrand16(n, 4), *dout = hrand16(n, 1), *want = hnan(n), *wdx = hnan(n);
             acts[a].cf(want, x, n);

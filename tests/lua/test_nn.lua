@@ -306,4 +306,33 @@ end, { "GPT:generate: unknown option 'topk'", "did you mean 'top_k'?" }, "genera
 t.raises(function() return nn.gpt_preset("huge") end, { "no preset 'huge'", "tiny, small" }, "unknown preset")
 t.eq(nn.gpt_preset("small").n_embd, 768, "the small preset is GPT-2 124M's width")
 
+-- ---- activation modules, Sequential, mse_loss (values worked by hand) ----
+do
+  local x = fsdp.tensor({ -2, -0.5, 0, 0.25, 3 }, { requires_grad = true })
+  t.all_near(flat(nn.ReLU()(x)), { 0, 0, 0, 0.25, 3 }, 0, "ReLU: max(x, 0)")
+  local y = fsdp.relu(x)
+  y:sum():backward()
+  t.all_near(flat(x.grad), { 0, 0, 0, 1, 1 }, 0, "ReLU's gradient: 1 where x > 0, else 0 (0 at 0, as PyTorch)")
+  local r = flat(fsdp.relu(fsdp.tensor({ 0 / 0, -1 })))
+  t.ok(r[1] ~= r[1] and r[2] == 0, "ReLU keeps a NaN a NaN")
+  t.near(flat(nn.GELU()(fsdp.tensor({ 1 })))[1], 0.5 * (1 + math.tanh(math.sqrt(2 / math.pi) * (1 + 0.044715))), 1e-6,
+    "GELU module: the tanh form")
+  t.near(flat(nn.SiLU()(fsdp.tensor({ 2 })))[1], 2 / (1 + math.exp(-2)), 1e-6, "SiLU module: x sigmoid(x)")
+  -- Sequential: Linear(2, 2) with weight [[1, -1], [2, 0]], bias [0, -3], then ReLU, then Linear(2, 1) [[1, 1]]
+  local seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1, { bias = false }))
+  seq:materialize()
+  seq["0"].weight:copy(fsdp.tensor({ { 1, -1 }, { 2, 0 } }))
+  seq["0"].bias:copy(fsdp.tensor({ 0, -3 }))
+  seq["2"].weight:copy(fsdp.tensor({ { 1, 1 } }))
+  local out = seq(fsdp.tensor({ { 3, 1 }, { 1, 2 } }))
+  -- row 1: [2, 3] -> [2, 3] -> 5; row 2: [-1, -1] -> [0, 0] -> 0
+  t.all_near(flat(out), { 5, 0 }, 1e-6, "Sequential runs its modules in order")
+  t.eq(seq:num_parameters(), 2 * 2 + 2 + 2, "Sequential's parameters are its children's")
+  t.ok(tostring(seq):find("0: Linear", 1, true) and tostring(seq):find("1: ReLU", 1, true), "Sequential prints its children")
+  t.raises(function() return nn.Sequential(nn.ReLU(), 3) end, { "Sequential: argument 2 is a number, not a module" },
+    "Sequential refuses a non-module")
+  t.near(flat(fsdp.mse_loss(fsdp.tensor({ 1, 2, 4 }), fsdp.tensor({ 1, 1, 1 })))[1], (0 + 1 + 9) / 3, 1e-6,
+    "mse_loss: the mean of the squared differences")
+end
+
 t.done()

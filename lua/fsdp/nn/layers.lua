@@ -1,4 +1,5 @@
--- Basic layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout.
+-- Basic layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout, the activations
+-- (ReLU, GELU, SiLU) and Sequential.
 local fsdp = require "fsdp"
 local Module = require "fsdp.nn.module"
 local options = require "fsdp.options"
@@ -10,6 +11,33 @@ local function check(opts, names, what)
 end
 
 local M = {}
+
+--- Activation modules, no parameters: ReLU(), GELU() (tanh form), SiLU().
+for name, fn in pairs { ReLU = "relu", GELU = "gelu", SiLU = "silu" } do
+  local Act = Module:extend(name)
+  function Act:forward(x) return fsdp[fn](x) end
+  M[name] = Act
+end
+
+--- Sequential(m1, m2, ...): each module's output is the next one's input;
+-- children named "0", "1", ... (as ModuleList, so paths read seq.1.weight).
+local Sequential = Module:extend("Sequential")
+function Sequential:__init(...)
+  self.n = 0
+  for i = 1, select("#", ...) do
+    local m = select(i, ...)
+    if type(m) ~= "table" or type(m.forward) ~= "function" then
+      error(string.format("Sequential: argument %d is a %s, not a module", i, type(m)), 3)
+    end
+    self:add(tostring(self.n), m)
+    self.n = self.n + 1
+  end
+end
+function Sequential:forward(x)
+  for i = 0, self.n - 1 do x = self[tostring(i)](x) end
+  return x
+end
+M.Sequential = Sequential
 
 --- Linear(in, out, {bias=true, std=0.02}): y = x W^T + b, W (out, in).
 local Linear = Module:extend("Linear")
