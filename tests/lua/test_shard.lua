@@ -166,4 +166,20 @@ do
   t.eq(unit_paths(nn.GPT(cfg)), "h.0 h.1 h.2 root", "per_block on a GPT (tied embedding in the root)")
 end
 
+-- print(sharded): the module tree, each unit marked (name, parameters, this rank's shard)
+do
+  local nn = require "fsdp.nn"
+  local seq = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+  local sh = fsdp.shard(seq, { policy = fsdp.policy.by_type("Linear") })
+  local text = tostring(sh)
+  for _, want in ipairs { "Sharded Sequential: full_shard, 3 unit(s), 1 rank(s) (shard group of 1), compute f32",
+                          "  Sequential  <unit root: 0 parameters, shard 1>",   -- an empty unit pads to one element
+                          "    0: Linear  <unit 0: 20 parameters, shard 20>",   -- 3 x 5 + 5
+                          "    1: ReLU\n",
+                          "    2: Linear  <unit 2: 12 parameters, shard 12>" } do   -- 5 x 2 + 2
+    t.ok(text:find(want, 1, true) ~= nil, "print(sharded) shows '" .. want:gsub("\n", "") .. "':\n" .. text)
+  end
+  t.ok(not text:find("table: 0x", 1, true) and not text:find("cdata", 1, true), "no table or cdata dump")
+end
+
 t.done()
