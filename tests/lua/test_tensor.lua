@@ -324,4 +324,26 @@ t.raises(function() return fsdp.ones(3) + f end, "freed", "freed tensor as an ar
 t.no_error(function() f:free() end, "double free is harmless")
 t.ok(not fsdp.is_tensor(f) and fsdp.is_tensor(fsdp.ones(1)), "is_tensor")
 
+-- ---- randint ----
+do
+  local r = fsdp.randint(-3, 4, 7, 11, { seed = 5 })
+  t.eq(r:dtype(), "i64", "randint gives i64")
+  t.all_near(r:shape(), { 7, 11 }, 0, "randint's shape")
+  local v, u = r:view(-1):tolist(), fsdp.rand(7, 11, { seed = 5 }):view(-1):tolist()
+  local bad, seen = 0, {}
+  for i = 1, #v do
+    if v[i] ~= math.min(-3 + math.floor(u[i] * 7), 3) then bad = bad + 1 end
+    seen[v[i]] = true
+  end
+  t.eq(bad, 0, "randint = floor(low + (high - low) rand) from the same stream, as fsdp.rand gives it")
+  local kinds = 0
+  for k = -3, 3 do kinds = kinds + (seen[k] and 1 or 0) end
+  t.eq(kinds, 7, "77 draws in [-3, 4) hit all 7 values, and no other")
+  t.all_near(fsdp.randint(0, 1000, 5, { seed = 9 }):tolist(), fsdp.randint(0, 1000, 5, { seed = 9 }):tolist(), 0,
+    "same seed, same values")
+  t.raises(function() return fsdp.randint(2, 2, 3) end, { "fsdp.randint", "low < high", "2 and 2" }, "randint: empty range")
+  t.raises(function() return fsdp.randint(0, 2 ^ 30, 3) end, { "at most 2^24" }, "randint: too wide a range")
+  t.raises(function() return fsdp.randint(0, 5, 3, { dtype = "f32" }) end, { "i64" }, "randint: not i64")
+end
+
 t.done()

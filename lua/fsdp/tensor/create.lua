@@ -184,6 +184,32 @@ local function flatten(data, dims, depth, flat)
   end
 end
 
+--- fsdp.randint(low, high, sizes..., {seed=, stream=, offset=, device=}): whole
+-- numbers drawn uniformly from [low, high), i64 (torch.randint), from the same
+-- counter-based stream as fsdp.rand; high - low at most 2^24.
+function M.randint(low, high, ...)
+  if type(low) ~= "number" or type(high) ~= "number" or low ~= math.floor(low) or high ~= math.floor(high)
+      or high <= low then
+    raise(fmt("fsdp.randint: low and high must be whole numbers with low < high, got %s and %s", tostring(low),
+      tostring(high)))
+  end
+  local span = high - low
+  if span > 2 ^ 24 then
+    raise(fmt("fsdp.randint: high - low is %.0f, at most 2^24 = 16777216 (each value comes from an f32 draw)", span))
+  end
+  local dims, opts = parse_shape("fsdp.randint", ...)
+  if opts and opts.dtype ~= nil and dtype_id(opts.dtype) ~= 3 then
+    raise("fsdp.randint: the values are i64; dtype '" .. tostring(opts.dtype) .. "' is not")
+  end
+  local u = M.rand(dims, { seed = opts and opts.seed, stream = opts and opts.stream, offset = opts and opts.offset,
+    device = "cpu" })
+  local n = 1
+  for _, d in ipairs(dims) do n = n * d end
+  local flat = n > 0 and u:contiguous():view(-1):tolist() or {}
+  for i = 1, n do flat[i] = math.min(low + math.floor(flat[i] * span), high - 1) end
+  return from_flat(flat, n, dims, { dtype = "i64", device = opts and opts.device, tag = opts and opts.tag })
+end
+
 --- fsdp.tensor(value | nested table, opts) or fsdp.tensor(flat table, shape, opts)
 function M.tensor(data, shape, opts)
   if type(shape) == "table" and #shape == 0 then shape, opts = nil, shape end
