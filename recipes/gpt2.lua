@@ -23,7 +23,7 @@ local o = options.parse(..., {
   { "heads", "int", nil, "attention heads, dividing the width (default: the preset's)", min = 1 },
   { "hidden", "int", nil, "MLP hidden size (default: 4 x width; Llama's SwiGLU 8/3 x width)", min = 1 },
   { "vocab", "int", nil, "vocabulary size (default: the preset's; the data's token ids lie below it)", min = 1 },
-  { "data", "string", "data/corpus.txt", "a text file (byte tokens), a glob of .bin token shards, or their folder" },
+  { "data", "string", fsdp.shipped("data/corpus.txt"), "a text file (byte tokens), a glob of .bin token shards, or their folder" },
   { "val_data", "string", nil, "evaluation data (default: held out from --data)" },
   { "steps", "int", 200, "training steps", min = 1 },
   { "batch", "int", 8, "sequences per step (the global batch, over all ranks)", min = 1 },

@@ -271,6 +271,10 @@ function M.main(argv)
       chunk, err = load(function() return io.stdin:read(4096) end, "=stdin")
     else
       local why = require("fsdp.io").file_problem(script)
+      if why and not script:find("/", 1, true) then   -- a bare name: a shipped recipe of that name
+        local shipped = require("fsdp.shipped").path("recipes/" .. script)
+        if not require("fsdp.io").file_problem(shipped) then script, why = shipped, nil end
+      end
       if why then
         -- the engine's reason names the path and rank again: keep its cause
         why = why:gsub("^cannot open: '.-': ", ""):gsub("%s*%[rank %d+%]$", "")

@@ -26,6 +26,8 @@ end
 fsdp.Tensor = tensor.methods   -- add methods here to extend every tensor
 
 fsdp.backward = autograd.backward
+fsdp.shipped = require("fsdp.shipped").path       -- a file shipped with fsdp-lua, from any directory
+fsdp.shipped_root = require("fsdp.shipped").root
 fsdp.no_grad = autograd.no_grad
 fsdp.enable_grad = autograd.enable_grad
 fsdp.set_grad_enabled = autograd.set_grad_enabled

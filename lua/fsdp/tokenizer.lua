@@ -183,10 +183,7 @@ end
 local function default_dir()
   local env = os.getenv("FSDP_GPT2_TOKENIZER")
   if env and env ~= "" then return env end
-  local here = package.searchpath("fsdp.tokenizer", package.path)
-  local lib = here and here:match("^(.*)/fsdp/tokenizer%.lua$")
-  if lib then return (lib:match("^(.*)/[^/]*$") or ".") .. "/data/gpt2" end
-  return "data/gpt2"
+  return require("fsdp.shipped").path("data/gpt2")
 end
 M.default_dir = default_dir
 
