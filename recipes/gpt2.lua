@@ -279,3 +279,5 @@ if o.export then   -- HF names; streamed unit by unit, never the whole model on 
   fsdp.checkpoint.export(o.export, sharded, { hf = true })
   log("wrote %s", o.export)
 end
+-- `fsdp-lua -i recipes/gpt2.lua` leaves these as the REPL's globals
+return { model = model, sharded = sharded, opt = opt, options = o }

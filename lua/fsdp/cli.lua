@@ -17,7 +17,8 @@ options:
   -e CODE        run CODE (repeatable; runs before the script)
   -l MODULE      require MODULE into the global of the same name
                  (the last part of a dotted name: -l fsdp.nn sets nn)
-  -i             enter the REPL after running the script or -e code
+  -i             enter the REPL after running the script or -e code (the
+                 fields of a table the script returns become globals)
   --plan         plan instead of training: run the recipe's first 2
                  training steps for real (its model, fsdp.shard, optimizer)
                  on the counting device, which computes nothing, and a
@@ -136,21 +137,23 @@ local function guard_exit()
   end
 end
 
--- Runs the recipe chunk. A usage error (a bad option, an unreadable file)
+-- Runs the recipe chunk: nil and what the recipe returned, or an exit
+-- status. A usage error (a bad option, an unreadable file)
 -- is one line from rank 0 and exit status 2. Any other
 -- error is printed with its traceback, as the launcher prints errors, and
 -- ends every rank.
 local function run_recipe(chunk, args)
   local options = require "fsdp.options"
   local caught
-  local ok, err = xpcall(function() return chunk(args) end, function(e)
+  local result
+  local ok, err = xpcall(function() result = chunk(args) end, function(e)
     if options.is_usage_error(e) then
       caught = e
       return e
     end
     return debug.traceback(tostring(e), 2)
   end)
-  if ok then return nil end
+  if ok then return nil, result end
   if caught then
     io.stdout:flush()
     if require("fsdp.distributed").rank() == 0 then io.stderr:write(caught.message, "\n") end
@@ -307,8 +310,22 @@ function M.main(argv)
       io.stdout:write(planner.format(p), "\n")
       return plan_cli.report(chunk, args, popts, p, script)
     end
-    local code = run_recipe(chunk, args)
+    local code, result = run_recipe(chunk, args)
     if code then return code end
+    -- -i: what the recipe returned (a table of its main objects) becomes globals of the REPL
+    if interactive and type(result) == "table" then
+      local names = {}
+      for k, v in pairs(result) do
+        if type(k) == "string" and k:match("^[%a_][%w_]*$") then
+          _G[k] = v
+          names[#names + 1] = k
+        end
+      end
+      table.sort(names)
+      if #names > 0 and require("fsdp.distributed").rank() == 0 then
+        io.stderr:write("fsdp-lua: the recipe left ", table.concat(names, ", "), " for the REPL\n")
+      end
+    end
   end
 
   if interactive or (not script and #actions == 0 and not show_version) then

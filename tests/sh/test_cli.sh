@@ -42,6 +42,11 @@ y = 5
 EOF
 out=$(printf 'y + 1\n' | "$L" -i "$TMP/setx.lua" 2>&1)
 has "-i after a script" "$out" "6"
+# -i after a recipe: the table it returns (the GPT-2 recipe's model, sharded, opt, options) becomes globals
+out=$(printf 'print(model.__name, options.steps, #sharded.units, type(opt.step))\n' |
+      "$L" -i recipes/gpt2.lua --steps=1 --eval-every=0 --sample=0 2>&1)
+has "-i recipe: its objects are globals" "$out" "$(printf 'GPT\t1\t3\tfunction')"
+has "-i recipe: says which" "$out" "the recipe left model, opt, options, sharded for the REPL"
 
 # a recipe gets its options as a table, and arg as luajit builds it
 cat >"$TMP/opts.lua" <<'EOF'
