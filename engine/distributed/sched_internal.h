@@ -177,9 +177,12 @@ fsdp_status sched_keep_secondary(fsdp_sched *s, unit *u);
 void sched_drop_secondary(unit *u);
 void sched_unlink_grads(unit *u);
 
-/* shared by sched.c and sched_backward.c */
+/* sched_state.c: a new schedule joins the live list; the reference count
+ * (the backward's marker nodes hold one each) */
+void sched_live_add(struct fsdp_sched *s);
 void sched_retain(fsdp_sched *s);
 void sched_release(fsdp_sched *s);
+/* shared by sched.c and sched_backward.c */
 fsdp_status sched_prefetch(fsdp_sched *s, int k, bool from_part);
 fsdp_status sched_prefetch_listed(fsdp_sched *s, int k, int phase, bool *done);
 bool sched_force_collectives(void);
