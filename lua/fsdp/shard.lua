@@ -75,54 +75,9 @@ local C = core.C
 local raise = core.raise
 
 local M = {}
-local policy = {}
+local policy = require "fsdp.policy"
 M.policy = policy
-
--- ---- wrap policies: function(module, path, unclaimed_params) -> boolean ----
-
---- Units at every module whose type name is in the list.
-function policy.by_type(...)
-  local names = {}
-  for _, n in ipairs({ ... }) do names[n] = true end
-  return function(m) return names[m.__name] == true end
-end
-
---- One unit per transformer block, and one for each vocabulary-sized table
--- a model marks _vocab_table (an untied token embedding, an untied LM head):
--- each is as large as several blocks, and left in the root it would be held
--- gathered, with its flat gradient, from the forward to the end of the
--- backward. A tied embedding cannot be a unit (why_not_unit) and stays root.
-function policy.per_block()
-  return function(m) return m.__name == "Block" or (m._vocab_table == true and M.why_not_unit(m) == nil) end
-end
-
---- Why module m cannot be a unit, or nil when it can: a module whose
--- parameters are used outside its own forward (GPT's token embedding, tied
--- to the LM head) would be resharded when the other use comes, and one
--- without a forward of its own (a ModuleList) is never called, so nothing
--- would run the hooks that gather it.
-function M.why_not_unit(m)
-  if m._used_outside_forward then
-    return "its parameters are used outside its own forward (it stays with its parent's unit)"
-  end
-  if m.forward == Module.forward then
-    return "it has no forward of its own (a container such as a ModuleList is never called, so nothing would "
-      .. "gather it; select its children instead)"
-  end
-end
-
---- Units at modules holding at least min_params parameters that no unit
--- below them has claimed (decided children first); modules that cannot be
--- units are passed over.
-function policy.by_size(min_params)
-  if type(min_params) ~= "number" or min_params < 1 then
-    error("fsdp.policy.by_size: expected a positive parameter count, got " .. tostring(min_params), 2)
-  end
-  return function(m, _, unclaimed) return unclaimed >= min_params and M.why_not_unit(m) == nil end
-end
-
---- No unit but the root (one flat buffer for the whole model).
-function policy.none() return function() return false end end
+M.why_not_unit = policy.why_not_unit
 
 local function numel_of(shape)
   local n = 1
@@ -319,38 +274,8 @@ end
 local Sharded = {}
 Sharded.__index = Sharded
 
-local function count_str(n)
-  if n >= 1e9 then return string.format("%.2fB", n / 1e9) end
-  if n >= 1e6 then return string.format("%.2fM", n / 1e6) end
-  if n >= 1e3 then return string.format("%.1fK", n / 1e3) end
-  return tostring(n)
-end
-
---- print(sharded): the wrapped module tree, each module that is an FSDP
--- unit marked with the unit's name, its parameters and this rank's shard.
-function Sharded:__tostring()
-  local units_at = {}
-  for _, u in ipairs(self.units) do
-    units_at[u.path] = units_at[u.path] or {}
-    table.insert(units_at[u.path], u)
-  end
-  local lines = { string.format("Sharded %s: %s, %d unit(s), %d rank(s) (shard group of %d), compute %s, reduce %s%s",
-    self.model.__name, self.strategy, #self.units, self.group:size(), self.shard_group:size(), self.compute, self.reduce,
-    self.offload and ", offloaded" or "") }
-  local function show(m, name, path, indent)
-    local s = string.rep("  ", indent) .. (name and name .. ": " or "") .. m.__name
-    local marks = {}
-    for _, u in ipairs(units_at[path] or {}) do
-      marks[#marks + 1] = string.format("unit %s: %s parameters, shard %s", u.name, count_str(u.numel),
-        count_str(u.shard_numel))
-    end
-    if #marks > 0 then s = s .. "  <" .. table.concat(marks, "; ") .. ">" end
-    lines[#lines + 1] = s
-    for _, cn in ipairs(m._child_names) do show(m[cn], cn, path == "" and cn or path .. "." .. cn, indent + 1) end
-  end
-  show(self.model, nil, "", 1)
-  return table.concat(lines, "\n")
-end
+--- print(sharded): the wrapped module tree, each unit marked (fsdp.shard_print)
+Sharded.__tostring = function(self) return require("fsdp.shard_print")(self) end
 
 local dtypes = { f32 = 0, bf16 = 1 }
 local prefetch_ids = { none = 0, backward_pre = 1, backward_post = 2 }
